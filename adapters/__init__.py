@@ -1,0 +1,1 @@
+"""Per-downstream behaviour behind one small protocol (arrives with the proxy)."""

@@ -1,0 +1,1 @@
+"""HTTP: the app factory, the coordination and ledger APIs, the proxy path, config and CLI."""

@@ -1,0 +1,78 @@
+"""The app factory: one aiohttp application wired to one store.
+
+Long-lived resources (the store connection) live in ``cleanup_ctx`` so they open with the app
+and close with it, in tests as in ``fencegate serve``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import structlog
+from aiohttp import web
+
+from gateway import coordination
+from gateway.config import Config
+from gateway.problems import error_middleware
+from gateway.state import CONFIG, STORE
+from ledger.errors import StoreUnavailable
+from ledger.store import Store, open_store
+from ledger.tasks import LeasePolicy
+
+__all__ = ["build_store", "create_app"]
+
+log = structlog.get_logger("fencegate.app")
+
+
+def build_store(config: Config) -> Store:
+    policy = LeasePolicy(
+        max_ttl_ms=config.leases.max_ttl_ms,
+        default_max_runtime_ms=config.leases.default_max_runtime_ms,
+    )
+    return open_store(
+        config.store.url,
+        policy,
+        timeout_ms=config.store.timeout_ms,
+        sqlite_synchronous=config.store.sqlite_synchronous,
+        redis_key_prefix=config.store.redis_key_prefix,
+        redis_password=config.store.password(),
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready means one real round trip to the store succeeded just now."""
+    store = request.app[STORE]
+    await store.ping()
+    return web.json_response({"status": "ready", "store": store.kind})
+
+
+def create_app(config: Config, store: Store | None = None) -> web.Application:
+    """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=config.server.max_body_bytes
+    )
+    app[CONFIG] = config
+    app[STORE] = store if store is not None else build_store(config)
+
+    async def store_ctx(app: web.Application) -> AsyncIterator[None]:
+        the_store = app[STORE]
+        try:
+            await the_store.open()
+        except StoreUnavailable as exc:
+            if the_store.kind == "sqlite":
+                raise
+            # A shared store may come back; /readyz reports it meanwhile.
+            log.warning("store.unavailable", store=the_store.kind, reason=exc.detail)
+        log.info("store.opened", store=the_store.kind)
+        yield
+        await the_store.close()
+
+    app.cleanup_ctx.append(store_ctx)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.add_routes(coordination.routes)
+    return app

@@ -1,0 +1,237 @@
+"""The coordination API: tasks, claims, leases, commits, the scheduler epoch.
+
+Each handler parses and bounds its input, makes one store call (one atomic step), logs one
+decision event and answers. Refusals travel as ``FencegateError`` to the problem middleware;
+the handler logs them first so every decision, granted or not, leaves exactly one event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import structlog
+from aiohttp import web
+
+from gateway.api_models import (
+    ClaimBody,
+    CommitBody,
+    IdentityBody,
+    PutTaskBody,
+    RenewBody,
+    check_task_id,
+    parse_body,
+)
+from gateway.state import CONFIG, STORE
+from ledger.errors import BadRequest, FencegateError, PayloadTooLarge
+from ledger.tasks import (
+    ClaimRequest,
+    CommitRequest,
+    Identity,
+    PutOutcome,
+    RenewRequest,
+    Scheduler,
+    task_to_json,
+)
+
+__all__ = ["routes"]
+
+log = structlog.get_logger("fencegate.coordination")
+T = TypeVar("T")
+
+routes = web.RouteTableDef()
+
+
+async def _decide(event: str, fields: dict[str, Any], step: Callable[[], Awaitable[T]]) -> T:
+    """Run one store step, logging ``<event>.rejected`` with the code when it is refused."""
+    try:
+        return await step()
+    except FencegateError as exc:
+        log.info(f"{event}.rejected", code=exc.code, reason=exc.detail, **fields)
+        raise
+
+
+def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
+    return {"schedulerEpoch": scheduler.epoch, "claimsPaused": scheduler.claims_paused}
+
+
+def _identity(body: IdentityBody) -> Identity:
+    return Identity(
+        attempt_id=body.attemptId,
+        claim_generation=body.claimGeneration,
+        owner=body.owner,
+        scheduler_epoch=body.schedulerEpoch,
+        cancel_generation=body.cancelGeneration,
+    )
+
+
+@routes.post(r"/v1/tasks/{task_id:.+}/claim")
+async def claim(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    body = parse_body(await request.read(), ClaimBody)
+    req = ClaimRequest(
+        owner=body.owner,
+        ttl_ms=body.ttlMs,
+        scheduler_epoch=body.schedulerEpoch,
+        expected_revision=body.expectedRevision,
+    )
+    fields = {"task": task_id, "owner": body.owner, "epoch": body.schedulerEpoch}
+    task = await _decide("claim", fields, lambda: request.app[STORE].claim(task_id, req))
+    assert task.lease_expires_at is not None and task.attempt_started_at is not None
+    log.info(
+        "claim.granted",
+        task=task_id,
+        attempt=task.attempt_id,
+        generation=task.claim_generation,
+        epoch=task.claim_epoch,
+        owner=task.owner,
+        lease_expires_at=task.lease_expires_at,
+    )
+    return web.json_response(
+        {
+            "taskId": task.task_id,
+            "attemptId": task.attempt_id,
+            "claimGeneration": task.claim_generation,
+            "schedulerEpoch": task.claim_epoch,
+            "cancelGeneration": task.cancel_generation,
+            "leaseExpiresAt": task.lease_expires_at,
+            "grantedTtlMs": task.lease_expires_at - task.attempt_started_at,
+            "revision": task.revision,
+            "inputDigest": task.input_digest,
+        }
+    )
+
+
+@routes.post(r"/v1/tasks/{task_id:.+}/renew")
+async def renew(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    body = parse_body(await request.read(), RenewBody)
+    req = RenewRequest(identity=_identity(body), ttl_ms=body.ttlMs)
+    fields = {
+        "task": task_id,
+        "attempt": body.attemptId,
+        "generation": body.claimGeneration,
+        "epoch": body.schedulerEpoch,
+    }
+    task = await _decide("renew", fields, lambda: request.app[STORE].renew(task_id, req))
+    log.info("renew.granted", lease_expires_at=task.lease_expires_at, **fields)
+    return web.json_response({"leaseExpiresAt": task.lease_expires_at})
+
+
+@routes.post(r"/v1/tasks/{task_id:.+}/release")
+async def release(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    body = parse_body(await request.read(), IdentityBody)
+    ident = _identity(body)
+    fields = {
+        "task": task_id,
+        "attempt": body.attemptId,
+        "generation": body.claimGeneration,
+        "epoch": body.schedulerEpoch,
+    }
+    task = await _decide("release", fields, lambda: request.app[STORE].release(task_id, ident))
+    log.info("release.done", **fields)
+    return web.json_response({"taskId": task.task_id, "state": task.state.value})
+
+
+@routes.post(r"/v1/tasks/{task_id:.+}/commit")
+async def commit(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    body = parse_body(await request.read(), CommitBody)
+    result_json = None
+    if "result" in body.model_fields_set:
+        result_json = json.dumps(body.result, sort_keys=True, separators=(",", ":"))
+        limit = request.app[CONFIG].leases.max_result_bytes
+        if len(result_json.encode()) > limit:
+            raise PayloadTooLarge(f"result is over leases.max_result_bytes ({limit} bytes)")
+    req = CommitRequest(
+        attempt_id=body.attemptId,
+        claim_generation=body.claimGeneration,
+        scheduler_epoch=body.schedulerEpoch,
+        cancel_generation=body.cancelGeneration,
+        input_digest=body.inputDigest,
+        result_digest=body.resultDigest,
+        result_json=result_json,
+    )
+    fields = {
+        "task": task_id,
+        "attempt": body.attemptId,
+        "generation": body.claimGeneration,
+        "epoch": body.schedulerEpoch,
+    }
+    task, replay = await _decide("commit", fields, lambda: request.app[STORE].commit(task_id, req))
+    assert task.commit is not None
+    log.info(
+        "commit.replayed" if replay else "commit.committed",
+        commit_id=task.commit.commit_id,
+        result_digest=body.resultDigest,
+        **fields,
+    )
+    return web.json_response({"outcome": "COMMITTED", "commitId": task.commit.commit_id})
+
+
+@routes.post(r"/v1/tasks/{task_id:.+}/cancel")
+async def cancel(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    raw = await request.read()
+    if raw.strip() not in (b"", b"{}"):
+        raise BadRequest("cancel takes no body (or an empty JSON object)")
+    task = await _decide("cancel", {"task": task_id}, lambda: request.app[STORE].cancel(task_id))
+    log.info("task.cancelled", task=task_id, cancel_generation=task.cancel_generation)
+    return web.json_response({"cancelGeneration": task.cancel_generation})
+
+
+@routes.put(r"/v1/tasks/{task_id:.+}")
+async def put_task(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    body = parse_body(await request.read(), PutTaskBody)
+    limit = request.app[CONFIG].leases.max_runtime_ms_limit
+    if body.maxRuntimeMs is not None and body.maxRuntimeMs > limit:
+        raise BadRequest(f"maxRuntimeMs: must be at most leases.max_runtime_ms_limit ({limit})")
+    task, outcome = await _decide(
+        "task",
+        {"task": task_id},
+        lambda: request.app[STORE].put_task(task_id, body.inputDigest, body.maxRuntimeMs),
+    )
+    log.info(
+        f"task.{outcome.value.lower()}",
+        task=task_id,
+        revision=task.revision,
+        input_digest=task.input_digest,
+    )
+    status = 201 if outcome is PutOutcome.CREATED else 200
+    return web.json_response(task_to_json(task), status=status)
+
+
+@routes.get(r"/v1/tasks/{task_id:.+}")
+async def get_task(request: web.Request) -> web.Response:
+    task_id = check_task_id(request.match_info["task_id"])
+    task = await request.app[STORE].get_task(task_id)
+    return web.json_response(task_to_json(task))
+
+
+@routes.get("/v1/epoch")
+async def get_epoch(request: web.Request) -> web.Response:
+    return web.json_response(_scheduler_json(await request.app[STORE].get_scheduler()))
+
+
+@routes.post("/v1/epoch/bump")
+async def bump_epoch(request: web.Request) -> web.Response:
+    scheduler = await request.app[STORE].bump_epoch()
+    log.warning("epoch.bumped", epoch=scheduler.epoch)
+    return web.json_response(_scheduler_json(scheduler))
+
+
+@routes.post("/v1/claims/pause")
+async def pause_claims(request: web.Request) -> web.Response:
+    scheduler = await request.app[STORE].set_claims_paused(True)
+    log.warning("claims.paused", epoch=scheduler.epoch)
+    return web.json_response(_scheduler_json(scheduler))
+
+
+@routes.post("/v1/claims/resume")
+async def resume_claims(request: web.Request) -> web.Response:
+    scheduler = await request.app[STORE].set_claims_paused(False)
+    log.warning("claims.resumed", epoch=scheduler.epoch)
+    return web.json_response(_scheduler_json(scheduler))

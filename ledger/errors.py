@@ -1,0 +1,208 @@
+"""Every refusal fencegate can make, one class per problem code of the wire contract.
+
+The tree::
+
+    FencegateError                 (500 INTERNAL, never raised on purpose)
+    ├── BadRequest                 400 BAD_REQUEST
+    ├── NotFound                   404
+    │   ├── NoSuchTask             NO_SUCH_TASK
+    │   ├── NoSuchEffect           NO_SUCH_EFFECT
+    │   └── NoSuchDownstream       NO_SUCH_DOWNSTREAM
+    ├── Rejected                   409: the fence said no
+    │   ├── Claimed, Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
+    │   ├── AlreadyCommitted, RuntimeExceeded
+    │   └── EffectInFlight, EffectUnknown, ApprovalRequired
+    ├── PayloadConflict            422 PAYLOAD_CONFLICT
+    ├── PayloadTooLarge            413 PAYLOAD_TOO_LARGE
+    ├── DownstreamUnreachable      502 DOWNSTREAM_UNREACHABLE
+    ├── DownstreamTimeout          504 DOWNSTREAM_TIMEOUT
+    ├── ClaimsPaused               503 CLAIMS_PAUSED
+    └── StoreUnavailable           503 STORE_UNAVAILABLE
+
+The pure models raise these, the stores translate their own failures into them with
+``raise ... from exc``, and ``gateway.problems`` renders any of them as problem+json. Codes are
+the stable part: clients switch on ``code``, never on ``title`` or ``detail``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "ERRORS_BY_CODE",
+    "AlreadyCommitted",
+    "ApprovalRequired",
+    "BadRequest",
+    "Cancelled",
+    "Claimed",
+    "ClaimsPaused",
+    "DownstreamTimeout",
+    "DownstreamUnreachable",
+    "EffectInFlight",
+    "EffectUnknown",
+    "Fenced",
+    "FencegateError",
+    "LeaseExpired",
+    "NoSuchDownstream",
+    "NoSuchEffect",
+    "NoSuchTask",
+    "NotFound",
+    "PayloadConflict",
+    "PayloadTooLarge",
+    "Rejected",
+    "RuntimeExceeded",
+    "StaleEpoch",
+    "StaleInput",
+    "StoreUnavailable",
+]
+
+
+class FencegateError(Exception):
+    """Root of every error fencegate answers with; carries its problem code and HTTP status."""
+
+    code: ClassVar[str] = "INTERNAL"
+    status: ClassVar[int] = 500
+    title: ClassVar[str] = "Internal error"
+
+    def __init__(self, detail: str | None = None, **extra: Any) -> None:
+        self.detail = detail or self.title
+        #: Extra members for the problem body (e.g. ``retryAfterMs``), camelCase keys.
+        self.extra = extra
+        super().__init__(self.detail)
+
+
+class BadRequest(FencegateError):
+    code = "BAD_REQUEST"
+    status = 400
+    title = "Bad request"
+
+
+class NotFound(FencegateError):
+    status = 404
+
+
+class NoSuchTask(NotFound):
+    code = "NO_SUCH_TASK"
+    title = "No such task"
+
+
+class NoSuchEffect(NotFound):
+    code = "NO_SUCH_EFFECT"
+    title = "No such effect"
+
+
+class NoSuchDownstream(NotFound):
+    code = "NO_SUCH_DOWNSTREAM"
+    title = "No such downstream"
+
+
+class Rejected(FencegateError):
+    """The request is well formed but the fence or the ledger refuses it."""
+
+    status = 409
+
+
+class Claimed(Rejected):
+    code = "CLAIMED"
+    title = "Another attempt holds an unexpired lease"
+
+
+class Fenced(Rejected):
+    code = "FENCED"
+    title = "Not the task's current claim"
+
+
+class LeaseExpired(Rejected):
+    code = "LEASE_EXPIRED"
+    title = "The lease has expired"
+
+
+class StaleEpoch(Rejected):
+    code = "STALE_EPOCH"
+    title = "The scheduler epoch is not the current one"
+
+
+class Cancelled(Rejected):
+    code = "CANCELLED"
+    title = "The task was cancelled"
+
+
+class StaleInput(Rejected):
+    code = "STALE_INPUT"
+    title = "The task's input has a newer revision"
+
+
+class AlreadyCommitted(Rejected):
+    code = "ALREADY_COMMITTED"
+    title = "The task already has its canonical commit"
+
+
+class RuntimeExceeded(Rejected):
+    code = "RUNTIME_EXCEEDED"
+    title = "The attempt reached its maximum runtime"
+
+
+class EffectInFlight(Rejected):
+    code = "EFFECT_IN_FLIGHT"
+    title = "The same effect is being forwarded right now"
+
+
+class EffectUnknown(Rejected):
+    code = "EFFECT_UNKNOWN"
+    title = "An earlier forward of this effect has an unknown outcome"
+
+
+class ApprovalRequired(Rejected):
+    code = "APPROVAL_REQUIRED"
+    title = "This effect waits for an operator's approval"
+
+
+class PayloadConflict(FencegateError):
+    code = "PAYLOAD_CONFLICT"
+    status = 422
+    title = "This effect is bound to a different payload"
+
+
+class PayloadTooLarge(FencegateError):
+    code = "PAYLOAD_TOO_LARGE"
+    status = 413
+    title = "Body over the configured limit"
+
+
+class DownstreamUnreachable(FencegateError):
+    code = "DOWNSTREAM_UNREACHABLE"
+    status = 502
+    title = "The downstream could not be reached; nothing was delivered"
+
+
+class DownstreamTimeout(FencegateError):
+    code = "DOWNSTREAM_TIMEOUT"
+    status = 504
+    title = "No answer from the downstream in time; the effect is UNKNOWN"
+
+
+class ClaimsPaused(FencegateError):
+    code = "CLAIMS_PAUSED"
+    status = 503
+    title = "Claims are paused"
+
+
+class StoreUnavailable(FencegateError):
+    code = "STORE_UNAVAILABLE"
+    status = 503
+    title = "The lease store is unavailable"
+
+
+def _codes() -> dict[str, type[FencegateError]]:
+    found: dict[str, type[FencegateError]] = {}
+    pending: list[type[FencegateError]] = [FencegateError]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "code" in cls.__dict__:
+            found[cls.code] = cls
+    return found
+
+
+#: code -> class, so a store (or a Lua script) can name an error by its code alone.
+ERRORS_BY_CODE: dict[str, type[FencegateError]] = _codes()

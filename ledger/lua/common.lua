@@ -1,0 +1,82 @@
+-- Helpers prepended to every fencegate script (ledger/redis_store.py joins the files).
+-- Time is in milliseconds in every script. Each script reads TIME exactly once, through now_ms.
+-- A task is a hash of strings; an absent field is nil (None in ledger/tasks.py).
+-- Scripts answer {'OK'|other status, field, value, ...} with the task's fields after the step,
+-- or {'ERR', code, detail} having written nothing.
+
+local function now_ms(offset)
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(offset)
+end
+
+local function s(n)
+  return string.format('%d', n)
+end
+
+local function num(x)
+  if x == nil or x == false then return nil end
+  return tonumber(x)
+end
+
+local function err(code, detail)
+  return {'ERR', code, detail or ''}
+end
+
+local function load_hash(key)
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return nil end
+  local h = {}
+  for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  return h
+end
+
+-- Rewrite the whole hash so fields set to nil disappear.
+local function save_hash(key, h)
+  local flat = {}
+  for k, v in pairs(h) do
+    flat[#flat + 1] = k
+    flat[#flat + 1] = v
+  end
+  redis.call('DEL', key)
+  redis.call('HSET', key, unpack(flat))
+  return flat
+end
+
+local function answer(status, h)
+  local out = {status}
+  for k, v in pairs(h) do
+    out[#out + 1] = k
+    out[#out + 1] = v
+  end
+  return out
+end
+
+-- The global scheduler record: epoch (default 1) and the claims-paused flag.
+local function scheduler(key)
+  local e = redis.call('HMGET', key, 'epoch', 'paused')
+  return tonumber(e[1] or '1'), e[2] == '1'
+end
+
+-- Mirror of ledger.tasks._check_holder: identity, epoch (skipped when check_epoch is false),
+-- cancel generation, revision. Returns an error reply or nil.
+local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_epoch, epoch, req_epoch)
+  if not t then return err('NO_SUCH_TASK') end
+  if t.attempt_id ~= attempt_id or tonumber(t.claim_generation) ~= generation
+      or (owner ~= nil and t.owner ~= owner) then
+    return err('FENCED', 'attempt ' .. attempt_id .. ' generation ' .. s(generation)
+      .. ' is not the current claim (generation ' .. t.claim_generation .. ')')
+  end
+  if check_epoch and (req_epoch ~= epoch or num(t.claim_epoch) ~= epoch) then
+    return err('STALE_EPOCH', 'claim made under schedulerEpoch ' .. tostring(t.claim_epoch)
+      .. ', current is ' .. s(epoch))
+  end
+  if t.state == 'CANCELLED' or cancel_gen ~= tonumber(t.cancel_generation) then
+    return err('CANCELLED', 'cancelGeneration ' .. s(cancel_gen) .. ', task has '
+      .. t.cancel_generation)
+  end
+  if num(t.claim_revision) ~= tonumber(t.revision) then
+    return err('STALE_INPUT', 'claim was for revision ' .. tostring(t.claim_revision)
+      .. ', the task is at ' .. t.revision)
+  end
+  return nil
+end

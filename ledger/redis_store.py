@@ -1,0 +1,270 @@
+"""The shared store: Redis 7, many gateway processes on many hosts.
+
+Each transition is one Lua script (``ledger/lua/<name>.lua``, each prefixed with
+``common.lua``), registered once per store with ``register_script`` so redis-py re-sends the
+source on ``NOSCRIPT`` (after ``SCRIPT FLUSH`` or a failover). A script reads ``TIME`` once,
+so the lease clock is Redis's, never a gateway's.
+
+Keys (all built in ``ledger.keys``): a task lives in ``{prefix}:{<taskId>}:task``; its hash
+tag is the task id, so everything a task owns hashes to one slot. The global scheduler record
+``{prefix}:scheduler`` (epoch, paused) is the one key outside the task's slot: claim, renew
+and commit read it inside the same script, which is what makes "the epoch is current" and "the
+transition happened" one atomic fact. On a single Redis (or a primary with replicas) that is
+free; Redis Cluster refuses scripts whose keys span slots (CROSSSLOT), so fencegate does not
+support Cluster mode: see docs/stores.md for what supporting it would take.
+
+At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
+``store.durability_warning`` for each setting under which an answered transition can be lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from importlib import resources
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import structlog
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
+
+from ledger import keys
+from ledger.errors import ERRORS_BY_CODE, FencegateError, StoreUnavailable
+from ledger.store import Store, new_id
+from ledger.tasks import (
+    ClaimRequest,
+    CommitRequest,
+    Identity,
+    LeasePolicy,
+    PutOutcome,
+    RenewRequest,
+    Scheduler,
+    Task,
+    task_from_fields,
+)
+
+__all__ = ["RedisStore", "durability_warnings", "load_script_source"]
+
+log = structlog.get_logger("fencegate.store")
+T = TypeVar("T")
+
+_SCRIPTS = ("put", "claim", "renew", "release", "commit", "cancel", "scheduler")
+
+
+def load_script_source(name: str) -> str:
+    """``common.lua`` followed by the named script, as sent to Redis."""
+    folder = resources.files("ledger") / "lua"
+    common = (folder / "common.lua").read_text(encoding="utf-8")
+    return common + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
+
+
+def durability_warnings(config: dict[str, str]) -> list[str]:
+    """What this Redis can lose, worded for an operator. Pure, so it is tested without Redis."""
+    out = []
+    if config.get("appendonly") != "yes":
+        out.append(
+            "appendonly is off: a Redis restart loses every claim, commit and effect record "
+            "since the last RDB snapshot; fencing tokens may then be reissued"
+        )
+    elif config.get("appendfsync") != "always":
+        out.append(
+            f"appendfsync is {config.get('appendfsync')!r}, not 'always': a crash of the Redis "
+            "host can lose up to about a second of answered claims, commits and effect records"
+        )
+    if config.get("maxmemory-policy") != "noeviction":
+        out.append(
+            f"maxmemory-policy is {config.get('maxmemory-policy')!r}, not 'noeviction': under "
+            "memory pressure Redis may evict task and effect records"
+        )
+    return out
+
+
+def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
+    status = reply[0]
+    if status == "ERR":
+        code, detail = reply[1], reply[2]
+        raise ERRORS_BY_CODE[code](detail or None)
+    flat = reply[1:]
+    return status, {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+class RedisStore(Store):
+    def __init__(
+        self,
+        url: str,
+        policy: LeasePolicy,
+        *,
+        timeout_ms: int = 2000,
+        key_prefix: str = "fg",
+        password: str | None = None,
+    ) -> None:
+        super().__init__(policy)
+        self.url = url
+        self._timeout_s = timeout_ms / 1000
+        self._keys = keys.Keys(key_prefix)
+        self._redis: aioredis.Redis = aioredis.from_url(
+            url,
+            password=password,
+            decode_responses=True,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            health_check_interval=0,
+            retry_on_timeout=False,
+        )
+        self._scripts: dict[str, AsyncScript] = {
+            name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
+        }
+
+    @property
+    def kind(self) -> str:
+        return "redis"
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await fn()
+        except FencegateError:
+            raise
+        except ResponseError as exc:
+            raise StoreUnavailable(f"Redis refused the operation: {exc}") from exc
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis is unreachable: {type(exc).__name__}") from exc
+
+    async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
+        script = self._scripts[name]
+        reply = await self._call(lambda: script(keys=keys_, args=[self.clock_offset_ms, *args]))
+        return reply  # type: ignore[no-any-return]
+
+    async def open(self) -> None:
+        await self.ping()
+        try:
+            warnings = await self.durability()
+        except StoreUnavailable as exc:
+            log.warning(
+                "store.durability_unknown",
+                reason=f"cannot read the Redis configuration ({exc.detail}); make sure "
+                "appendonly=yes, appendfsync=always and maxmemory-policy=noeviction",
+            )
+            return
+        for warning in warnings:
+            log.warning("store.durability_warning", store="redis", reason=warning)
+
+    async def durability(self) -> list[str]:
+        """The durability warnings for the server as it is configured right now."""
+        config: Any = await self._call(
+            lambda: self._redis.config_get("appendonly", "appendfsync", "maxmemory-policy")
+        )
+        return durability_warnings(config)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def ping(self) -> None:
+        await self._call(self._redis.ping)
+
+    async def now_ms(self) -> int:
+        sec, usec = await self._call(self._redis.time)
+        return int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+
+    # --- transitions ------------------------------------------------------------------------
+
+    async def put_task(
+        self, task_id: str, input_digest: str, max_runtime_ms: int | None
+    ) -> tuple[Task, PutOutcome]:
+        reply = await self._script(
+            "put",
+            [self._keys.task(task_id)],
+            [task_id, input_digest, "" if max_runtime_ms is None else max_runtime_ms],
+        )
+        status, fields = _parse(reply)
+        return task_from_fields(fields), PutOutcome(status)
+
+    async def get_task(self, task_id: str) -> Task:
+        fields: Any = await self._call(lambda: self._redis.hgetall(self._keys.task(task_id)))
+        if not fields:
+            raise ERRORS_BY_CODE["NO_SUCH_TASK"]()
+        return task_from_fields(fields)
+
+    async def claim(self, task_id: str, request: ClaimRequest) -> Task:
+        reply = await self._script(
+            "claim",
+            [self._keys.task(task_id), self._keys.scheduler],
+            [
+                request.owner,
+                request.ttl_ms,
+                request.scheduler_epoch,
+                "" if request.expected_revision is None else request.expected_revision,
+                new_id(),
+                self.policy.max_ttl_ms,
+                self.policy.default_max_runtime_ms,
+            ],
+        )
+        return task_from_fields(_parse(reply)[1])
+
+    async def renew(self, task_id: str, request: RenewRequest) -> Task:
+        ident = request.identity
+        reply = await self._script(
+            "renew",
+            [self._keys.task(task_id), self._keys.scheduler],
+            [
+                ident.attempt_id,
+                ident.claim_generation,
+                ident.owner,
+                ident.scheduler_epoch,
+                ident.cancel_generation,
+                request.ttl_ms,
+                self.policy.max_ttl_ms,
+                self.policy.default_max_runtime_ms,
+            ],
+        )
+        return task_from_fields(_parse(reply)[1])
+
+    async def release(self, task_id: str, identity: Identity) -> Task:
+        reply = await self._script(
+            "release",
+            [self._keys.task(task_id)],
+            [
+                identity.attempt_id,
+                identity.claim_generation,
+                identity.owner,
+                identity.cancel_generation,
+            ],
+        )
+        return task_from_fields(_parse(reply)[1])
+
+    async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
+        reply = await self._script(
+            "commit",
+            [self._keys.task(task_id), self._keys.scheduler],
+            [
+                request.attempt_id,
+                request.claim_generation,
+                request.scheduler_epoch,
+                request.cancel_generation,
+                request.input_digest,
+                request.result_digest,
+                new_id(),
+                request.result_json or "",
+            ],
+        )
+        status, fields = _parse(reply)
+        return task_from_fields(fields), status == "REPLAY"
+
+    async def cancel(self, task_id: str) -> Task:
+        reply = await self._script("cancel", [self._keys.task(task_id)], [])
+        return task_from_fields(_parse(reply)[1])
+
+    async def _scheduler_op(self, op: str) -> Scheduler:
+        script = self._scripts["scheduler"]
+        epoch, paused = await self._call(lambda: script(keys=[self._keys.scheduler], args=[op]))
+        return Scheduler(epoch=int(epoch), claims_paused=paused == "1")
+
+    async def get_scheduler(self) -> Scheduler:
+        return await self._scheduler_op("read")
+
+    async def bump_epoch(self) -> Scheduler:
+        return await self._scheduler_op("bump")
+
+    async def set_claims_paused(self, paused: bool) -> Scheduler:
+        return await self._scheduler_op("pause" if paused else "resume")
