@@ -1,0 +1,185 @@
+"""Real processes for tests: a redis-server we own, and gateway processes.
+
+The suite never touches a Redis it did not start: each ``RedisServer`` runs on a free loopback
+port in its own directory, with AOF on and ``appendfsync always`` (the production advice), so
+tests can kill it, pause it with SIGSTOP and restart it on the same data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+__all__ = ["GatewayProcess", "RedisServer", "free_port", "wait_for_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+class RedisServer:
+    def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server is not installed; .ci/run installs it (apt-get install -y "
+                "redis-server)"
+            )
+        self.binary = binary
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always",
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.directory / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, proc=self.proc)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:  # the port opens before an AOF is fully loaded
+            try:
+                client.ping()
+                break
+            except redis.exceptions.BusyLoadingError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+        return self
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final fsync beyond what appendfsync already did."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+class GatewayProcess:
+    """``fencegate serve`` as a real process, as an operator would run it."""
+
+    def __init__(self, config_path: Path, port: int, *, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.config_path = config_path
+        self.port = port
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd or config_path.parent
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = config_path.parent / f"gateway-{port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> GatewayProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
+             "--listen", f"127.0.0.1:{self.port}"],
+            stdout=log, stderr=log, cwd=self.cwd, env=self.env,
+        )
+        log.close()
+        try:
+            wait_for_port(self.port, timeout=20, proc=self.proc)
+        except Exception:
+            raise RuntimeError(f"gateway did not start: {self.log_path.read_text()[-2000:]}") from None
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def log_events(self) -> list[dict[str, object]]:
+        import json
+
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out

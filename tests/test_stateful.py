@@ -1,0 +1,351 @@
+"""Model-based test: random claim.v1 histories against the pure model and each real store.
+
+Every step runs on ``ledger.tasks`` (the model) and on a real store (SQLite file or our own
+redis-server running the Lua scripts); both must refuse with the same code or succeed with
+the same record. Expiry is driven by the store's test clock offset, not by sleeping.
+
+Timing: the model's clock starts at the store's clock and moves only when a rule advances it;
+the store's clock also moves with real time. Every duration the test uses is a multiple of
+``STEP_MS`` and one example runs well under ``STEP_MS`` of real time, so every expiry and
+runtime comparison falls the same way on both sides; stored instants may differ by the real
+time elapsed, which the comparison allows (``0 <= store - model < STEP_MS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from ledger import tasks
+from ledger.errors import FencegateError
+from ledger.redis_store import RedisStore
+from ledger.sqlite_store import SQLiteStore
+from ledger.store import Store
+from ledger.tasks import (
+    ClaimRequest,
+    CommitRequest,
+    Identity,
+    LeasePolicy,
+    RenewRequest,
+    Scheduler,
+    Task,
+)
+from tests.servers import RedisServer
+
+STEP_MS = 10_000
+POLICY = LeasePolicy(max_ttl_ms=6 * STEP_MS, default_max_runtime_ms=20 * STEP_MS)
+TASKS = ("alpha", "beta/1")
+#: Claims mostly target real tasks; "ghost" is never created (NO_SUCH_TASK on both sides).
+CLAIM_TARGETS = st.sampled_from(["alpha", "alpha", "beta/1", "beta/1", "ghost"])
+DIGESTS = ("in-a", "in-b", "in-c")
+TTLS = st.sampled_from([STEP_MS, 3 * STEP_MS, 6 * STEP_MS, 100 * STEP_MS])
+TIME_FIELDS = ("lease_expires_at", "attempt_started_at", "created_at", "updated_at")
+
+
+@dataclass
+class Handle:
+    """One attempt as both sides know it: the model's attempt id and the store's."""
+
+    task: str
+    model_attempt: str
+    store_attempt: str
+    generation: int
+    owner: str
+    epoch: int
+    cancel_generation: int
+
+
+def outcome(fn: Any) -> tuple[str, Any]:
+    try:
+        return "ok", fn()
+    except FencegateError as exc:
+        return exc.code, None
+
+
+async def aoutcome(coro: Any) -> tuple[str, Any]:
+    try:
+        return "ok", await coro
+    except FencegateError as exc:
+        return exc.code, None
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    store_factory: Any = None  # set per test: () -> Store
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.store: Store = self.store_factory()
+        self.run(self.store.open())
+        self.model_tasks: dict[str, Task | None] = dict.fromkeys(TASKS)
+        self.scheduler = Scheduler()
+        self.base = self.run(self.store.now_ms())
+        self.offset = 0
+        self.handles: list[Handle] = []
+        self.attempts = 0
+        self.commits = 0
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        self.run(self.store.close())
+        self.loop.close()
+
+    @property
+    def now(self) -> int:
+        return self.base + self.offset
+
+    def both(self, model_fn: Any, store_coro: Any) -> tuple[str, Any, Any]:
+        model_code, model_value = outcome(model_fn)
+        store_code, store_value = self.run(aoutcome(store_coro))
+        assert model_code == store_code, f"model said {model_code}, store said {store_code}"
+        return model_code, model_value, store_value
+
+    def same_task(self, model: Task | None, stored: Task | None) -> None:
+        if model is None or stored is None:
+            assert model is None and stored is None
+            return
+        for name in Task.__dataclass_fields__:
+            m, s = getattr(model, name), getattr(stored, name)
+            if name == "attempt_id":
+                assert (m is None) == (s is None)
+            elif name == "commit":
+                assert (m is None) == (s is None)
+                if m is not None:
+                    assert (m.claim_generation, m.result_digest, m.result_json) == (
+                        s.claim_generation,
+                        s.result_digest,
+                        s.result_json,
+                    )
+                    assert 0 <= s.committed_at - m.committed_at < STEP_MS
+            elif name in TIME_FIELDS and m is not None:
+                assert s is not None and 0 <= s - m < STEP_MS, (name, m, s)
+            else:
+                assert m == s, (name, m, s)
+
+    # --- rules -----------------------------------------------------------------------------
+
+    @initialize(digest=st.sampled_from(DIGESTS))
+    def create_tasks(self, digest: str) -> None:
+        # Fresh ids per example: the store (SQLite file, Redis prefix) is fresh too, but this
+        # keeps any accidental sharing visible.
+        self.ids = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in (*TASKS, "ghost")}
+        self.model_tasks["ghost"] = None
+        for name in TASKS:
+            self.put(name, digest, None)
+
+    @rule(name=st.sampled_from(TASKS), digest=st.sampled_from(DIGESTS),
+          runtime=st.sampled_from([None, 2 * STEP_MS, 8 * STEP_MS]))
+    def put(self, name: str, digest: str, runtime: int | None) -> None:
+        task_id = self.ids[name]
+        code, model, stored = self.both(
+            lambda: tasks.put(self.model_tasks[name], task_id, digest, runtime, self.now),
+            self.store.put_task(task_id, digest, runtime),
+        )
+        assert code == "ok"
+        assert model[1] == stored[1]
+        self.model_tasks[name] = model[0]
+        self.same_task(model[0], stored[0])
+
+    @rule(name=CLAIM_TARGETS, owner=st.sampled_from(["w1", "w2"]), ttl=TTLS,
+          epoch_delta=st.sampled_from([0, 0, 0, 0, 0, 0, 0, -1]),
+          revision_delta=st.sampled_from([None, None, 0, 1]),
+          paused=st.sampled_from([False] * 7 + [True]))
+    def claim(self, name: str, owner: str, ttl: int, epoch_delta: int,
+              revision_delta: int | None, paused: bool) -> None:
+        """A claim; with ``paused`` the claims are paused around it (and resumed after)."""
+        if paused:
+            self.set_paused(True)
+        try:
+            self._claim(name, owner, ttl, epoch_delta, revision_delta)
+        finally:
+            if paused:
+                self.set_paused(False)
+
+    def set_paused(self, paused: bool) -> None:
+        stored = self.run(self.store.set_claims_paused(paused))
+        self.scheduler = tasks.set_claims_paused(self.scheduler, paused)
+        assert stored == self.scheduler
+
+    def _claim(self, name: str, owner: str, ttl: int, epoch_delta: int,
+               revision_delta: int | None) -> None:
+        task = self.model_tasks[name]
+        expected = None
+        if revision_delta is not None:
+            expected = (task.revision if task else 1) + revision_delta
+        request = ClaimRequest(owner, ttl, self.scheduler.epoch + epoch_delta, expected)
+        self.attempts += 1
+        model_attempt = f"m{self.attempts}"
+        code, model, stored = self.both(
+            lambda: tasks.claim(task, self.scheduler, request, POLICY, self.now, model_attempt),
+            self.store.claim(self.ids[name], request),
+        )
+        event(f"claim {code}")
+        if code == "ok":
+            self.model_tasks[name] = model
+            self.same_task(model, stored)
+            self.handles.append(
+                Handle(name, model_attempt, stored.attempt_id, model.claim_generation, owner,
+                       model.claim_epoch, model.cancel_generation)
+            )
+
+    def _identity(self, handle: Handle, side: str, tamper: str) -> Identity:
+        return Identity(
+            attempt_id=handle.model_attempt if side == "model" else handle.store_attempt,
+            claim_generation=handle.generation + (1 if tamper == "generation" else 0),
+            owner=handle.owner + ("x" if tamper == "owner" else ""),
+            scheduler_epoch=self.scheduler.epoch if tamper == "current_epoch" else handle.epoch,
+            cancel_generation=handle.cancel_generation + (1 if tamper == "cancel" else 0),
+        )
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data(), ttl=TTLS,
+          tamper=st.sampled_from(["none", "none", "generation", "owner", "current_epoch",
+                                  "cancel"]))
+    def renew(self, data: st.DataObject, ttl: int, tamper: str) -> None:
+        handle = data.draw(st.sampled_from(self.handles))
+        name = handle.task
+        code, model, stored = self.both(
+            lambda: tasks.renew(self.model_tasks[name], self.scheduler,
+                                RenewRequest(self._identity(handle, "model", tamper), ttl),
+                                POLICY, self.now),
+            self.store.renew(self.ids[name],
+                             RenewRequest(self._identity(handle, "store", tamper), ttl)),
+        )
+        if code == "ok":
+            self.model_tasks[name] = model
+            self.same_task(model, stored)
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data(), tamper=st.sampled_from(["none", "none", "generation", "cancel"]))
+    def release(self, data: st.DataObject, tamper: str) -> None:
+        handle = data.draw(st.sampled_from(self.handles))
+        name = handle.task
+        code, model, stored = self.both(
+            lambda: tasks.release(self.model_tasks[name],
+                                  self._identity(handle, "model", tamper), self.now),
+            self.store.release(self.ids[name], self._identity(handle, "store", tamper)),
+        )
+        if code == "ok":
+            self.model_tasks[name] = model
+            self.same_task(model, stored)
+
+    @precondition(lambda self: self.handles)
+    @rule(data=st.data(), result=st.sampled_from(["r1", "r2"]),
+          stale_input=st.booleans(), with_result=st.booleans(),
+          tamper=st.sampled_from(["none", "none", "none", "current_epoch", "cancel"]))
+    def commit(self, data: st.DataObject, result: str, stale_input: bool, with_result: bool,
+               tamper: str) -> None:
+        handle = data.draw(st.sampled_from(self.handles))
+        name = handle.task
+        task = self.model_tasks[name]
+        assert task is not None
+        before = task.commit
+
+        def request(side: str) -> CommitRequest:
+            ident = self._identity(handle, side, tamper)
+            return CommitRequest(
+                attempt_id=ident.attempt_id,
+                claim_generation=ident.claim_generation,
+                scheduler_epoch=ident.scheduler_epoch,
+                cancel_generation=ident.cancel_generation,
+                input_digest="stale" if stale_input else task.input_digest,
+                result_digest=result,
+                result_json=f'{{"r":"{result}"}}' if with_result else None,
+            )
+
+        self.commits += 1
+        code, model, stored = self.both(
+            lambda: tasks.commit(task, self.scheduler, request("model"), self.now,
+                                 f"c{self.commits}"),
+            self.store.commit(self.ids[name], request("store")),
+        )
+        if code == "ok":
+            assert model[1] == stored[1], "replay flag differs"
+            if before is not None:  # one canonical commit per revision, never replaced
+                assert model[1] and model[0].commit == before
+            self.model_tasks[name] = model[0]
+            self.same_task(model[0], stored[0])
+
+    @rule(name=st.sampled_from(TASKS))
+    def cancel(self, name: str) -> None:
+        code, model, stored = self.both(
+            lambda: tasks.cancel(self.model_tasks[name], self.now),
+            self.store.cancel(self.ids[name]),
+        )
+        if code == "ok":
+            self.model_tasks[name] = model
+            self.same_task(model, stored)
+
+    @rule()
+    def bump_epoch(self) -> None:
+        stored = self.run(self.store.bump_epoch())
+        self.scheduler = tasks.bump_epoch(self.scheduler)
+        assert stored == self.scheduler
+
+    @rule(steps=st.integers(min_value=1, max_value=8))
+    def advance_time(self, steps: int) -> None:
+        self.offset += steps * STEP_MS
+        self.store.clock_offset_ms = self.offset
+
+    # --- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def stores_agree(self) -> None:
+        for name in (*TASKS, "ghost"):
+            code, stored = self.run(aoutcome(self.store.get_task(self.ids[name])))
+            self.same_task(self.model_tasks[name], stored if code == "ok" else None)
+        assert self.run(self.store.get_scheduler()) == self.scheduler
+
+    @invariant()
+    def generations_only_grow(self) -> None:
+        for name in TASKS:
+            gens = [h.generation for h in self.handles if h.task == name]
+            assert gens == sorted(gens) and len(gens) == len(set(gens))
+
+
+RUN_SETTINGS = settings(
+    max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", "100")),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.mark.timeout(600)  # a failure shrinks to a minimal history, which takes a while
+def test_sqlite_store_matches_model(tmp_path: Path) -> None:
+    counter = iter(range(10**6))
+
+    class Machine(LeaseMachine):
+        store_factory = staticmethod(
+            lambda: SQLiteStore(str(tmp_path / f"s{next(counter)}.db"), POLICY)
+        )
+
+    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
+
+
+@pytest.mark.timeout(600)
+def test_redis_store_matches_model(redis_server: RedisServer) -> None:
+    class Machine(LeaseMachine):
+        store_factory = staticmethod(
+            lambda: RedisStore(redis_server.url, POLICY, key_prefix=f"s{uuid.uuid4().hex[:10]}")
+        )
+
+    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
