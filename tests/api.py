@@ -1,0 +1,108 @@
+"""A thin test helper over the coordination API: call it the way a worker would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+
+from gateway.state import STORE
+from ledger.store import Store
+
+__all__ = ["Answer", "Api", "Lease"]
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    content_type: str
+
+    @property
+    def code(self) -> str | None:
+        return self.body.get("code") if isinstance(self.body, dict) else None
+
+
+@dataclass
+class Lease:
+    task_id: str
+    attempt_id: str
+    claim_generation: int
+    owner: str
+    scheduler_epoch: int
+    cancel_generation: int
+    lease_expires_at: int
+    input_digest: str
+
+    def identity(self, **override: Any) -> dict[str, Any]:
+        ident = {
+            "attemptId": self.attempt_id,
+            "claimGeneration": self.claim_generation,
+            "owner": self.owner,
+            "schedulerEpoch": self.scheduler_epoch,
+            "cancelGeneration": self.cancel_generation,
+        }
+        ident.update(override)
+        return ident
+
+
+class Api:
+    def __init__(self, client: TestClient[Any, Any]) -> None:
+        self.client = client
+
+    @property
+    def store(self) -> Store:
+        return self.client.app[STORE]  # type: ignore[index]
+
+    def advance(self, ms: int) -> None:
+        """Move the store's clock forward (the test-only offset)."""
+        self.store.clock_offset_ms += ms
+
+    async def call(self, method: str, path: str, json: Any = None, data: Any = None) -> Answer:
+        async with self.client.request(method, path, json=json, data=data) as resp:
+            content_type = resp.content_type
+            body = await resp.json(content_type=None) if await resp.read() else None
+            return Answer(resp.status, body, content_type)
+
+    async def put(self, task_id: str, input_digest: str = "in-1", **extra: Any) -> Answer:
+        return await self.call("PUT", f"/v1/tasks/{task_id}", {"inputDigest": input_digest, **extra})
+
+    async def get(self, task_id: str) -> Answer:
+        return await self.call("GET", f"/v1/tasks/{task_id}")
+
+    async def epoch(self) -> int:
+        answer = await self.call("GET", "/v1/epoch")
+        return int(answer.body["schedulerEpoch"])
+
+    async def try_claim(self, task_id: str, owner: str = "w1", ttl_ms: int = 10_000,
+                        epoch: int | None = None, **extra: Any) -> Answer:
+        body = {"owner": owner, "ttlMs": ttl_ms,
+                "schedulerEpoch": await self.epoch() if epoch is None else epoch, **extra}
+        return await self.call("POST", f"/v1/tasks/{task_id}/claim", body)
+
+    async def claim(self, task_id: str, owner: str = "w1", ttl_ms: int = 10_000,
+                    **extra: Any) -> Lease:
+        answer = await self.try_claim(task_id, owner, ttl_ms, **extra)
+        assert answer.status == 200, answer.body
+        b = answer.body
+        return Lease(task_id, b["attemptId"], b["claimGeneration"], owner, b["schedulerEpoch"],
+                     b["cancelGeneration"], b["leaseExpiresAt"], b["inputDigest"])
+
+    async def renew(self, lease: Lease, ttl_ms: int = 10_000, **override: Any) -> Answer:
+        return await self.call("POST", f"/v1/tasks/{lease.task_id}/renew",
+                               {**lease.identity(**override), "ttlMs": ttl_ms})
+
+    async def release(self, lease: Lease, **override: Any) -> Answer:
+        return await self.call("POST", f"/v1/tasks/{lease.task_id}/release",
+                               lease.identity(**override))
+
+    async def commit(self, lease: Lease, result_digest: str = "out-1", **override: Any) -> Answer:
+        body = lease.identity()
+        body.pop("owner")
+        body.update(inputDigest=lease.input_digest, resultDigest=result_digest)
+        body.update(override)
+        return await self.call("POST", f"/v1/tasks/{lease.task_id}/commit", body)
+
+    async def cancel(self, task_id: str) -> Answer:
+        return await self.call("POST", f"/v1/tasks/{task_id}/cancel")
