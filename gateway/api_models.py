@@ -17,6 +17,7 @@ from ledger.errors import BadRequest
 
 __all__ = [
     "TASK_ID_PATTERN",
+    "ApiBody",
     "ClaimBody",
     "CommitBody",
     "IdentityBody",
@@ -38,23 +39,23 @@ Duration = Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INT)]
 M = TypeVar("M", bound=BaseModel)
 
 
-class _Body(BaseModel):
+class ApiBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class PutTaskBody(_Body):
+class PutTaskBody(ApiBody):
     inputDigest: Text
     maxRuntimeMs: Duration | None = None
 
 
-class ClaimBody(_Body):
+class ClaimBody(ApiBody):
     owner: Text
     ttlMs: Duration
     schedulerEpoch: Counter
     expectedRevision: Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INT)] | None = None
 
 
-class IdentityBody(_Body):
+class IdentityBody(ApiBody):
     attemptId: Text
     claimGeneration: Counter
     owner: Text
@@ -66,7 +67,7 @@ class RenewBody(IdentityBody):
     ttlMs: Duration
 
 
-class CommitBody(_Body):
+class CommitBody(ApiBody):
     attemptId: Text
     claimGeneration: Counter
     schedulerEpoch: Counter

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import aiohttp
 import structlog
 from aiohttp import web
 
-from gateway import coordination
+from adapters import build_adapter
+from gateway import coordination, ledger_api
 from gateway.config import Config
 from gateway.problems import error_middleware
-from gateway.state import CONFIG, STORE
+from gateway.proxy import proxy_handler
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from ledger.errors import StoreUnavailable
 from ledger.store import Store, open_store
 from ledger.tasks import LeasePolicy
@@ -71,8 +74,27 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         yield
         await the_store.close()
 
+    async def client_ctx(app: web.Application) -> AsyncIterator[None]:
+        # One pool for every forward. No cookie jar (the gateway must not carry one agent's
+        # session into another's call), no proxy settings from the environment, and bodies
+        # passed through as they are (no transparent decompression).
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=config.proxy.max_connections),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        app[HTTP_CLIENT] = session
+        yield
+        await session.close()
+
+    app[ADAPTERS] = {d.name: build_adapter(d) for d in config.downstreams}
     app.cleanup_ctx.append(store_ctx)
+    app.cleanup_ctx.append(client_ctx)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.add_routes(coordination.routes)
+    app.add_routes(ledger_api.routes)
+    app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
     return app

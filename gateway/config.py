@@ -20,6 +20,7 @@ __all__ = [
     "DownstreamConfig",
     "LeasesConfig",
     "LoggingConfig",
+    "ProxyConfig",
     "ServerConfig",
     "StoreConfig",
     "load_config",
@@ -104,15 +105,51 @@ class LeasesConfig(_Section):
         return self
 
 
+class ProxyConfig(_Section):
+    #: A PREPARED record's deadline is the downstream's timeout_ms plus this margin; past it
+    #: the forward cannot still be running and the effect reads as UNKNOWN.
+    prepared_margin_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 5_000
+    #: Most pooled connections to all downstreams together.
+    max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+_HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$"
 
 
 class DownstreamConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     url: str
     adapter: Literal["http"] = "http"
+    #: Whole forward, from connect to the last response byte. Past it the effect is UNKNOWN.
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] = 10_000
+    #: Connecting only; a connect that fails or times out certainly delivered nothing.
+    connect_timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] | None = None
+    #: Longest wait for the next bytes of the answer once the request is sent.
+    read_timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] | None = None
+    #: Largest request body accepted for this downstream (413 above); at most
+    #: server.max_body_bytes, which bounds every request.
+    max_body_bytes: Annotated[int, Field(ge=0, le=256 * 1024 * 1024)] | None = None
+    #: Largest response body stored for replay; a larger one is answered once and its
+    #: duplicates get status and headers only (Fence-Replay-Body: omitted).
+    replay_max_bytes: Annotated[int, Field(ge=0, le=16 * 1024 * 1024)] = 64 * 1024
+    #: Header carrying the effectId (the downstream deduplicates on it).
+    idempotency_key_header: Annotated[str, Field(pattern=_HEADER_NAME)] = "Idempotency-Key"
+    #: Header carrying "{schedulerEpoch}.{claimGeneration}".
+    fencing_token_header: Annotated[str, Field(pattern=_HEADER_NAME)] = "Fencing-Token"
+    #: Forward the agent's Authorization header (off: credentials belong to the gateway).
+    forward_authorization: bool = False
+
+    @property
+    def connect_timeout(self) -> int:
+        return self.connect_timeout_ms or min(self.timeout_ms, 5_000)
+
+    @property
+    def read_timeout(self) -> int:
+        return self.read_timeout_ms or self.timeout_ms
 
     @field_validator("url")
     @classmethod
@@ -126,6 +163,7 @@ class Config(_Section):
     server: ServerConfig = ServerConfig()
     store: StoreConfig = StoreConfig()
     leases: LeasesConfig = LeasesConfig()
+    proxy: ProxyConfig = ProxyConfig()
     logging: LoggingConfig = LoggingConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
 
@@ -136,6 +174,12 @@ class Config(_Section):
             if downstream.name in seen:
                 raise ValueError(f"downstreams[{i}].name {downstream.name!r} is used twice")
             seen.add(downstream.name)
+            limit = downstream.max_body_bytes
+            if limit is not None and limit > self.server.max_body_bytes:
+                raise ValueError(
+                    f"downstreams[{i}].max_body_bytes exceeds server.max_body_bytes "
+                    f"({self.server.max_body_bytes})"
+                )
         return self
 
     def downstream(self, name: str) -> DownstreamConfig | None:

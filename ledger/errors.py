@@ -11,7 +11,7 @@ The tree::
     ├── Rejected                   409: the fence said no
     │   ├── Claimed, Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
     │   ├── AlreadyCommitted, RuntimeExceeded
-    │   └── EffectInFlight, EffectUnknown, ApprovalRequired
+    │   └── EffectInFlight, EffectUnknown, EffectSettled, ApprovalRequired
     ├── PayloadConflict            422 PAYLOAD_CONFLICT
     ├── PayloadTooLarge            413 PAYLOAD_TOO_LARGE
     ├── DownstreamUnreachable      502 DOWNSTREAM_UNREACHABLE
@@ -39,6 +39,7 @@ __all__ = [
     "DownstreamTimeout",
     "DownstreamUnreachable",
     "EffectInFlight",
+    "EffectSettled",
     "EffectUnknown",
     "Fenced",
     "FencegateError",
@@ -150,6 +151,13 @@ class EffectInFlight(Rejected):
 class EffectUnknown(Rejected):
     code = "EFFECT_UNKNOWN"
     title = "An earlier forward of this effect has an unknown outcome"
+
+
+class EffectSettled(Rejected):
+    """An operator tried to resolve an effect that already has a definite outcome."""
+
+    code = "EFFECT_SETTLED"
+    title = "The effect already has a definite outcome"
 
 
 class ApprovalRequired(Rejected):

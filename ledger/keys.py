@@ -19,6 +19,21 @@ class Keys:
     def task(self, task_id: str) -> str:
         return f"{self.prefix}:{{{task_id}}}:task"
 
+    def effects(self, task_id: str) -> str:
+        """Hash: effectId -> the effect record (cjson-encoded flat fields)."""
+        return f"{self.prefix}:{{{task_id}}}:effects"
+
     @property
     def scheduler(self) -> str:
         return f"{self.prefix}:scheduler"
+
+    @property
+    def effects_index(self) -> str:
+        """Sorted set (all scores 0) of ``<createdAt:%015d>:<effectId>:<taskId>``: lexical
+        order is creation order, and a member names the record's key."""
+        return f"{self.prefix}:effects:index"
+
+    @property
+    def effect_tasks(self) -> str:
+        """Hash: effectId -> taskId, to find a record from its id alone."""
+        return f"{self.prefix}:effects:task"

@@ -20,6 +20,8 @@ At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -29,9 +31,10 @@ import structlog
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
-from ledger import keys
-from ledger.errors import ERRORS_BY_CODE, FencegateError, StoreUnavailable
-from ledger.store import Store, new_id
+from ledger import effects, keys
+from ledger.effects import Action, Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
+from ledger.store import Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -49,14 +52,30 @@ __all__ = ["RedisStore", "durability_warnings", "load_script_source"]
 log = structlog.get_logger("fencegate.store")
 T = TypeVar("T")
 
-_SCRIPTS = ("put", "claim", "renew", "release", "commit", "cancel", "scheduler")
+#: script -> the library files prepended to it (after common.lua).
+_SCRIPTS: dict[str, tuple[str, ...]] = {
+    "put": (),
+    "claim": (),
+    "renew": (),
+    "release": (),
+    "commit": (),
+    "cancel": (),
+    "scheduler": (),
+    "fence": (),
+    "prepare": ("sha256", "effect_lib"),
+    "complete": ("effect_lib",),
+    "resolve": ("effect_lib",),
+}
+#: Most index entries one list call scans before answering with what it found and a cursor.
+_LIST_SCAN = 2000
+_LIST_BATCH = 200
 
 
 def load_script_source(name: str) -> str:
-    """``common.lua`` followed by the named script, as sent to Redis."""
+    """``common.lua``, the script's libraries, then the script, as sent to Redis."""
     folder = resources.files("ledger") / "lua"
-    common = (folder / "common.lua").read_text(encoding="utf-8")
-    return common + "\n" + (folder / f"{name}.lua").read_text(encoding="utf-8")
+    parts = ["common", *_SCRIPTS[name], name]
+    return "\n".join((folder / f"{part}.lua").read_text(encoding="utf-8") for part in parts)
 
 
 def durability_warnings(config: dict[str, str]) -> list[str]:
@@ -80,13 +99,21 @@ def durability_warnings(config: dict[str, str]) -> list[str]:
     return out
 
 
+def _pairs(flat: Sequence[str]) -> dict[str, str]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
 def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
     status = reply[0]
     if status == "ERR":
         code, detail = reply[1], reply[2]
         raise ERRORS_BY_CODE[code](detail or None)
-    flat = reply[1:]
-    return status, {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+    return status, _pairs(reply[1:])
+
+
+def _index_member_parts(member: str) -> tuple[int, str, str]:
+    created, effect_id, task_id = member.split(":", 2)
+    return int(created), effect_id, task_id
 
 
 class RedisStore(Store):
@@ -268,3 +295,198 @@ class RedisStore(Store):
 
     async def set_claims_paused(self, paused: bool) -> Scheduler:
         return await self._scheduler_op("pause" if paused else "resume")
+
+    # --- the idempotency ledger -------------------------------------------------------------
+
+    async def check_fence(self, fence: Fence) -> Task:
+        reply = await self._script(
+            "fence",
+            [self._keys.task(fence.task_id), self._keys.scheduler],
+            [
+                fence.attempt_id,
+                fence.claim_generation,
+                fence.scheduler_epoch,
+                fence.cancel_generation,
+            ],
+        )
+        return task_from_fields(_parse(reply)[1])
+
+    async def prepare_effect(
+        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+    ) -> PrepareOutcome:
+        fence = request.fence
+        reply = await self._script(
+            "prepare",
+            [
+                self._keys.task(fence.task_id),
+                self._keys.scheduler,
+                self._keys.effects(fence.task_id),
+                self._keys.effects_index,
+                self._keys.effect_tasks,
+            ],
+            [
+                fence.attempt_id,
+                fence.claim_generation,
+                fence.scheduler_epoch,
+                fence.cancel_generation,
+                request.node,
+                request.slot,
+                request.downstream,
+                request.method,
+                request.path,
+                request.payload_digest,
+                forward_deadline_ms,
+                "1" if resend_unknown else "0",
+            ],
+        )
+        status = reply[0]
+        if status == "REJECT":
+            code, detail, retry = reply[1], reply[2], reply[3]
+            effect = effects.effect_from_fields(_pairs(reply[4:]))
+            error = ERRORS_BY_CODE[code](detail or None)
+            if retry:
+                error.extra["retryAfterMs"] = int(retry)
+            error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
+            return PrepareOutcome(Action.REJECT, effect, write=False, error=error)
+        status, fields = _parse(reply)
+        return PrepareOutcome(Action(status), effects.effect_from_fields(fields), write=False)
+
+    async def complete_effect(
+        self,
+        task_id: str,
+        effect_id: str,
+        seq: int,
+        attempt_id: str,
+        outcome: EffectState,
+        reason: str,
+        response_json: str | None,
+    ) -> tuple[Effect, bool]:
+        reply = await self._script(
+            "complete",
+            [self._keys.effects(task_id)],
+            [effect_id, seq, attempt_id, outcome.value, reason, response_json or ""],
+        )
+        status, fields = _parse(reply)
+        return effects.effect_from_fields(fields), status == "OK"
+
+    async def _read_effects(self, refs: Sequence[tuple[str, str]]) -> list[Effect | None]:
+        """Records for (taskId, effectId) pairs as of the store's now (effective view), in
+        one round trip; None where a record is missing."""
+
+        async def read() -> Any:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for task_id, effect_id in refs:
+                    pipe.hget(self._keys.effects(task_id), effect_id)
+                pipe.time()
+                return await pipe.execute()
+
+        *raws, (sec, usec) = await self._call(read)
+        now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+        return [
+            None
+            if raw is None
+            else effects.effective(effects.effect_from_fields(json.loads(raw)), now)
+            for raw in raws
+        ]
+
+    async def _task_of(self, effect_id: str) -> str:
+        task_id: Any = await self._call(
+            lambda: self._redis.hget(self._keys.effect_tasks, effect_id)
+        )
+        if task_id is None:
+            raise NoSuchEffect()
+        return str(task_id)
+
+    async def get_effect(self, effect_id: str) -> Effect:
+        task_id = await self._task_of(effect_id)
+        (effect,) = await self._read_effects([(task_id, effect_id)])
+        if effect is None:
+            raise NoSuchEffect()
+        return effect
+
+    async def list_effects(
+        self,
+        *,
+        state: EffectState | None,
+        task_id: str | None,
+        downstream: str | None,
+        limit: int,
+        cursor: str | None,
+    ) -> tuple[list[Effect], str | None]:
+        after = decode_cursor(cursor) if cursor else None
+
+        def wanted(effect: Effect | None) -> bool:
+            return (
+                effect is not None
+                and (state is None or effect.state is state)
+                and (downstream is None or effect.downstream == downstream)
+            )
+
+        if task_id is not None:
+            return await self._list_task_effects(task_id, after, wanted, limit)
+        found: list[Effect] = []
+        start = "-" if after is None else f"[{after[0]:015d}:{after[1]};"
+        scanned = 0
+        while scanned < _LIST_SCAN:
+            members: Any = await self._call(
+                functools.partial(
+                    self._redis.zrangebylex,
+                    self._keys.effects_index,
+                    start,
+                    "+",
+                    start=0,
+                    num=_LIST_BATCH,
+                )
+            )
+            parts = [_index_member_parts(member) for member in members]
+            records = await self._read_effects([(tid, eid) for _, eid, tid in parts])
+            for (created, eid, _), effect in zip(parts, records, strict=True):
+                scanned += 1
+                if effect is not None and wanted(effect):
+                    found.append(effect)
+                    if len(found) == limit:
+                        return found, encode_cursor(created, eid)
+                start = f"[{created:015d}:{eid};"
+            if len(members) < _LIST_BATCH:
+                return found, None
+        created, eid, _ = parts[-1]
+        return found, encode_cursor(created, eid)
+
+    async def _list_task_effects(
+        self,
+        task_id: str,
+        after: tuple[int, str] | None,
+        wanted: Callable[[Effect | None], bool],
+        limit: int,
+    ) -> tuple[list[Effect], str | None]:
+        ids: Any = await self._call(lambda: self._redis.hkeys(self._keys.effects(task_id)))
+        records = [e for e in await self._read_effects([(task_id, i) for i in ids]) if wanted(e)]
+        matching = sorted(
+            (e for e in records if e is not None), key=lambda e: (e.created_at, e.effect_id)
+        )
+        if after is not None:
+            matching = [e for e in matching if (e.created_at, e.effect_id) > after]
+        page = matching[:limit]
+        more = len(matching) > limit
+        return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
+
+    async def resolve_effect(
+        self,
+        effect_id: str,
+        outcome: EffectState,
+        note: str,
+        operator: str,
+        response_json: str | None,
+    ) -> Effect:
+        task_id = await self._task_of(effect_id)
+        reply = await self._script(
+            "resolve",
+            [self._keys.effects(task_id)],
+            [effect_id, outcome.value, note, operator, response_json or ""],
+        )
+        if reply[0] == "ERR":
+            error = ERRORS_BY_CODE[reply[1]](reply[2] or None)
+            if len(reply) > 3:
+                error.extra.update(effectId=effect_id, effectState=reply[3])
+            raise error
+        return effects.effect_from_fields(_parse(reply)[1])

@@ -20,9 +20,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from ledger import tasks
-from ledger.errors import FencegateError, NoSuchTask, StoreUnavailable
-from ledger.store import Store, new_id
+from ledger import effects, tasks
+from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
+from ledger.store import Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -49,6 +50,18 @@ CREATE TABLE IF NOT EXISTS scheduler (
     paused INTEGER NOT NULL
 );
 INSERT OR IGNORE INTO scheduler (id, epoch, paused) VALUES (1, 1, 0);
+CREATE TABLE IF NOT EXISTS effects (
+    effect_id   TEXT PRIMARY KEY,
+    task_id     TEXT NOT NULL,
+    downstream  TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    deadline_at INTEGER,
+    created_at  INTEGER NOT NULL,
+    fields      TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id);
+CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id);
+CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id);
 """
 
 
@@ -260,5 +273,156 @@ class SQLiteStore(Store):
             scheduler = tasks.set_claims_paused(self._scheduler(conn), paused)
             self._save_scheduler(conn, scheduler)
             return scheduler
+
+        return await self._run(step)
+
+    # --- the idempotency ledger -------------------------------------------------------------
+
+    @staticmethod
+    def _load_effect(conn: sqlite3.Connection, effect_id: str) -> Effect | None:
+        row = conn.execute(
+            "SELECT fields FROM effects WHERE effect_id = ?", (effect_id,)
+        ).fetchone()
+        return effects.effect_from_fields(json.loads(row[0])) if row else None
+
+    @staticmethod
+    def _save_effect(conn: sqlite3.Connection, effect: Effect) -> None:
+        conn.execute(
+            "INSERT INTO effects (effect_id, task_id, downstream, state, deadline_at, created_at, "
+            "fields) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (effect_id) DO UPDATE SET "
+            "downstream = excluded.downstream, state = excluded.state, "
+            "deadline_at = excluded.deadline_at, fields = excluded.fields",
+            (
+                effect.effect_id,
+                effect.task_id,
+                effect.downstream,
+                effect.state.value,
+                effect.deadline_at,
+                effect.created_at,
+                json.dumps(effects.effect_to_fields(effect), separators=(",", ":")),
+            ),
+        )
+
+    async def check_fence(self, fence: Fence) -> Task:
+        return await self._run(
+            lambda conn, now: effects.check_fence(
+                self._load(conn, fence.task_id), self._scheduler(conn), fence, now
+            )
+        )
+
+    async def prepare_effect(
+        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+    ) -> PrepareOutcome:
+        def step(conn: sqlite3.Connection, now: int) -> PrepareOutcome:
+            task = self._load(conn, request.fence.task_id)
+            existing = None
+            if task is not None:
+                eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
+                existing = self._load_effect(conn, eid)
+            outcome = effects.prepare(
+                task,
+                self._scheduler(conn),
+                existing,
+                request,
+                now,
+                forward_deadline_ms,
+                resend_unknown=resend_unknown,
+            )
+            if outcome.write:
+                self._save_effect(conn, outcome.effect)
+            return outcome
+
+        return await self._run(step)
+
+    async def complete_effect(
+        self,
+        task_id: str,
+        effect_id: str,
+        seq: int,
+        attempt_id: str,
+        outcome: EffectState,
+        reason: str,
+        response_json: str | None,
+    ) -> tuple[Effect, bool]:
+        def step(conn: sqlite3.Connection, now: int) -> tuple[Effect, bool]:
+            effect = self._load_effect(conn, effect_id)
+            if effect is None:
+                raise NoSuchEffect()
+            done, applied = effects.complete(
+                effect, seq, attempt_id, outcome, reason, response_json, now
+            )
+            if applied:
+                self._save_effect(conn, done)
+            return done, applied
+
+        return await self._run(step)
+
+    async def get_effect(self, effect_id: str) -> Effect:
+        def step(conn: sqlite3.Connection, now: int) -> Effect:
+            effect = self._load_effect(conn, effect_id)
+            if effect is None:
+                raise NoSuchEffect()
+            return effects.effective(effect, now)
+
+        return await self._run(step)
+
+    async def list_effects(
+        self,
+        *,
+        state: EffectState | None,
+        task_id: str | None,
+        downstream: str | None,
+        limit: int,
+        cursor: str | None,
+    ) -> tuple[list[Effect], str | None]:
+        after = decode_cursor(cursor) if cursor else (-1, "")
+
+        def step(conn: sqlite3.Connection, now: int) -> tuple[list[Effect], str | None]:
+            where = ["(created_at, effect_id) > (?, ?)"]
+            args: list[object] = [after[0], after[1]]
+            if task_id is not None:
+                where.append("task_id = ?")
+                args.append(task_id)
+            if downstream is not None:
+                where.append("downstream = ?")
+                args.append(downstream)
+            if state is EffectState.UNKNOWN:
+                where.append("(state = 'UNKNOWN' OR (state = 'PREPARED' AND deadline_at <= ?))")
+                args.append(now)
+            elif state is EffectState.PREPARED:
+                where.append("state = 'PREPARED' AND deadline_at > ?")
+                args.append(now)
+            elif state is not None:
+                where.append("state = ?")
+                args.append(state.value)
+            rows = conn.execute(
+                f"SELECT fields FROM effects WHERE {' AND '.join(where)} "
+                "ORDER BY created_at, effect_id LIMIT ?",
+                (*args, limit + 1),
+            ).fetchall()
+            found = [
+                effects.effective(effects.effect_from_fields(json.loads(r[0])), now)
+                for r in rows[:limit]
+            ]
+            more = len(rows) > limit
+            next_cursor = encode_cursor(found[-1].created_at, found[-1].effect_id) if more else None
+            return found, next_cursor
+
+        return await self._run(step)
+
+    async def resolve_effect(
+        self,
+        effect_id: str,
+        outcome: EffectState,
+        note: str,
+        operator: str,
+        response_json: str | None,
+    ) -> Effect:
+        def step(conn: sqlite3.Connection, now: int) -> Effect:
+            effect = effects.resolve(
+                self._load_effect(conn, effect_id), outcome, note, operator, response_json, now
+            )
+            self._save_effect(conn, effect)
+            return effect
 
         return await self._run(step)

@@ -9,8 +9,11 @@ Any failure to reach the store surfaces as ``StoreUnavailable``, never as a driv
 from __future__ import annotations
 
 import abc
+import base64
 import uuid
 
+from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from ledger.errors import BadRequest
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -22,12 +25,29 @@ from ledger.tasks import (
     Task,
 )
 
-__all__ = ["Store", "new_id", "open_store"]
+__all__ = ["Store", "decode_cursor", "encode_cursor", "new_id", "open_store"]
 
 
 def new_id() -> str:
     """Opaque ids for attempts and commits: random, so a restarted gateway never reuses one."""
     return uuid.uuid4().hex
+
+
+def encode_cursor(created_at: int, effect_id: str) -> str:
+    """Position after one effect in (createdAt, effectId) order, opaque to clients."""
+    raw = f"{created_at}:{effect_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[int, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        created, effect = raw.split(":", 1)
+        if len(effect) != 64 or not created.isdigit():
+            raise ValueError(raw)
+        return int(created), effect
+    except ValueError as exc:
+        raise BadRequest("cursor: not a cursor this gateway issued") from exc
 
 
 class Store(abc.ABC):
@@ -92,6 +112,63 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def set_claims_paused(self, paused: bool) -> Scheduler: ...
+
+    # --- the idempotency ledger ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def check_fence(self, fence: Fence) -> Task:
+        """Validate a claim without recording anything (safe methods)."""
+
+    @abc.abstractmethod
+    async def prepare_effect(
+        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+    ) -> PrepareOutcome:
+        """Step one of a proxied mutation: validate the claim and decide, in one atomic step.
+
+        Raises when the claim is refused; returns REJECT outcomes (with their error) when the
+        effect record refuses, after writing any deadline conversion the decision made."""
+
+    @abc.abstractmethod
+    async def complete_effect(
+        self,
+        task_id: str,
+        effect_id: str,
+        seq: int,
+        attempt_id: str,
+        outcome: EffectState,
+        reason: str,
+        response_json: str | None,
+    ) -> tuple[Effect, bool]:
+        """Step two: record forward ``seq``'s outcome unless the record has moved on."""
+
+    @abc.abstractmethod
+    async def get_effect(self, effect_id: str) -> Effect:
+        """The record as of now (a PREPARED past its deadline reads as UNKNOWN)."""
+
+    @abc.abstractmethod
+    async def list_effects(
+        self,
+        *,
+        state: EffectState | None,
+        task_id: str | None,
+        downstream: str | None,
+        limit: int,
+        cursor: str | None,
+    ) -> tuple[list[Effect], str | None]:
+        """Effects in creation order, filtered; ``nextCursor`` is None at the end.
+
+        A page may hold fewer than ``limit`` records while ``nextCursor`` is set (the store
+        bounds how much it scans per call); keep following the cursor."""
+
+    @abc.abstractmethod
+    async def resolve_effect(
+        self,
+        effect_id: str,
+        outcome: EffectState,
+        note: str,
+        operator: str,
+        response_json: str | None,
+    ) -> Effect: ...
 
 
 def open_store(

@@ -56,6 +56,7 @@ __all__ = [
     "TaskState",
     "bump_epoch",
     "cancel",
+    "check_holder",
     "claim",
     "commit",
     "put",
@@ -247,7 +248,7 @@ def claim(
     )
 
 
-def _check_holder(
+def check_holder(
     task: Task | None,
     attempt_id: str,
     claim_generation: int,
@@ -298,7 +299,7 @@ def renew(
     now: int,
 ) -> Task:
     ident = request.identity
-    task = _check_holder(
+    task = check_holder(
         task,
         ident.attempt_id,
         ident.claim_generation,
@@ -320,7 +321,7 @@ def renew(
 
 
 def release(task: Task | None, identity: Identity, now: int) -> Task:
-    task = _check_holder(
+    task = check_holder(
         task,
         identity.attempt_id,
         identity.claim_generation,
@@ -367,7 +368,7 @@ def commit(
         and previous.result_digest == request.result_digest
     ):
         return task, True
-    task = _check_holder(
+    task = check_holder(
         task,
         request.attempt_id,
         request.claim_generation,

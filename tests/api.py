@@ -66,7 +66,8 @@ class Api:
             return Answer(resp.status, body, content_type)
 
     async def put(self, task_id: str, input_digest: str = "in-1", **extra: Any) -> Answer:
-        return await self.call("PUT", f"/v1/tasks/{task_id}", {"inputDigest": input_digest, **extra})
+        body = {"inputDigest": input_digest, **extra}
+        return await self.call("PUT", f"/v1/tasks/{task_id}", body)
 
     async def get(self, task_id: str) -> Answer:
         return await self.call("GET", f"/v1/tasks/{task_id}")

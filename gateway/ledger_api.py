@@ -1,0 +1,134 @@
+"""The ledger API: operators read the idempotency ledger and settle UNKNOWN effects.
+
+``GET /v1/effects`` (filters and cursor), ``GET /v1/effects/{effectId}`` and
+``POST /v1/effects/{effectId}/resolve``. The operator's name comes from the ``Fence-Operator``
+header and is recorded on the effect with the time and the note.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from typing import Annotated, Literal
+
+import structlog
+from aiohttp import web
+from pydantic import Field, StrictInt, StrictStr
+
+from gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
+from gateway.state import STORE
+from ledger.effects import EffectState, effect_to_json
+from ledger.errors import BadRequest, NoSuchEffect
+
+__all__ = ["routes"]
+
+log = structlog.get_logger("fencegate.ledger")
+routes = web.RouteTableDef()
+
+_EFFECT_ID = re.compile(r"[0-9a-f]{64}")
+_OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
+MAX_PAGE = 500
+
+
+HeaderName = Annotated[str, Field(min_length=1, max_length=200)]
+HeaderValue = Annotated[str, Field(max_length=8192)]
+
+
+class ResolveResponse(ApiBody):
+    status: Annotated[StrictInt, Field(ge=100, le=599)]
+    headers: dict[HeaderName, HeaderValue] = Field(default_factory=dict, max_length=100)
+    body: Annotated[StrictStr, Field(max_length=1024 * 1024)] = ""
+
+
+class ResolveBody(ApiBody):
+    outcome: Literal["COMMITTED", "NOT_APPLIED"]
+    note: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
+    response: ResolveResponse | None = None
+
+
+def _effect_id(request: web.Request) -> str:
+    effect_id = request.match_info["effect_id"]
+    if not _EFFECT_ID.fullmatch(effect_id):
+        raise NoSuchEffect("an effectId is 64 lowercase hex characters")
+    return effect_id
+
+
+def _operator(request: web.Request) -> str:
+    name = request.headers.get("Fence-Operator", "anonymous").strip()
+    if not _OPERATOR.fullmatch(name):
+        raise BadRequest("Fence-Operator: 1 to 200 letters, digits, spaces or . _ : @ / -")
+    return name
+
+
+@routes.get("/v1/effects")
+async def list_effects(request: web.Request) -> web.Response:
+    query = request.query
+    unknown = set(query) - {"state", "taskId", "downstream", "limit", "cursor"}
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    state = query.get("state")
+    if state is not None and state not in EffectState.__members__:
+        raise BadRequest(f"state: one of {', '.join(EffectState.__members__)}")
+    task_id = query.get("taskId")
+    if task_id is not None and not TASK_ID_PATTERN.fullmatch(task_id):
+        raise BadRequest("taskId: not a task id")
+    raw_limit = query.get("limit", "100")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+        raise BadRequest(f"limit: an integer from 1 to {MAX_PAGE}")
+    cursor = query.get("cursor") or None
+    if cursor is not None and len(cursor) > 200:
+        raise BadRequest("cursor: not a cursor this gateway issued")
+    found, next_cursor = await request.app[STORE].list_effects(
+        state=EffectState(state) if state else None,
+        task_id=task_id,
+        downstream=query.get("downstream"),
+        limit=int(raw_limit),
+        cursor=cursor,
+    )
+    return web.json_response(
+        {"effects": [effect_to_json(e) for e in found], "nextCursor": next_cursor}
+    )
+
+
+@routes.get("/v1/effects/{effect_id}")
+async def show_effect(request: web.Request) -> web.Response:
+    effect = await request.app[STORE].get_effect(_effect_id(request))
+    return web.json_response(effect_to_json(effect))
+
+
+@routes.post("/v1/effects/{effect_id}/resolve")
+async def resolve_effect(request: web.Request) -> web.Response:
+    effect_id = _effect_id(request)
+    operator = _operator(request)
+    body = parse_body(await request.read(), ResolveBody)
+    response_json = None
+    if body.response is not None:
+        raw = body.response.body.encode()
+        response_json = json.dumps(
+            {
+                "status": body.response.status,
+                "headers": [[k, v] for k, v in body.response.headers.items()],
+                "bodySize": len(raw),
+                "bodyDigest": hashlib.sha256(raw).hexdigest(),
+                "bodyBase64": base64.b64encode(raw).decode(),
+            }
+        )
+    try:
+        effect = await request.app[STORE].resolve_effect(
+            effect_id, EffectState(body.outcome), body.note, operator, response_json
+        )
+    except Exception as exc:
+        log.info("operator.resolve_rejected", effect_id=effect_id, operator=operator,
+                 reason=str(exc))  # fmt: skip
+        raise
+    log.warning(
+        "operator.resolve",
+        effect_id=effect_id,
+        task=effect.task_id,
+        operator=operator,
+        outcome=body.outcome,
+        note=body.note,
+    )
+    return web.json_response(effect_to_json(effect))

@@ -1,0 +1,445 @@
+"""The fenced proxy: ``{METHOD} /proxy/{downstream}/{path}?{query}``.
+
+One mutation is two store round trips around one forward:
+
+1. ``prepare_effect`` validates the claim and decides (forward / replay / refuse) in one
+   atomic step; nothing leaves the gateway without a PREPARED record.
+2. the forward, through one pooled ``ClientSession`` with the downstream's timeouts;
+3. ``complete_effect`` records COMMITTED / NOT_APPLIED / UNKNOWN for that forward only.
+
+A replay or a refusal is one round trip. Safe methods (GET, HEAD, OPTIONS) are fence-checked
+in one round trip and forwarded without a ledger entry. Every answer carries
+``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State`` and
+``Fence-Replayed``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from adapters import Adapter
+from gateway import failpoints
+from gateway.config import DownstreamConfig
+from gateway.http_rules import (
+    SAFE_METHODS,
+    canonical_body,
+    downstream_request_headers,
+    split_proxy_path,
+    stored_response_headers,
+    upstream_response_headers,
+)
+from gateway.problems import problem_response
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from ledger.effects import (
+    Action,
+    Effect,
+    EffectRequest,
+    EffectState,
+    Fence,
+    payload_digest,
+)
+from ledger.errors import (
+    BadRequest,
+    DownstreamTimeout,
+    DownstreamUnreachable,
+    FencegateError,
+    NoSuchDownstream,
+    PayloadTooLarge,
+    Rejected,
+    StoreUnavailable,
+)
+
+__all__ = ["proxy_handler"]
+
+log = structlog.get_logger("fencegate.proxy")
+
+_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
+_COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
+_MAX_COUNTER = 2**53 - 1
+_FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
+#: Claim-level refusals: the caller is not (or no longer) the task's current attempt.
+_FENCE_CODES = frozenset(
+    {"FENCED", "STALE_EPOCH", "CANCELLED", "LEASE_EXPIRED", "STALE_INPUT", "ALREADY_COMMITTED",
+     "NO_SUCH_TASK"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One proxied request, parsed and bounded."""
+
+    downstream: DownstreamConfig
+    adapter: Adapter
+    method: str
+    tail: str
+    fence: Fence
+    node: str
+    slot: str | None
+    body: bytes
+
+
+def _one_header(request: web.Request, name: str, required: bool) -> str | None:
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise BadRequest(f"{name}: sent more than once")
+    if not values:
+        if required:
+            raise BadRequest(f"{name}: header is required")
+        return None
+    return values[0].strip()
+
+
+def _id_header(request: web.Request, name: str, required: bool = True) -> str | None:
+    value = _one_header(request, name, required)
+    if value is not None and not _ID.fullmatch(value):
+        raise BadRequest(f"{name}: must be 1 to 200 characters of A-Z a-z 0-9 . _ : @ / -")
+    return value
+
+
+def _counter_header(request: web.Request, name: str) -> int:
+    value = _one_header(request, name, True)
+    assert value is not None
+    if not _COUNTER.fullmatch(value) or int(value) > _MAX_COUNTER:
+        raise BadRequest(f"{name}: must be a non-negative decimal integer below 2^53")
+    return int(value)
+
+
+def _check_framing(request: web.Request) -> None:
+    """Refuse requests whose body length is ambiguous; a proxy that guesses is smuggled."""
+    lengths = request.headers.getall("Content-Length", [])
+    encodings = request.headers.getall("Transfer-Encoding", [])
+    if len(lengths) > 1 and len(set(lengths)) > 1:
+        raise BadRequest("Content-Length: conflicting values")
+    if lengths and encodings:
+        raise BadRequest("Content-Length and Transfer-Encoding: both sent")
+
+
+async def _parse(request: web.Request) -> _Call:
+    config = request.app[CONFIG]
+    method = request.method.upper()
+    if method in _FORBIDDEN_METHODS:
+        raise web.HTTPMethodNotAllowed(method, ["GET", "HEAD", "OPTIONS", "POST", "PUT",
+                                                "PATCH", "DELETE"])  # fmt: skip
+    name, tail = split_proxy_path(request.raw_path)
+    downstream = config.downstream(name)
+    if downstream is None:
+        raise NoSuchDownstream(f"no downstream named {name!r} is configured")
+    _check_framing(request)
+    task_id = _id_header(request, "Fence-Task")
+    attempt_id = _id_header(request, "Fence-Attempt")
+    assert task_id is not None and attempt_id is not None
+    fence = Fence(
+        task_id=task_id,
+        attempt_id=attempt_id,
+        claim_generation=_counter_header(request, "Fence-Generation"),
+        scheduler_epoch=_counter_header(request, "Fence-Epoch"),
+        cancel_generation=_counter_header(request, "Fence-Cancel"),
+    )
+    node = _id_header(request, "Fence-Node", required=False) or "main"
+    slot = _id_header(request, "Fence-Slot", required=method not in SAFE_METHODS)
+    limit = downstream.max_body_bytes
+    body = await request.read()
+    if limit is not None and len(body) > limit:
+        raise PayloadTooLarge(f"body over downstreams.{name}.max_body_bytes ({limit} bytes)")
+    return _Call(downstream, request.app[ADAPTERS][name], method, tail, fence, node, slot, body)
+
+
+def _fence_headers(effect: Effect | None, state: str | None, replayed: bool) -> dict[str, str]:
+    headers = {
+        "Fence-Effect-State": state or (effect.state.value if effect else "NONE"),
+        "Fence-Replayed": "true" if replayed else "false",
+    }
+    if effect is not None:
+        headers["Fence-Effect-Id"] = effect.effect_id
+    return headers
+
+
+def _refusal(error: FencegateError) -> web.Response:
+    headers = {
+        "Fence-Effect-State": str(error.extra.get("effectState", "NONE")),
+        "Fence-Replayed": "false",
+    }
+    if "effectId" in error.extra:
+        headers["Fence-Effect-Id"] = str(error.extra["effectId"])
+    retry_ms = error.extra.get("retryAfterMs")
+    if isinstance(retry_ms, int):
+        headers["Retry-After"] = str(max(1, min(-(-retry_ms // 1000), 60)))
+    return problem_response(error, headers=headers)
+
+
+def _log_fields(call: _Call, **extra: Any) -> dict[str, Any]:
+    return {
+        "task": call.fence.task_id,
+        "attempt": call.fence.attempt_id,
+        "generation": call.fence.claim_generation,
+        "epoch": call.fence.scheduler_epoch,
+        "downstream": call.downstream.name,
+        "method": call.method,
+        **extra,
+    }
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    """Every answer of the proxy, refusals included, carries the Fence-* answer headers."""
+    try:
+        return await _handle(request)
+    except FencegateError as exc:
+        return _refusal(exc)
+
+
+async def _handle(request: web.Request) -> web.StreamResponse:
+    call = await _parse(request)
+    store = request.app[STORE]
+    if call.method in SAFE_METHODS:
+        try:
+            await store.check_fence(call.fence)
+        except Rejected as exc:
+            log.info("effect.fenced", code=exc.code, reason=exc.detail, **_log_fields(call))
+            return _refusal(exc)
+        return await _forward_safe(request, call)
+
+    assert call.slot is not None
+    path = call.tail or "/"
+    digest = payload_digest(
+        call.method,
+        call.downstream.name,
+        path,
+        canonical_body(call.body, request.headers.get("Content-Type", "")),
+    )
+    fields = _log_fields(call, node=call.node, slot=call.slot, payload_digest=digest)
+    effect_request = EffectRequest(
+        fence=call.fence,
+        node=call.node,
+        slot=call.slot,
+        downstream=call.downstream.name,
+        method=call.method,
+        path=path,
+        payload_digest=digest,
+    )
+    deadline_ms = call.downstream.timeout_ms + request.app[CONFIG].proxy.prepared_margin_ms
+    try:
+        outcome = await store.prepare_effect(
+            effect_request, deadline_ms, resend_unknown=call.adapter.resend_unknown
+        )
+    except FencegateError as exc:
+        if exc.code in _FENCE_CODES:
+            log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
+            return _refusal(exc)
+        raise
+    effect = outcome.effect
+    fields["effect_id"] = effect.effect_id
+    if outcome.action is Action.REJECT:
+        assert outcome.error is not None
+        log.info(
+            "effect.rejected", code=outcome.error.code, reason=outcome.error.detail,
+            state=effect.state.value, **fields,
+        )  # fmt: skip
+        return _refusal(outcome.error)
+    if outcome.action is Action.REPLAY:
+        log.info("effect.replayed", **fields)
+        return _replay(effect)
+    log.info("effect.prepared", seq=outcome.seq, **fields)
+    failpoints.hit("after_prepare")
+    return await _forward_effect(request, call, effect, outcome.seq, fields)
+
+
+def _client_timeout(downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(
+        total=downstream.timeout_ms / 1000,
+        sock_connect=downstream.connect_timeout / 1000,
+        sock_read=downstream.read_timeout / 1000,
+    )
+
+
+def _target(call: _Call) -> URL:
+    return URL(call.downstream.url + (call.tail or "/"), encoded=True)
+
+
+async def _read_up_to(stream: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """At most ``limit + 1`` bytes of a body, and whether that was all of it."""
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await stream.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf), True
+        buf += chunk
+    return bytes(buf), stream.at_eof()
+
+
+async def _stream(
+    request: web.Request,
+    resp: aiohttp.ClientResponse,
+    headers: CIMultiDict[str],
+    first: bytes,
+) -> web.StreamResponse:
+    """Pass a body too large to buffer through to the agent as it arrives."""
+    answer = web.StreamResponse(status=resp.status, headers=headers)
+    await answer.prepare(request)
+    await answer.write(first)
+    async for chunk in resp.content.iter_any():
+        await answer.write(chunk)
+    await answer.write_eof()
+    return answer
+
+
+async def _forward_safe(request: web.Request, call: _Call) -> web.StreamResponse:
+    headers = downstream_request_headers(
+        request.headers.items(),
+        {},
+        forward_authorization=call.downstream.forward_authorization,
+    )
+    try:
+        async with request.app[HTTP_CLIENT].request(
+            call.method,
+            _target(call),
+            headers=headers,
+            data=call.body or None,
+            allow_redirects=False,
+            timeout=_client_timeout(call.downstream),
+        ) as resp:
+            live = upstream_response_headers(resp.headers.items())
+            live.update(_fence_headers(None, None, False))
+            body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
+            if not whole:
+                return await _stream(request, resp, live, body)
+            return web.Response(status=resp.status, body=body, headers=live)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise DownstreamTimeout(f"{call.downstream.name}: {type(exc).__name__}") from exc
+
+
+def _response_record(status: int, headers: list[list[str]], body: bytes, whole: bool,
+                     replay_max: int) -> dict[str, Any]:  # fmt: skip
+    record: dict[str, Any] = {"status": status, "headers": headers}
+    if whole and len(body) <= replay_max:
+        record.update(
+            bodySize=len(body),
+            bodyDigest=hashlib.sha256(body).hexdigest(),
+            bodyBase64=base64.b64encode(body).decode(),
+        )
+    else:
+        record["bodyOmitted"] = True
+    return record
+
+
+def _replay(effect: Effect) -> web.Response:
+    stored = json.loads(effect.response_json) if effect.response_json else {}
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in stored.get("headers", []):
+        headers.add(name, value)
+    headers.update(_fence_headers(effect, None, True))
+    body = b""
+    if "bodyBase64" in stored:
+        body = base64.b64decode(stored["bodyBase64"])
+    else:
+        headers["Fence-Replay-Body"] = "omitted"
+        headers.pop("Content-Encoding", None)
+    return web.Response(status=int(stored.get("status", 200)), body=body, headers=headers)
+
+
+async def _forward_effect(
+    request: web.Request, call: _Call, effect: Effect, seq: int, fields: dict[str, Any]
+) -> web.StreamResponse:
+    token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
+    headers = downstream_request_headers(
+        request.headers.items(),
+        call.adapter.identity_headers(effect.effect_id, token),
+        forward_authorization=call.downstream.forward_authorization,
+    )
+    replay_max = call.downstream.replay_max_bytes
+    status: int | None = None
+    try:
+        async with request.app[HTTP_CLIENT].request(
+            call.method,
+            _target(call),
+            headers=headers,
+            data=call.body,
+            allow_redirects=False,
+            timeout=_client_timeout(call.downstream),
+        ) as resp:
+            status = resp.status
+            body, whole = await _read_up_to(resp.content, replay_max)
+            failpoints.hit("after_response")
+            outcome = call.adapter.classify(status)
+            record = _response_record(
+                status, stored_response_headers(resp.headers.items()), body, whole, replay_max
+            )
+            recorded = await _record(
+                request, call, effect, seq, outcome, f"status {status}", json.dumps(record),
+                fields,
+            )  # fmt: skip
+            live = upstream_response_headers(resp.headers.items())
+            live.update(_fence_headers(recorded, None, False))
+            if not whole:
+                return await _stream(request, resp, live, body)
+            return web.Response(status=status, body=body, headers=live)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        reason = f"connect failed: {type(exc).__name__}"
+        await _record(request, call, effect, seq, EffectState.NOT_APPLIED, reason, None, fields)
+        raise _with_effect(DownstreamUnreachable(f"{call.downstream.name}: {exc}"), effect,
+                           EffectState.NOT_APPLIED) from exc  # fmt: skip
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
+        reason = f"{what}: {type(exc).__name__}"
+        if status is not None:
+            reason = f"response {status}, then the body {what}: {type(exc).__name__}"
+        await _record(request, call, effect, seq, EffectState.UNKNOWN, reason, None, fields)
+        raise _with_effect(DownstreamTimeout(f"{call.downstream.name}: {reason}"), effect,
+                           EffectState.UNKNOWN) from exc  # fmt: skip
+
+
+def _with_effect(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:
+    error.extra.update(effectId=effect.effect_id, effectState=state.value)
+    return error
+
+
+async def _record(
+    request: web.Request,
+    call: _Call,
+    effect: Effect,
+    seq: int,
+    outcome: EffectState,
+    reason: str,
+    response_json: str | None,
+    fields: dict[str, Any],
+) -> Effect:
+    """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
+    deadline passes: never lost, never replayed as if it had not happened."""
+    try:
+        recorded, applied = await request.app[STORE].complete_effect(
+            call.fence.task_id, effect.effect_id, seq, call.fence.attempt_id, outcome, reason,
+            response_json,
+        )  # fmt: skip
+    except StoreUnavailable as exc:
+        log.error("effect.unrecorded", outcome=outcome.value, reason=exc.detail, **fields)
+        raise _with_effect(
+            StoreUnavailable(
+                f"the forward ended ({reason}) but its outcome could not be recorded; "
+                "the effect will read UNKNOWN until reconciled"
+            ),
+            effect,
+            EffectState.UNKNOWN,
+        ) from exc
+    if not applied:
+        log.warning("effect.stale_completion", outcome=outcome.value, state=recorded.state.value,
+                    reason=reason, **fields)  # fmt: skip
+        return recorded
+    event = {
+        EffectState.COMMITTED: "effect.committed",
+        EffectState.NOT_APPLIED: "effect.not_applied",
+        EffectState.UNKNOWN: "effect.unknown",
+    }[outcome]
+    log.info(event, reason=reason, **fields)
+    return recorded

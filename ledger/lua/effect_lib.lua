@@ -1,0 +1,39 @@
+-- Helpers for the effect scripts (prepended after common.lua). An effect record is a flat
+-- map of strings, stored cjson-encoded as one field of the task's effects hash; attempt i
+-- lives in fields a<i>_attempt_id, a<i>_claim_generation, a<i>_started_at, a<i>_ended_at,
+-- a<i>_outcome, a<i>_reason (ledger.effects.effect_to_fields).
+
+local DEADLINE_REASON = 'deadline passed'
+
+-- Mirror of ledger.effects.effective: a PREPARED past its deadline reads as UNKNOWN.
+-- Returns true when it changed the record.
+local function expire_effect(e, now)
+  if e.state == 'PREPARED' and e.deadline_at and now >= tonumber(e.deadline_at) then
+    local p = 'a' .. s(tonumber(e.attempt_count) - 1) .. '_'
+    e[p .. 'ended_at'] = e.deadline_at
+    e[p .. 'outcome'] = 'UNKNOWN'
+    e[p .. 'reason'] = DEADLINE_REASON
+    e.state = 'UNKNOWN'
+    e.deadline_at = nil
+    e.updated_at = s(now)
+    return true
+  end
+  return false
+end
+
+local function save_effect(key, e)
+  redis.call('HSET', key, e.effect_id, cjson.encode(e))
+end
+
+-- Append a new forward (attempt) and make the record PREPARED again.
+local function add_attempt(e, now, attempt_id, generation, deadline_ms)
+  local i = tonumber(e.attempt_count or '0')
+  local p = 'a' .. s(i) .. '_'
+  e[p .. 'attempt_id'] = attempt_id
+  e[p .. 'claim_generation'] = generation
+  e[p .. 'started_at'] = s(now)
+  e.attempt_count = s(i + 1)
+  e.state = 'PREPARED'
+  e.deadline_at = s(now + tonumber(deadline_ms))
+  e.updated_at = s(now)
+end

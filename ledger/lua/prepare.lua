@@ -1,0 +1,71 @@
+-- Step one of a proxied mutation (mirror of ledger.effects.prepare): validate the claim, then
+-- read the effect record and decide, in one atomic step.
+-- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
+-- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash
+-- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
+-- ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot, ARGV[8] downstream, ARGV[9] method,
+-- ARGV[10] path, ARGV[11] payloadDigest, ARGV[12] forward deadline ms,
+-- ARGV[13] '1' when the adapter may re-send an UNKNOWN effect with the same payload
+-- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
+-- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
+local now = now_ms(ARGV[1])
+local epoch = scheduler(KEYS[2])
+local t = load_hash(KEYS[1])
+local bad = check_holder(t, ARGV[2], tonumber(ARGV[3]), nil, tonumber(ARGV[5]), true, epoch,
+  tonumber(ARGV[4]))
+if bad then return bad end
+if t.state == 'COMMITTED' then
+  return err('ALREADY_COMMITTED', 'the task is committed; its attempt may produce no more effects')
+end
+if now >= tonumber(t.lease_expires_at) then
+  return err('LEASE_EXPIRED', 'lease expired at ' .. t.lease_expires_at)
+end
+
+local eid = effect_id(t.task_id, t.revision, ARGV[6], ARGV[7])
+local raw = redis.call('HGET', KEYS[3], eid)
+local e
+if not raw then
+  e = {effect_id = eid, task_id = t.task_id, revision = t.revision, node = ARGV[6],
+       slot = ARGV[7], downstream = ARGV[8], method = ARGV[9], path = ARGV[10],
+       payload_digest = ARGV[11], created_at = s(now)}
+  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12])
+  save_effect(KEYS[3], e)
+  redis.call('ZADD', KEYS[4], 0, string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id)
+  redis.call('HSET', KEYS[5], eid, t.task_id)
+  return answer('FORWARD', e)
+end
+
+e = cjson.decode(raw)
+local changed = expire_effect(e, now)
+local same = e.payload_digest == ARGV[11]
+if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and ARGV[13] == '1') then
+  e.downstream = ARGV[8]
+  e.method = ARGV[9]
+  e.path = ARGV[10]
+  e.payload_digest = ARGV[11]
+  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12])
+  save_effect(KEYS[3], e)
+  return answer('FORWARD', e)
+end
+
+local code, detail, retry = nil, nil, ''
+if not same then
+  code = 'PAYLOAD_CONFLICT'
+  detail = 'effect ' .. eid .. ' is bound to payloadDigest ' .. e.payload_digest
+elseif e.state == 'COMMITTED' then
+  if changed then save_effect(KEYS[3], e) end
+  return answer('REPLAY', e)
+elseif e.state == 'PREPARED' then
+  code = 'EFFECT_IN_FLIGHT'
+  detail = 'the same effect is being forwarded right now'
+  retry = s(math.max(tonumber(e.deadline_at) - now, 0))
+else
+  code = 'EFFECT_UNKNOWN'
+  detail = 'an earlier forward of this effect has an unknown outcome; reconcile it first'
+end
+if changed then save_effect(KEYS[3], e) end
+local out = answer('REJECT', e)
+table.insert(out, 2, code)
+table.insert(out, 3, detail)
+table.insert(out, 4, retry)
+return out
