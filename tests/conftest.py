@@ -62,7 +62,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return server.url
 
 
-def make_config(store_url: str, key_prefix: str = "fg", **sections: dict[str, object]) -> Config:
+def make_config(store_url: str, key_prefix: str = "fg", **sections: object) -> Config:
     data: dict[str, object] = {
         "store": {
             "url": store_url,
@@ -72,9 +72,11 @@ def make_config(store_url: str, key_prefix: str = "fg", **sections: dict[str, ob
         "leases": {"max_ttl_ms": MAX_TTL_MS, "default_max_runtime_ms": DEFAULT_MAX_RUNTIME_MS},
     }
     for name, values in sections.items():
-        merged = dict(data.get(name, {}))  # type: ignore[call-overload]
-        merged.update(values)
-        data[name] = merged
+        if isinstance(values, dict):
+            merged = dict(data.get(name, {}))  # type: ignore[call-overload]
+            merged.update(values)
+            values = merged
+        data[name] = values
     return Config.model_validate(data)
 
 
