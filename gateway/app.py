@@ -39,6 +39,7 @@ def build_store(config: Config) -> Store:
         sqlite_synchronous=config.store.sqlite_synchronous,
         redis_key_prefix=config.store.redis_key_prefix,
         redis_password=config.store.password(),
+        redis_max_connections=config.store.redis_max_connections,
     )
 
 
@@ -65,12 +66,13 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         the_store = app[STORE]
         try:
             await the_store.open()
+            log.info("store.opened", store=the_store.kind)
         except StoreUnavailable as exc:
             if the_store.kind == "sqlite":
                 raise
-            # A shared store may come back; /readyz reports it meanwhile.
+            # A shared store may come back; /readyz reports it meanwhile, and the first call
+            # that reaches it runs the start-up checks.
             log.warning("store.unavailable", store=the_store.kind, reason=exc.detail)
-        log.info("store.opened", store=the_store.kind)
         yield
         await the_store.close()
 

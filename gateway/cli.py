@@ -38,7 +38,6 @@ def _serve(args: argparse.Namespace) -> int:
             port=port,
             print=None,
             access_log=None,
-            handler_cancellation=True,
         )
     except StoreUnavailable as exc:
         print(f"fencegate: store error: {exc.detail}", file=sys.stderr)

@@ -68,6 +68,9 @@ class StoreConfig(_Section):
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     #: Redis only: prefix of every key fencegate writes.
     redis_key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "fg"
+    #: Redis only: connections per gateway process; a request waits (up to timeout_ms) for a
+    #: free one rather than failing.
+    redis_max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
     #: Redis only: name of the environment variable holding the Redis password.
     password_env: str | None = None
 

@@ -28,8 +28,10 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
 
 from ledger import effects, keys
 from ledger.effects import Action, Effect, EffectRequest, EffectState, Fence, PrepareOutcome
@@ -125,20 +127,28 @@ class RedisStore(Store):
         timeout_ms: int = 2000,
         key_prefix: str = "fg",
         password: str | None = None,
+        max_connections: int = 200,
     ) -> None:
         super().__init__(policy)
         self.url = url
         self._timeout_s = timeout_ms / 1000
         self._keys = keys.Keys(key_prefix)
-        self._redis: aioredis.Redis = aioredis.from_url(
+        self._durability_checked = False
+        # A bounded pool that waits (up to the store timeout) for a free connection instead of
+        # failing, and no client-side retries: a retried script after a lost reply would run
+        # twice, and only the gateway knows whether that is safe.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=self._timeout_s,
             password=password,
             decode_responses=True,
             socket_timeout=self._timeout_s,
             socket_connect_timeout=self._timeout_s,
             health_check_interval=0,
-            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 0),
         )
+        self._redis: aioredis.Redis = aioredis.Redis.from_pool(pool)  # owns and closes it
         self._scripts: dict[str, AsyncScript] = {
             name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
         }
@@ -156,18 +166,32 @@ class RedisStore(Store):
         except ResponseError as exc:
             raise StoreUnavailable(f"Redis refused the operation: {exc}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
-            raise StoreUnavailable(f"Redis is unreachable: {type(exc).__name__}") from exc
+            # A reply that never came may belong to a step Redis did apply: say so.
+            raise StoreUnavailable(
+                f"Redis did not answer ({type(exc).__name__}: {exc}); the step may or may "
+                "not have been applied"
+            ) from exc
 
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
         script = self._scripts[name]
         reply = await self._call(lambda: script(keys=keys_, args=[self.clock_offset_ms, *args]))
+        if not self._durability_checked:
+            await self._check_durability()
         return reply  # type: ignore[no-any-return]
 
     async def open(self) -> None:
+        """Connect and check durability; a Redis that is down now is checked once it answers
+        (the first successful call does it), so a gateway started before its Redis still warns."""
         await self.ping()
+
+    async def _check_durability(self) -> None:
+        self._durability_checked = True
         try:
             warnings = await self.durability()
         except StoreUnavailable as exc:
+            if not isinstance(exc.__cause__, ResponseError):
+                self._durability_checked = False  # unreachable: try again on the next call
+                return
             log.warning(
                 "store.durability_unknown",
                 reason=f"cannot read the Redis configuration ({exc.detail}); make sure "
@@ -189,6 +213,8 @@ class RedisStore(Store):
 
     async def ping(self) -> None:
         await self._call(self._redis.ping)
+        if not self._durability_checked:
+            await self._check_durability()
 
     async def now_ms(self) -> int:
         sec, usec = await self._call(self._redis.time)

@@ -103,10 +103,16 @@ class SQLiteStore(Store):
     def _clock(self) -> int:
         return time.time_ns() // 1_000_000 + self.clock_offset_ms
 
-    def _transaction(self, fn: Callable[[sqlite3.Connection, int], T]) -> T:
+    def _transaction(self, fn: Callable[[sqlite3.Connection, int], T], deadline: float) -> T:
         conn = self._conn
         if conn is None:
             raise StoreUnavailable("the SQLite store is not open")
+        if time.monotonic() > deadline:
+            # Queued behind other transactions for longer than the timeout: give up before
+            # touching anything, so this 503 certainly changed nothing.
+            raise StoreUnavailable(
+                "SQLite store busy: waited longer than store.timeout_ms; nothing was applied"
+            )
         conn.execute("BEGIN IMMEDIATE")
         try:
             result = fn(conn, self._clock())
@@ -117,16 +123,29 @@ class SQLiteStore(Store):
         return result
 
     async def _run(self, fn: Callable[[sqlite3.Connection, int], T]) -> T:
+        """One transaction on the store's thread.
+
+        ``store.timeout_ms`` bounds the wait in the queue and for SQLite's write lock; both
+        give up before applying anything. The outer guard only catches a hung disk, and its
+        503 says the outcome is unknown.
+        """
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self._timeout_s
         try:
-            async with asyncio.timeout(self._timeout_s):
-                return await loop.run_in_executor(self._executor, self._transaction, fn)
+            async with asyncio.timeout(4 * self._timeout_s + 5):
+                return await loop.run_in_executor(self._executor, self._transaction, fn, deadline)
         except FencegateError:
             raise
-        except (sqlite3.Error, OSError) as exc:
-            raise StoreUnavailable(f"SQLite store failed: {exc}") from exc
         except TimeoutError as exc:
-            raise StoreUnavailable("SQLite store did not answer within its timeout") from exc
+            raise StoreUnavailable(
+                "SQLite store hung past its timeout; the step may or may not have been applied"
+            ) from exc
+        except sqlite3.OperationalError as exc:
+            raise StoreUnavailable(
+                f"SQLite store unavailable ({exc}); nothing was applied"
+            ) from exc
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnavailable(f"SQLite store failed: {exc!r}") from exc
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()

@@ -179,6 +179,7 @@ def open_store(
     sqlite_synchronous: str = "FULL",
     redis_key_prefix: str = "fg",
     redis_password: str | None = None,
+    redis_max_connections: int = 200,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db`` or ``redis://host:port/db`` (``rediss://`` for TLS)."""
@@ -191,6 +192,11 @@ def open_store(
         from ledger.redis_store import RedisStore
 
         return RedisStore(
-            url, policy, timeout_ms=timeout_ms, key_prefix=redis_key_prefix, password=redis_password
+            url,
+            policy,
+            timeout_ms=timeout_ms,
+            key_prefix=redis_key_prefix,
+            password=redis_password,
+            max_connections=redis_max_connections,
         )
     raise ValueError(f"unsupported store url {url!r}: use sqlite:///PATH or redis://HOST:PORT/DB")

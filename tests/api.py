@@ -76,27 +76,50 @@ class Api:
         answer = await self.call("GET", "/v1/epoch")
         return int(answer.body["schedulerEpoch"])
 
-    async def try_claim(self, task_id: str, owner: str = "w1", ttl_ms: int = 10_000,
-                        epoch: int | None = None, **extra: Any) -> Answer:
-        body = {"owner": owner, "ttlMs": ttl_ms,
-                "schedulerEpoch": await self.epoch() if epoch is None else epoch, **extra}
+    async def try_claim(
+        self,
+        task_id: str,
+        owner: str = "w1",
+        ttl_ms: int = 10_000,
+        epoch: int | None = None,
+        **extra: Any,
+    ) -> Answer:
+        body = {
+            "owner": owner,
+            "ttlMs": ttl_ms,
+            "schedulerEpoch": await self.epoch() if epoch is None else epoch,
+            **extra,
+        }
         return await self.call("POST", f"/v1/tasks/{task_id}/claim", body)
 
-    async def claim(self, task_id: str, owner: str = "w1", ttl_ms: int = 10_000,
-                    **extra: Any) -> Lease:
+    async def claim(
+        self, task_id: str, owner: str = "w1", ttl_ms: int = 10_000, **extra: Any
+    ) -> Lease:
         answer = await self.try_claim(task_id, owner, ttl_ms, **extra)
         assert answer.status == 200, answer.body
         b = answer.body
-        return Lease(task_id, b["attemptId"], b["claimGeneration"], owner, b["schedulerEpoch"],
-                     b["cancelGeneration"], b["leaseExpiresAt"], b["inputDigest"])
+        return Lease(
+            task_id,
+            b["attemptId"],
+            b["claimGeneration"],
+            owner,
+            b["schedulerEpoch"],
+            b["cancelGeneration"],
+            b["leaseExpiresAt"],
+            b["inputDigest"],
+        )
 
     async def renew(self, lease: Lease, ttl_ms: int = 10_000, **override: Any) -> Answer:
-        return await self.call("POST", f"/v1/tasks/{lease.task_id}/renew",
-                               {**lease.identity(**override), "ttlMs": ttl_ms})
+        return await self.call(
+            "POST",
+            f"/v1/tasks/{lease.task_id}/renew",
+            {**lease.identity(**override), "ttlMs": ttl_ms},
+        )
 
     async def release(self, lease: Lease, **override: Any) -> Answer:
-        return await self.call("POST", f"/v1/tasks/{lease.task_id}/release",
-                               lease.identity(**override))
+        return await self.call(
+            "POST", f"/v1/tasks/{lease.task_id}/release", lease.identity(**override)
+        )
 
     async def commit(self, lease: Lease, result_digest: str = "out-1", **override: Any) -> Answer:
         body = lease.identity()

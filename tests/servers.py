@@ -7,6 +7,7 @@ tests can kill it, pause it with SIGSTOP and restart it on the same data.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,7 +19,14 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["GatewayProcess", "RedisServer", "free_port", "wait_for_port"]
+__all__ = [
+    "GatewayProcess",
+    "Gateways",
+    "RedisServer",
+    "free_port",
+    "wait_for_port",
+    "write_gateway_config",
+]
 
 
 def free_port() -> int:
@@ -28,7 +36,9 @@ def free_port() -> int:
         return port
 
 
-def wait_for_port(port: int, timeout: float = 10.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_for_port(
+    port: int, timeout: float = 10.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -120,8 +130,14 @@ class RedisServer:
 class GatewayProcess:
     """``fencegate serve`` as a real process, as an operator would run it."""
 
-    def __init__(self, config_path: Path, port: int, *, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        port: int,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
         self.config_path = config_path
         self.port = port
         self.env = {**os.environ, **(env or {})}
@@ -136,15 +152,28 @@ class GatewayProcess:
     def start(self) -> GatewayProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
-             "--listen", f"127.0.0.1:{self.port}"],
-            stdout=log, stderr=log, cwd=self.cwd, env=self.env,
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "serve",
+                "--config",
+                str(self.config_path),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+            ],
+            stdout=log,
+            stderr=log,
+            cwd=self.cwd,
+            env=self.env,
         )
         log.close()
         try:
             wait_for_port(self.port, timeout=20, proc=self.proc)
         except Exception:
-            raise RuntimeError(f"gateway did not start: {self.log_path.read_text()[-2000:]}") from None
+            raise RuntimeError(
+                f"gateway did not start: {self.log_path.read_text()[-2000:]}"
+            ) from None
         return self
 
     def kill(self) -> None:
@@ -183,3 +212,64 @@ class GatewayProcess:
             except ValueError:
                 continue
         return out
+
+
+def write_gateway_config(
+    directory: Path,
+    store_url: str,
+    *,
+    timeout_ms: int = 1000,
+    key_prefix: str = "fg",
+    max_ttl_ms: int = 60_000,
+) -> GatewayProcess:
+    """Write ``directory/fencegate.toml`` for ``store_url`` and return its (unstarted) gateway.
+
+    The port is chosen here and written to ``server.listen``, so the file alone is enough to
+    run the gateway the way an operator would.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config_path = directory / "fencegate.toml"
+    config_path.write_text(
+        "[server]\n"
+        f'listen = "127.0.0.1:{port}"\n'
+        "\n[store]\n"
+        f"url = {json.dumps(store_url)}\n"
+        f"timeout_ms = {timeout_ms}\n"
+        f"redis_key_prefix = {json.dumps(key_prefix)}\n"
+        "\n[leases]\n"
+        f"max_ttl_ms = {max_ttl_ms}\n"
+    )
+    return GatewayProcess(config_path, port)
+
+
+class Gateways:
+    """Gateway processes a test starts; ``stop_all`` (from a fixture) ends every one of them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[GatewayProcess] = []
+
+    def start(
+        self,
+        name: str,
+        store_url: str,
+        *,
+        timeout_ms: int = 1000,
+        key_prefix: str = "fg",
+        max_ttl_ms: int = 60_000,
+    ) -> GatewayProcess:
+        """Configure and start ``fencegate serve`` in ``root/name``; it is listening on return."""
+        gateway = write_gateway_config(
+            self.root / name,
+            store_url,
+            timeout_ms=timeout_ms,
+            key_prefix=key_prefix,
+            max_ttl_ms=max_ttl_ms,
+        )
+        self.started.append(gateway)
+        return gateway.start()
+
+    def stop_all(self) -> None:
+        for gateway in self.started:
+            gateway.stop()

@@ -35,8 +35,19 @@ async def test_put_creates_then_same_digest_changes_nothing(api: Api) -> None:
 async def test_task_record_has_every_contract_field(api: Api) -> None:
     await api.put("team/job:42@v1.x_y-z")
     record = (await api.get("team/job:42@v1.x_y-z")).body
-    for name in ("taskId", "state", "revision", "inputDigest", "claimGeneration", "attemptId",
-                 "owner", "leaseExpiresAt", "cancelGeneration", "schedulerEpoch", "commit"):
+    for name in (
+        "taskId",
+        "state",
+        "revision",
+        "inputDigest",
+        "claimGeneration",
+        "attemptId",
+        "owner",
+        "leaseExpiresAt",
+        "cancelGeneration",
+        "schedulerEpoch",
+        "commit",
+    ):
         assert name in record
     assert record["taskId"] == "team/job:42@v1.x_y-z"
 
@@ -346,8 +357,13 @@ async def test_unknown_task_is_404_everywhere(api: Api) -> None:
     assert (await api.get("nope")).code == "NO_SUCH_TASK"
     assert (await api.try_claim("nope")).code == "NO_SUCH_TASK"
     assert (await api.cancel("nope")).code == "NO_SUCH_TASK"
-    ident = {"attemptId": "a", "claimGeneration": 1, "owner": "w", "schedulerEpoch": 1,
-             "cancelGeneration": 0}
+    ident = {
+        "attemptId": "a",
+        "claimGeneration": 1,
+        "owner": "w",
+        "schedulerEpoch": 1,
+        "cancelGeneration": 0,
+    }
     answer = await api.call("POST", "/v1/tasks/nope/renew", {**ident, "ttlMs": 1000})
     assert answer.status == 404 and answer.code == "NO_SUCH_TASK"
 

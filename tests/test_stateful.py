@@ -32,7 +32,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ledger import tasks
+from ledger import effects, tasks
+from ledger.effects import Effect, EffectRequest, EffectState, Fence
 from ledger.errors import FencegateError
 from ledger.redis_store import RedisStore
 from ledger.sqlite_store import SQLiteStore
@@ -98,6 +99,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.base = self.run(self.store.now_ms())
         self.offset = 0
         self.handles: list[Handle] = []
+        self.model_effects: dict[str, Effect] = {}
+        #: Forwards that were prepared and not yet completed: (effectId, seq, handle).
+        self.pending: list[tuple[str, int, Handle]] = []
         self.attempts = 0
         self.commits = 0
 
@@ -150,9 +154,14 @@ class LeaseMachine(RuleBasedStateMachine):
         self.model_tasks["ghost"] = None
         for name in TASKS:
             self.put(name, digest, None)
+        # Start with live claims, so effect steps have a current attempt to work under.
+        self._claim(TASKS[0], "w1", 6 * STEP_MS, 0, None)
 
-    @rule(name=st.sampled_from(TASKS), digest=st.sampled_from(DIGESTS),
-          runtime=st.sampled_from([None, 2 * STEP_MS, 8 * STEP_MS]))
+    @rule(
+        name=st.sampled_from(TASKS),
+        digest=st.sampled_from(DIGESTS),
+        runtime=st.sampled_from([None, 2 * STEP_MS, 8 * STEP_MS]),
+    )
     def put(self, name: str, digest: str, runtime: int | None) -> None:
         task_id = self.ids[name]
         code, model, stored = self.both(
@@ -164,12 +173,23 @@ class LeaseMachine(RuleBasedStateMachine):
         self.model_tasks[name] = model[0]
         self.same_task(model[0], stored[0])
 
-    @rule(name=CLAIM_TARGETS, owner=st.sampled_from(["w1", "w2"]), ttl=TTLS,
-          epoch_delta=st.sampled_from([0, 0, 0, 0, 0, 0, 0, -1]),
-          revision_delta=st.sampled_from([None, None, 0, 1]),
-          paused=st.sampled_from([False] * 7 + [True]))
-    def claim(self, name: str, owner: str, ttl: int, epoch_delta: int,
-              revision_delta: int | None, paused: bool) -> None:
+    @rule(
+        name=CLAIM_TARGETS,
+        owner=st.sampled_from(["w1", "w2"]),
+        ttl=TTLS,
+        epoch_delta=st.sampled_from([0, 0, 0, 0, 0, 0, 0, -1]),
+        revision_delta=st.sampled_from([None, None, 0, 1]),
+        paused=st.sampled_from([False] * 7 + [True]),
+    )
+    def claim(
+        self,
+        name: str,
+        owner: str,
+        ttl: int,
+        epoch_delta: int,
+        revision_delta: int | None,
+        paused: bool,
+    ) -> None:
         """A claim; with ``paused`` the claims are paused around it (and resumed after)."""
         if paused:
             self.set_paused(True)
@@ -184,8 +204,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.scheduler = tasks.set_claims_paused(self.scheduler, paused)
         assert stored == self.scheduler
 
-    def _claim(self, name: str, owner: str, ttl: int, epoch_delta: int,
-               revision_delta: int | None) -> None:
+    def _claim(
+        self, name: str, owner: str, ttl: int, epoch_delta: int, revision_delta: int | None
+    ) -> None:
         task = self.model_tasks[name]
         expected = None
         if revision_delta is not None:
@@ -202,8 +223,15 @@ class LeaseMachine(RuleBasedStateMachine):
             self.model_tasks[name] = model
             self.same_task(model, stored)
             self.handles.append(
-                Handle(name, model_attempt, stored.attempt_id, model.claim_generation, owner,
-                       model.claim_epoch, model.cancel_generation)
+                Handle(
+                    name,
+                    model_attempt,
+                    stored.attempt_id,
+                    model.claim_generation,
+                    owner,
+                    model.claim_epoch,
+                    model.cancel_generation,
+                )
             )
 
     def _identity(self, handle: Handle, side: str, tamper: str) -> Identity:
@@ -216,18 +244,25 @@ class LeaseMachine(RuleBasedStateMachine):
         )
 
     @precondition(lambda self: self.handles)
-    @rule(data=st.data(), ttl=TTLS,
-          tamper=st.sampled_from(["none", "none", "generation", "owner", "current_epoch",
-                                  "cancel"]))
+    @rule(
+        data=st.data(),
+        ttl=TTLS,
+        tamper=st.sampled_from(["none", "none", "generation", "owner", "current_epoch", "cancel"]),
+    )
     def renew(self, data: st.DataObject, ttl: int, tamper: str) -> None:
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
         code, model, stored = self.both(
-            lambda: tasks.renew(self.model_tasks[name], self.scheduler,
-                                RenewRequest(self._identity(handle, "model", tamper), ttl),
-                                POLICY, self.now),
-            self.store.renew(self.ids[name],
-                             RenewRequest(self._identity(handle, "store", tamper), ttl)),
+            lambda: tasks.renew(
+                self.model_tasks[name],
+                self.scheduler,
+                RenewRequest(self._identity(handle, "model", tamper), ttl),
+                POLICY,
+                self.now,
+            ),
+            self.store.renew(
+                self.ids[name], RenewRequest(self._identity(handle, "store", tamper), ttl)
+            ),
         )
         if code == "ok":
             self.model_tasks[name] = model
@@ -239,8 +274,9 @@ class LeaseMachine(RuleBasedStateMachine):
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
         code, model, stored = self.both(
-            lambda: tasks.release(self.model_tasks[name],
-                                  self._identity(handle, "model", tamper), self.now),
+            lambda: tasks.release(
+                self.model_tasks[name], self._identity(handle, "model", tamper), self.now
+            ),
             self.store.release(self.ids[name], self._identity(handle, "store", tamper)),
         )
         if code == "ok":
@@ -248,11 +284,16 @@ class LeaseMachine(RuleBasedStateMachine):
             self.same_task(model, stored)
 
     @precondition(lambda self: self.handles)
-    @rule(data=st.data(), result=st.sampled_from(["r1", "r2"]),
-          stale_input=st.booleans(), with_result=st.booleans(),
-          tamper=st.sampled_from(["none", "none", "none", "current_epoch", "cancel"]))
-    def commit(self, data: st.DataObject, result: str, stale_input: bool, with_result: bool,
-               tamper: str) -> None:
+    @rule(
+        data=st.data(),
+        result=st.sampled_from(["r1", "r2"]),
+        stale_input=st.booleans(),
+        with_result=st.booleans(),
+        tamper=st.sampled_from(["none", "none", "none", "current_epoch", "cancel"]),
+    )
+    def commit(
+        self, data: st.DataObject, result: str, stale_input: bool, with_result: bool, tamper: str
+    ) -> None:
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
         task = self.model_tasks[name]
@@ -273,8 +314,9 @@ class LeaseMachine(RuleBasedStateMachine):
 
         self.commits += 1
         code, model, stored = self.both(
-            lambda: tasks.commit(task, self.scheduler, request("model"), self.now,
-                                 f"c{self.commits}"),
+            lambda: tasks.commit(
+                task, self.scheduler, request("model"), self.now, f"c{self.commits}"
+            ),
             self.store.commit(self.ids[name], request("store")),
         )
         if code == "ok":
@@ -284,7 +326,14 @@ class LeaseMachine(RuleBasedStateMachine):
             self.model_tasks[name] = model[0]
             self.same_task(model[0], stored[0])
 
-    @rule(name=st.sampled_from(TASKS))
+    @rule(kind=st.sampled_from(["cancel", "bump_epoch"]), name=st.sampled_from(TASKS))
+    def disrupt(self, kind: str, name: str) -> None:
+        """The operator's levers, as one rule so they do not crowd out the workers' steps."""
+        if kind == "cancel":
+            self.cancel(name)
+        else:
+            self.bump_epoch()
+
     def cancel(self, name: str) -> None:
         code, model, stored = self.both(
             lambda: tasks.cancel(self.model_tasks[name], self.now),
@@ -294,18 +343,152 @@ class LeaseMachine(RuleBasedStateMachine):
             self.model_tasks[name] = model
             self.same_task(model, stored)
 
-    @rule()
     def bump_epoch(self) -> None:
         stored = self.run(self.store.bump_epoch())
         self.scheduler = tasks.bump_epoch(self.scheduler)
         assert stored == self.scheduler
 
-    @rule(steps=st.integers(min_value=1, max_value=8))
+    @rule(steps=st.sampled_from([1, 1, 2, 3, 8]))
     def advance_time(self, steps: int) -> None:
         self.offset += steps * STEP_MS
         self.store.clock_offset_ms = self.offset
 
+    # --- the idempotency ledger ----------------------------------------------------------
+
+    def same_effect(self, model: Effect, stored: Effect) -> None:
+        attempts_by_store = {h.store_attempt: h.model_attempt for h in self.handles}
+        for name in Effect.__dataclass_fields__:
+            m, s = getattr(model, name), getattr(stored, name)
+            if name == "attempts":
+                assert len(m) == len(s)
+                for ma, sa in zip(m, s, strict=True):
+                    assert attempts_by_store[sa.attempt_id] == ma.attempt_id
+                    assert (ma.claim_generation, ma.outcome, ma.reason) == (
+                        sa.claim_generation,
+                        sa.outcome,
+                        sa.reason,
+                    )
+                    assert 0 <= sa.started_at - ma.started_at < STEP_MS
+                    assert (ma.ended_at is None) == (sa.ended_at is None)
+                    if ma.ended_at is not None:
+                        assert 0 <= sa.ended_at - ma.ended_at < STEP_MS
+            elif name in ("created_at", "updated_at", "deadline_at", "resolved_at") and m:
+                assert s is not None and 0 <= s - m < STEP_MS, (name, m, s)
+            else:
+                assert m == s, (name, m, s)
+
+    @precondition(lambda self: self.handles)
+    @rule(
+        data=st.data(),
+        slot=st.sampled_from(["s1", "s2"]),
+        payload=st.sampled_from(["p1", "p2"]),
+        deadline=st.sampled_from([STEP_MS, 3 * STEP_MS]),
+        resend=st.booleans(),
+        tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel"]),
+    )
+    def prepare(
+        self, data: st.DataObject, slot: str, payload: str, deadline: int, resend: bool, tamper: str
+    ) -> None:
+        # Mostly a claim that is still current (only those can produce effects), sometimes any.
+        current = [
+            h
+            for h in self.handles
+            if (task := self.model_tasks[h.task]) is not None and task.attempt_id == h.model_attempt
+        ]
+        handle = data.draw(st.sampled_from(current * 6 + self.handles))
+        name = handle.task
+
+        def request(side: str) -> EffectRequest:
+            ident = self._identity(handle, side, tamper)
+            fence = Fence(
+                self.ids[name],
+                ident.attempt_id,
+                ident.claim_generation,
+                ident.scheduler_epoch,
+                ident.cancel_generation,
+            )
+            return EffectRequest(fence, "main", slot, "api", "POST", "/pay", payload)
+
+        task = self.model_tasks[name]
+        existing = None
+        if task is not None:
+            existing = self.model_effects.get(
+                effects.effect_id(task.task_id, task.revision, "main", slot)
+            )
+        code, model, stored = self.both(
+            lambda: effects.prepare(
+                task,
+                self.scheduler,
+                existing,
+                request("model"),
+                self.now,
+                deadline,
+                resend_unknown=resend,
+            ),
+            self.store.prepare_effect(request("store"), deadline, resend_unknown=resend),
+        )
+        event(
+            f"prepare {code}"
+            if code != "ok"
+            else f"prepare {model.action.value} {model.error.code if model.error else ''}"
+        )
+        if code != "ok":
+            return
+        assert model.action == stored.action
+        if model.error is not None or stored.error is not None:
+            assert model.error is not None and stored.error is not None
+            assert model.error.code == stored.error.code
+            assert model.error.extra == stored.error.extra or model.error.code == (
+                "EFFECT_IN_FLIGHT"
+            )
+        self.model_effects[model.effect.effect_id] = model.effect
+        self.same_effect(model.effect, stored.effect)
+        if model.action is effects.Action.FORWARD:
+            self.pending.append((model.effect.effect_id, model.seq, handle))
+
+    @precondition(lambda self: self.pending)
+    @rule(
+        data=st.data(),
+        outcome=st.sampled_from(
+            [EffectState.COMMITTED, EffectState.NOT_APPLIED, EffectState.UNKNOWN]
+        ),
+        response=st.sampled_from([None, '{"status":200}']),
+    )
+    def complete(self, data: st.DataObject, outcome: EffectState, response: str | None) -> None:
+        index = data.draw(st.integers(0, len(self.pending) - 1))
+        eid, seq, handle = self.pending.pop(index)
+        model, applied = effects.complete(
+            self.model_effects[eid], seq, handle.model_attempt, outcome, "r", response, self.now
+        )
+        stored, stored_applied = self.run(
+            self.store.complete_effect(
+                self.ids[handle.task], eid, seq, handle.store_attempt, outcome, "r", response
+            )
+        )
+        assert applied == stored_applied
+        event(f"complete {outcome.value} applied={applied}")
+        self.model_effects[eid] = model
+        self.same_effect(model, stored)
+
+    @precondition(lambda self: self.model_effects)
+    @rule(data=st.data(), outcome=st.sampled_from([EffectState.COMMITTED, EffectState.NOT_APPLIED]))
+    def resolve(self, data: st.DataObject, outcome: EffectState) -> None:
+        eid = data.draw(st.sampled_from(sorted(self.model_effects)))
+        code, model, stored = self.both(
+            lambda: effects.resolve(self.model_effects[eid], outcome, "note", "op", None, self.now),
+            self.store.resolve_effect(eid, outcome, "note", "op", None),
+        )
+        if code == "ok":
+            self.model_effects[eid] = model
+            self.same_effect(model, stored)
+
     # --- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def ledgers_agree(self) -> None:
+        for eid, model in self.model_effects.items():
+            stored = self.run(self.store.get_effect(eid))
+            self.same_effect(effects.effective(model, self.now), stored)
 
     @invariant()
     def stores_agree(self) -> None:
@@ -323,7 +506,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
 RUN_SETTINGS = settings(
     max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", "100")),
-    stateful_step_count=40,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )

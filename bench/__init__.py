@@ -1,0 +1,1 @@
+"""Benchmarks. Run them from the repository root: ``.venv/bin/python -m bench.claim_commit``."""

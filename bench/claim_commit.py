@@ -1,0 +1,1215 @@
+"""Claim+commit cycles per second through a real gateway, per store, against a bare baseline.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.claim_commit                      # defaults: 2000 tasks, 16 workers
+    .venv/bin/python -m bench.claim_commit --appendfsync everysec --json -
+
+For every phase the benchmark starts its own processes on loopback, in a temporary directory:
+
+* ``baseline``: a bare aiohttp server (this module, ``--serve-baseline``) that answers the same
+  requests with fixed JSON, no store, no validation, no logging;
+* ``sqlite``: ``fencegate serve`` on the embedded store (a fresh database file);
+* ``redis``: a private ``redis-server`` (AOF on, ``appendfsync always`` by default) and
+  ``fencegate serve`` on it. It never talks to a Redis it did not start.
+
+Each phase first PUTs every task (not measured), runs a few warm-up cycles (not measured), then
+runs the measured part: ``--concurrency`` workers on one client session take task ids from one
+list and, for each, POST ``claim`` then POST ``commit``. A cycle is timed from the claim request
+to the commit answer. The baseline runs before and after every store phase with the very same
+client code, so each store can be read as a ratio against the baselines around it (the absolute
+figures move with the machine's load). ``bench/README.md`` says how to read the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import redis
+from aiohttp import web
+
+__all__ = ["main"]
+
+T = TypeVar("T")
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Lease asked for by every claim: long enough that no lease runs out during a run.
+TTL_MS = 60_000
+#: Per-request client timeout; a gateway that stops answering shows up as errors, not a hang.
+REQUEST_TIMEOUT_S = 30.0
+#: How many distinct error answers are kept verbatim per phase.
+ERROR_SAMPLES = 5
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on {HOST}:{port} after {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User+system CPU of a live process (all its threads), from /proc; None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state) of proc(5): utime is field 14, stime field 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Proc:
+    """A child process we started, with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def cpu(self) -> float | None:
+        return cpu_seconds(self.popen.pid)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 10 s; the exit code (None if it had to be killed)."""
+        if self.popen.poll() is not None:
+            return self.popen.returncode
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            return None
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def _spawn(
+    name: str, args: Sequence[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None
+) -> Proc:
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the children ourselves
+        )
+    return Proc(name, popen, log_path)
+
+
+def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, str, str]:
+    """A private redis-server on a free loopback port: (process, url, version)."""
+    directory.mkdir(parents=True)
+    port = free_port()
+    args = [
+        binary,
+        "--port", str(port),
+        "--bind", HOST,
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "yes",
+        "--appendfsync", appendfsync,
+        "--maxmemory-policy", "noeviction",
+        "--logfile", str(directory / "redis.log"),
+    ]  # fmt: skip
+    proc = _spawn("redis-server", args, directory / "redis.stdout", directory)
+    try:
+        wait_for_port(port, proc.popen)
+        client = redis.Redis(host=HOST, port=port, decode_responses=True)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    info = client.info("server")
+                    break
+                except redis.exceptions.BusyLoadingError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        # The port was free a moment ago; make sure what answers on it is the one we started.
+        if int(info["process_id"]) != proc.popen.pid:
+            raise RuntimeError(f"{HOST}:{port} is answered by another redis-server")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
+
+
+def gateway_env(source: Path | None) -> dict[str, str] | None:
+    """The environment that makes ``python -m gateway.cli`` import from ``source``.
+
+    PYTHONPATH comes before the editable install's finder, so a snapshot of another revision
+    (``git archive``) runs instead of the working tree.
+    """
+    if source is None:
+        return None
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(source) + (os.pathsep + path if path else "")}
+
+
+def gateway_origin(source: Path | None) -> str:
+    """Where the gateway subprocesses import ``gateway`` from (checked, not assumed)."""
+    probe = "import importlib.util as u; print(u.find_spec('gateway.cli').origin)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=gateway_env(source),
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(Path(done.stdout.strip()).parent.parent)
+
+
+def start_gateway(
+    directory: Path,
+    store_url: str,
+    *,
+    log_level: str,
+    sqlite_synchronous: str,
+    source: Path | None,
+    store_timeout_ms: int | None,
+) -> tuple[Proc, str]:
+    """``fencegate serve`` with a temporary config: (process, base URL)."""
+    directory.mkdir(parents=True)
+    port = free_port()
+    config = directory / "fencegate.toml"
+    lines = [
+        "[server]",
+        f'listen = "{HOST}:{port}"',
+        "[store]",
+        f"url = {json.dumps(store_url)}",
+        f'sqlite_synchronous = "{sqlite_synchronous}"',
+    ]
+    if store_timeout_ms is not None:
+        lines.append(f"timeout_ms = {store_timeout_ms}")
+    lines += ["[logging]", f'level = "{log_level}"']
+    config.write_text("\n".join(lines) + "\n")
+    args = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
+    proc = _spawn("gateway", args, directory / "gateway.log", directory, gateway_env(source))
+    base = f"http://{HOST}:{port}"
+    try:
+        wait_for_port(port, proc.popen)
+        _wait_ready(base, proc)
+    except BaseException as exc:
+        proc.stop()
+        raise RuntimeError(f"gateway did not start ({exc}):\n{proc.log_tail()}") from None
+    return proc, base
+
+
+def start_baseline(directory: Path) -> tuple[Proc, str]:
+    """The bare aiohttp server of this module, in its own process like the gateway."""
+    directory.mkdir(parents=True)
+    port = free_port()
+    args = [sys.executable, "-m", "bench.claim_commit", "--serve-baseline", f"{HOST}:{port}"]
+    proc = _spawn("baseline", args, directory / "baseline.log", REPO_ROOT)
+    base = f"http://{HOST}:{port}"
+    try:
+        wait_for_port(port, proc.popen)
+        _wait_ready(base, proc)
+    except BaseException as exc:
+        proc.stop()
+        raise RuntimeError(f"baseline server did not start ({exc}):\n{proc.log_tail()}") from None
+    return proc, base
+
+
+def _wait_ready(base: str, proc: Proc) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if not proc.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{base}/readyz never answered 200")
+        time.sleep(0.05)
+    if not proc.alive():  # someone else answered on our port
+        raise RuntimeError(f"{proc.name} exited; {base} is answered by another process")
+
+
+def filesystem_of(path: Path) -> str:
+    """``fstype (device)`` of the mount holding ``path`` (tmpfs would make fsync free)."""
+    best, found = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return found
+    resolved = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        device, point, fstype = parts[0], parts[1], parts[2]
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, found = point, f"{fstype} ({device})"
+    return found
+
+
+# --- the baseline server ---------------------------------------------------------------------
+
+
+def baseline_app() -> web.Application:
+    """Answers the benchmark's requests with JSON of the gateway's shapes, and nothing more."""
+
+    async def claim(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        now = time.time_ns() // 1_000_000
+        return web.json_response(
+            {
+                "taskId": request.match_info["task_id"],
+                "attemptId": uuid.uuid4().hex,
+                "claimGeneration": 1,
+                "schedulerEpoch": body["schedulerEpoch"],
+                "cancelGeneration": 0,
+                "leaseExpiresAt": now + body["ttlMs"],
+                "grantedTtlMs": body["ttlMs"],
+                "revision": 1,
+                "inputDigest": "0" * 64,
+            }
+        )
+
+    async def commit(request: web.Request) -> web.Response:
+        json.loads(await request.read())
+        return web.json_response({"outcome": "COMMITTED", "commitId": uuid.uuid4().hex})
+
+    async def put_task(request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        return web.json_response(
+            {"taskId": request.match_info["task_id"], "state": "READY", **body}, status=201
+        )
+
+    async def epoch(request: web.Request) -> web.Response:
+        return web.json_response({"schedulerEpoch": 1, "claimsPaused": False})
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready", "store": "none"})
+
+    app = web.Application()
+    app.router.add_post(r"/v1/tasks/{task_id:.+}/claim", claim)
+    app.router.add_post(r"/v1/tasks/{task_id:.+}/commit", commit)
+    app.router.add_put(r"/v1/tasks/{task_id:.+}", put_task)
+    app.router.add_get("/v1/epoch", epoch)
+    app.router.add_get("/readyz", ready)
+    return app
+
+
+def serve_baseline(listen: str) -> int:
+    host, _, port = listen.rpartition(":")
+    if host not in (HOST, "localhost"):
+        print("the baseline server listens on loopback only", file=sys.stderr)
+        return 2
+    # The same run_app options as ``fencegate serve``.
+    web.run_app(
+        baseline_app(),
+        host=host,
+        port=int(port),
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
+    return 0
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+class StepFailed(Exception):
+    """One request that did not get a 2xx answer (status 0: no answer at all)."""
+
+    def __init__(self, step: str, status: int, body: bytes, code: str | None = None) -> None:
+        self.step = step
+        self.status = status
+        self.body = body
+        if code is None:
+            try:
+                code = str(json.loads(body).get("code", "-"))
+            except (ValueError, AttributeError):
+                code = "-"
+        self.code = code
+        super().__init__(f"{step}: {status} {self.code}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.step} {self.status} {self.code}"
+
+    @property
+    def sample(self) -> str:
+        return f"{self.key}: {self.body[:300].decode(errors='replace')}"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class Outcome:
+    """What the workers of one batch saw."""
+
+    done: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    cycle_ms: list[float] = field(default_factory=list)
+    claim_ms: list[float] = field(default_factory=list)
+    commit_ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    samples: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    cut_by_time: bool = False
+
+    def record_error(self, key: str, sample: str) -> None:
+        self.errors[key] += 1
+        if key not in self.samples and len(self.samples) < ERROR_SAMPLES:
+            self.samples[key] = sample
+
+
+class Client:
+    def __init__(self, session: aiohttp.ClientSession, base: str) -> None:
+        self.session = session
+        self.base = base
+
+    async def call(self, step: str, method: str, path: str, body: Any = None) -> bytes:
+        data = None if body is None else json.dumps(body).encode()
+        headers = None if body is None else {"Content-Type": "application/json"}
+        try:
+            async with self.session.request(
+                method, self.base + path, data=data, headers=headers
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise StepFailed(step, 0, str(exc).encode(), type(exc).__name__) from exc
+        if not 200 <= status < 300:
+            raise StepFailed(step, status, raw)
+        return raw
+
+
+#: One unit of work: (client, task id, owner, outcome to record timings in).
+Step = Callable[["Client", str, str, Outcome], Awaitable[None]]
+
+
+async def _run_workers(
+    client: Client,
+    task_ids: Sequence[str],
+    concurrency: int,
+    deadline: float,
+    one: Step,
+) -> Outcome:
+    """``concurrency`` workers take ids from one shared iterator until done or ``deadline``."""
+    out = Outcome()
+    ids: Iterator[str] = iter(task_ids)
+
+    async def worker(n: int) -> None:
+        owner = f"bench-worker-{n}"
+        for task_id in ids:
+            if time.perf_counter() >= deadline:
+                out.cut_by_time = True
+                return
+            try:
+                await one(client, task_id, owner, out)
+            except StepFailed as exc:
+                out.failed.append(task_id)
+                out.record_error(exc.key, exc.sample)
+            else:
+                out.done.append(task_id)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(n) for n in range(concurrency)))
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+async def _put(client: Client, task_id: str, owner: str, out: Outcome) -> None:
+    await client.call("put", "PUT", f"/v1/tasks/{task_id}", {"inputDigest": _digest(task_id)})
+
+
+def _cycle(epoch: int) -> Step:
+    async def cycle(client: Client, task_id: str, owner: str, out: Outcome) -> None:
+        t0 = time.perf_counter()
+        raw = await client.call(
+            "claim",
+            "POST",
+            f"/v1/tasks/{task_id}/claim",
+            {"owner": owner, "ttlMs": TTL_MS, "schedulerEpoch": epoch},
+        )
+        claim = json.loads(raw)
+        t1 = time.perf_counter()
+        await client.call(
+            "commit",
+            "POST",
+            f"/v1/tasks/{task_id}/commit",
+            {
+                "attemptId": claim["attemptId"],
+                "claimGeneration": claim["claimGeneration"],
+                "schedulerEpoch": claim["schedulerEpoch"],
+                "cancelGeneration": claim["cancelGeneration"],
+                "inputDigest": _digest(task_id),
+                "resultDigest": _digest(f"result:{task_id}"),
+            },
+        )
+        t2 = time.perf_counter()
+        out.claim_ms.append((t1 - t0) * 1000)
+        out.commit_ms.append((t2 - t1) * 1000)
+        out.cycle_ms.append((t2 - t0) * 1000)
+
+    return cycle
+
+
+async def _states(client: Client, task_ids: Sequence[str], concurrency: int) -> Counter[str]:
+    """The state of every task after the run, read back through the gateway (not measured)."""
+    states: Counter[str] = Counter()
+    ids = iter(task_ids)
+
+    async def read(task_id: str) -> str:
+        for attempt in range(5):  # a 503 here says nothing about the task: ask again
+            try:
+                raw = await client.call("get", "GET", f"/v1/tasks/{task_id}")
+                return str(json.loads(raw)["state"])
+            except StepFailed as exc:
+                if exc.status != 503 or attempt == 4:
+                    return f"GET {exc.status} {exc.code}"
+                await asyncio.sleep(0.1 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def reader() -> None:
+        for task_id in ids:
+            states[await read(task_id)] += 1
+
+    await asyncio.gather(*(reader() for _ in range(concurrency)))
+    return states
+
+
+@dataclass
+class ClientRun:
+    put: Outcome
+    warmup: Outcome
+    measured: Outcome
+    server_cpu_s: dict[str, float] | None
+    client_cpu_s: float
+    states_done: Counter[str] | None
+    states_failed: Counter[str] | None
+
+
+async def drive(
+    base: str,
+    procs: Sequence[Proc],
+    *,
+    tasks: int,
+    warmup: int,
+    concurrency: int,
+    max_seconds: float,
+    verify: bool,
+) -> ClientRun:
+    run_id = uuid.uuid4().hex[:8]
+    warm_ids = [f"bench.{run_id}.warm.{i:05d}" for i in range(warmup)]
+    task_ids = [f"bench.{run_id}.{i:06d}" for i in range(tasks)]
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        client = Client(session, base)
+        epoch = int(json.loads(await client.call("epoch", "GET", "/v1/epoch"))["schedulerEpoch"])
+        cycle = _cycle(epoch)
+
+        # Not measured: create every task, then warm the connections and the server up.
+        put = await _run_workers(
+            client, warm_ids + task_ids, concurrency, time.perf_counter() + max_seconds, _put
+        )
+        created = set(put.done)
+        warm = await _run_workers(
+            client,
+            [t for t in warm_ids if t in created],
+            concurrency,
+            time.perf_counter() + max_seconds,
+            cycle,
+        )
+
+        # Measured: claim -> commit for every created task, bounded by --max-seconds.
+        cpu_before = [p.cpu() for p in procs]
+        client_cpu_before = time.process_time()
+        measured = await _run_workers(
+            client,
+            [t for t in task_ids if t in created],
+            concurrency,
+            time.perf_counter() + max_seconds,
+            cycle,
+        )
+        client_cpu = time.process_time() - client_cpu_before
+        cpu_after = [p.cpu() for p in procs]
+        server_cpu: dict[str, float] | None = {}
+        for proc, before, after in zip(procs, cpu_before, cpu_after, strict=True):
+            if before is None or after is None or server_cpu is None:
+                server_cpu = None
+            else:
+                server_cpu[proc.name] = after - before
+
+        states_done = states_failed = None
+        if verify:
+            states_done = await _states(client, measured.done, concurrency)
+            states_failed = await _states(client, measured.failed, concurrency)
+    return ClientRun(put, warm, measured, server_cpu, client_cpu, states_done, states_failed)
+
+
+# --- phases ----------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], pct: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    planned: int
+    cycles: int
+    failed: int
+    seconds: float
+    cut_by_time: bool
+    cycle_ms: list[float]
+    claim_ms: list[float]
+    commit_ms: list[float]
+    errors: dict[str, int]
+    error_samples: list[str]
+    setup_errors: dict[str, int]
+    server_cpu_s: dict[str, float] | None
+    client_cpu_s: float
+    states_done: dict[str, int] | None
+    states_failed: dict[str, int] | None
+    log_events: dict[str, int]
+    exit_codes: dict[str, int | None]
+    notes: list[str]
+
+    @property
+    def rate(self) -> float:
+        return self.cycles / self.seconds if self.seconds > 0 else 0.0
+
+    def server_cpu_ms_per_cycle(self) -> float | None:
+        if self.server_cpu_s is None or not self.cycles:
+            return None
+        return sum(self.server_cpu_s.values()) * 1000 / self.cycles
+
+    def summary(self, reference: PhaseResult | None) -> dict[str, Any]:
+        p50 = percentile(self.cycle_ms, 50)
+        ref_p50 = percentile(reference.cycle_ms, 50) if reference else None
+        return {
+            "phase": self.name,
+            "plannedCycles": self.planned,
+            "cycles": self.cycles,
+            "failedCycles": self.failed,
+            "seconds": round(self.seconds, 3),
+            "cutByMaxSeconds": self.cut_by_time,
+            "cyclesPerSecond": round(self.rate, 1),
+            "cycleP50Ms": _round(p50),
+            "cycleP99Ms": _round(percentile(self.cycle_ms, 99)),
+            "cycleMaxMs": _round(max(self.cycle_ms, default=None)),
+            "claimP50Ms": _round(percentile(self.claim_ms, 50)),
+            "claimP99Ms": _round(percentile(self.claim_ms, 99)),
+            "commitP50Ms": _round(percentile(self.commit_ms, 50)),
+            "commitP99Ms": _round(percentile(self.commit_ms, 99)),
+            "serverCpuMsPerCycle": _round(self.server_cpu_ms_per_cycle()),
+            "serverCpuMsPerCycleByProcess": {
+                name: _round(cpu * 1000 / self.cycles)
+                for name, cpu in (self.server_cpu_s or {}).items()
+                if self.cycles
+            },
+            "clientCpuMsPerCycle": _round(
+                self.client_cpu_s * 1000 / self.cycles if self.cycles else None
+            ),
+            "rateVsBaseline": _round(self.rate / reference.rate, 3)
+            if reference and reference.rate
+            else None,
+            "p50VsBaseline": _round(p50 / ref_p50, 2) if p50 and ref_p50 else None,
+            "errors": self.errors,
+            "errorSamples": self.error_samples,
+            "setupErrors": self.setup_errors,
+            "statesOfCommittedCycles": self.states_done,
+            "statesOfFailedCycles": self.states_failed,
+            "serverLogEvents": self.log_events,
+            "exitCodes": self.exit_codes,
+            "notes": self.notes,
+        }
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def scan_gateway_log(path: Path) -> tuple[dict[str, int], list[str]]:
+    """Counts of warning/error events (and of non-JSON lines, e.g. tracebacks) in a log."""
+    counts: Counter[str] = Counter()
+    odd: list[str] = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}, []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            counts["(non-JSON line)"] += 1
+            if len(odd) < 5:
+                odd.append(line[:300])
+            continue
+        if not isinstance(event, dict):
+            continue
+        level = str(event.get("level", "?"))
+        name = str(event.get("event", "?"))
+        if level not in ("debug", "info"):
+            counts[f"{level} {name}"] += 1
+            if len(odd) < 5 and level in ("error", "critical"):
+                odd.append(line[:300])
+        elif name.endswith(".rejected"):
+            counts[f"{level} {name} {event.get('code', '?')}"] += 1
+    return dict(counts), odd
+
+
+async def _terminable(work: Awaitable[T]) -> T:
+    """Run ``work``; SIGTERM cancels it (and surfaces as KeyboardInterrupt, like Ctrl-C)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def run_phase(
+    name: str, base: str, procs: Sequence[Proc], args: argparse.Namespace, verify: bool
+) -> PhaseResult:
+    run = asyncio.run(
+        _terminable(
+            drive(
+                base,
+                procs,
+                tasks=args.tasks,
+                warmup=args.warmup,
+                concurrency=args.concurrency,
+                max_seconds=args.max_seconds,
+                verify=verify,
+            )
+        )
+    )
+    m = run.measured
+    notes: list[str] = []
+    if run.put.errors:
+        notes.append(f"{len(run.put.failed)} PUTs failed: those tasks were not measured")
+    if run.put.cut_by_time:
+        notes.append("PUT setup hit --max-seconds: only the tasks created were measured")
+    if run.warmup.errors:
+        notes.append(f"warm-up errors: {dict(run.warmup.errors)}")
+    if m.cut_by_time:
+        notes.append(f"stopped by --max-seconds after {len(m.done) + len(m.failed)} cycles")
+    if run.states_done is not None and run.states_done.get("COMMITTED", 0) != len(m.done):
+        notes.append(f"answered COMMITTED but read back as {dict(run.states_done)}")
+    for proc in procs:
+        if not proc.alive():
+            notes.append(f"{proc.name} died during the run (exit {proc.popen.returncode})")
+    setup_errors = dict(run.put.errors)
+    setup_errors.update({f"warm-up {k}": v for k, v in run.warmup.errors.items()})
+    samples = list(m.samples.values())
+    samples += [f"put: {s}" for s in run.put.samples.values()]
+    samples += [f"warm-up: {s}" for s in run.warmup.samples.values()]
+    return PhaseResult(
+        name=name,
+        planned=args.tasks,
+        cycles=len(m.done),
+        failed=len(m.failed),
+        seconds=m.seconds,
+        cut_by_time=m.cut_by_time,
+        cycle_ms=m.cycle_ms,
+        claim_ms=m.claim_ms,
+        commit_ms=m.commit_ms,
+        errors=dict(m.errors),
+        error_samples=samples,
+        setup_errors={
+            **run.put.errors,
+            **{f"warm-up {k}": v for k, v in run.warmup.errors.items()},
+        },
+        server_cpu_s=run.server_cpu_s,
+        client_cpu_s=run.client_cpu_s,
+        states_done=dict(run.states_done) if run.states_done is not None else None,
+        states_failed=dict(run.states_failed) if run.states_failed is not None else None,
+        log_events={},
+        exit_codes={},
+        notes=notes,
+    )
+
+
+def _finish(result: PhaseResult, procs: Sequence[Proc], gateway_log: Path | None) -> None:
+    for proc in reversed(procs):  # the gateway before its store
+        result.exit_codes[proc.name] = proc.stop()
+    if gateway_log is not None:
+        result.log_events, odd = scan_gateway_log(gateway_log)
+        result.error_samples += [f"gateway log: {line}" for line in odd]
+
+
+def phase_baseline(name: str, work: Path, args: argparse.Namespace) -> PhaseResult:
+    proc, base = start_baseline(work / "baseline")
+    try:
+        result = run_phase(name, base, [proc], args, verify=False)
+    finally:
+        exit_code = proc.stop()
+    result.exit_codes[proc.name] = exit_code
+    return result
+
+
+def phase_sqlite(work: Path, args: argparse.Namespace) -> PhaseResult:
+    directory = work / "sqlite"
+    url = f"sqlite:///{directory / 'fencegate.db'}"  # absolute path: four slashes
+    gateway, base = start_gateway(
+        directory,
+        url,
+        log_level=args.log_level,
+        sqlite_synchronous=args.sqlite_synchronous,
+        source=args.gateway_src,
+        store_timeout_ms=args.store_timeout_ms,
+    )
+    procs = [gateway]
+    try:
+        result = run_phase("sqlite", base, procs, args, verify=not args.no_verify)
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    _finish(result, procs, gateway.log_path)
+    return result
+
+
+def phase_redis(work: Path, args: argparse.Namespace) -> tuple[PhaseResult, str]:
+    server, url, version = start_redis(args.redis_server, work / "redis", args.appendfsync)
+    procs = [server]
+    try:
+        gateway, base = start_gateway(
+            work / "redis-gateway",
+            url,
+            log_level=args.log_level,
+            sqlite_synchronous=args.sqlite_synchronous,
+            source=args.gateway_src,
+            store_timeout_ms=args.store_timeout_ms,
+        )
+        procs.append(gateway)
+        result = run_phase("redis", base, procs, args, verify=not args.no_verify)
+    except BaseException:
+        for proc in reversed(procs):
+            proc.stop()
+        raise
+    _finish(result, procs, gateway.log_path)
+    return result, version
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def empty_result(name: str, planned: int, note: str) -> PhaseResult:
+    return PhaseResult(
+        name=name,
+        planned=planned,
+        cycles=0,
+        failed=0,
+        seconds=0.0,
+        cut_by_time=False,
+        cycle_ms=[],
+        claim_ms=[],
+        commit_ms=[],
+        errors={},
+        error_samples=[],
+        setup_errors={},
+        server_cpu_s=None,
+        client_cpu_s=0.0,
+        states_done=None,
+        states_failed=None,
+        log_events={},
+        exit_codes={},
+        notes=[note],
+    )
+
+
+def is_baseline(result: PhaseResult) -> bool:
+    return result.name.startswith("baseline")
+
+
+def reference_of(results: Sequence[PhaseResult]) -> PhaseResult | None:
+    """One baseline made of the given baseline runs (their cycles pooled), or None."""
+    baselines = [r for r in results if is_baseline(r) and r.cycles]
+    if not baselines:
+        return None
+    pooled = empty_result("baseline (pooled)", sum(r.planned for r in baselines), "")
+    pooled.notes = []
+    pooled.cycles = sum(r.cycles for r in baselines)
+    pooled.seconds = sum(r.seconds for r in baselines)
+    pooled.cycle_ms = [x for r in baselines for x in r.cycle_ms]
+    return pooled
+
+
+def phase_plan(stores: Sequence[str], rounds: int) -> list[str]:
+    """A baseline before and after every store phase: baseline 1, sqlite, baseline 2, ..."""
+    plan = ["baseline 1"]
+    for round_ in range(1, rounds + 1):
+        for store in stores:
+            plan.append(store if rounds == 1 else f"{store} #{round_}")
+            plan.append(f"baseline {len(plan) // 2 + 1}")
+    return plan
+
+
+def neighbours(results: Sequence[PhaseResult], i: int) -> list[PhaseResult]:
+    """The baselines to read ``results[i]`` against: its neighbours, or every baseline."""
+    if is_baseline(results[i]):
+        return [r for r in results if is_baseline(r)]
+    return [r for r in results[max(0, i - 1) : i + 2] if is_baseline(r)]
+
+
+def render_medians(summaries: Sequence[dict[str, Any]], stores: Sequence[str]) -> str:
+    header = ("store", "rounds", "cycles/s", "p50 ms", "p99 ms", "rate / base", "p50 / base")
+    keys = ("cyclesPerSecond", "cycleP50Ms", "cycleP99Ms", "rateVsBaseline", "p50VsBaseline")
+    specs = (".0f", ".2f", ".2f", ".3f", ".2f")
+    rows: list[tuple[str, ...]] = [header]
+    for store in stores:
+        mine = [s for s in summaries if s["phase"].split(" ")[0] == store and s["cycles"]]
+        cells = [store, str(len(mine))]
+        for key, spec in zip(keys, specs, strict=True):
+            values = [s[key] for s in mine if s[key] is not None]
+            cells.append(_fmt(statistics.median(values) if values else None, spec))
+        rows.append(tuple(cells))
+    return _align(rows)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_table(summaries: Sequence[dict[str, Any]]) -> str:
+    header = (
+        "phase",
+        "cycles",
+        "failed",
+        "seconds",
+        "cycles/s",
+        "p50 ms",
+        "p99 ms",
+        "srv CPU ms/cycle",
+        "rate / base",
+        "p50 / base",
+    )
+    rows = [header]
+    for s in summaries:
+        rows.append(
+            (
+                s["phase"],
+                str(s["cycles"]),
+                str(s["failedCycles"]),
+                _fmt(s["seconds"], ".2f"),
+                _fmt(s["cyclesPerSecond"], ".0f"),
+                _fmt(s["cycleP50Ms"], ".2f"),
+                _fmt(s["cycleP99Ms"], ".2f"),
+                _fmt(s["serverCpuMsPerCycle"], ".2f"),
+                _fmt(s["rateVsBaseline"], ".3f"),
+                _fmt(s["p50VsBaseline"], ".2f"),
+            )
+        )
+    return _align(rows)
+
+
+def _align(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.claim_commit",
+        description="claim+commit cycles per second through a real gateway, per store, "
+        "against a bare aiohttp baseline on loopback.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--tasks", type=int, default=2000, help="measured cycles per phase")
+    parser.add_argument("--concurrency", type=int, default=16, help="concurrent workers")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=60.0,
+        help="time bound of each phase's measured part (and of its PUT set-up)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the store phases this many times (medians are printed too)",
+    )
+    parser.add_argument("--warmup", type=int, default=100, help="unmeasured cycles per phase")
+    parser.add_argument(
+        "--stores",
+        default="sqlite,redis",
+        help="comma-separated subset of sqlite,redis",
+    )
+    parser.add_argument(
+        "--appendfsync",
+        choices=("always", "everysec"),
+        default="always",
+        help="redis-server's appendfsync (always is the production advice)",
+    )
+    parser.add_argument(
+        "--sqlite-synchronous",
+        choices=("FULL", "NORMAL"),
+        default="FULL",
+        help="store.sqlite_synchronous of the sqlite gateway",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="gateway logging.level (info, the default, logs one event per decision)",
+    )
+    parser.add_argument(
+        "--store-timeout-ms",
+        type=int,
+        metavar="MS",
+        help="gateway store.timeout_ms (unset: the gateway default, 2000)",
+    )
+    parser.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip reading every task back after the run",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the results as JSON to FILE ('-': stdout, the table then goes to stderr)",
+    )
+    parser.add_argument(
+        "--temp-dir",
+        metavar="DIR",
+        help="where the temporary directory goes (default: the system's; avoid tmpfs)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory (logs, data)"
+    )
+    parser.add_argument(
+        "--redis-server",
+        default=shutil.which("redis-server"),
+        help="redis-server binary (default: from PATH)",
+    )
+    parser.add_argument(
+        "--gateway-src",
+        metavar="DIR",
+        type=Path,
+        help="run the gateway from this source tree (e.g. a `git archive` of a commit) "
+        "instead of the installed checkout",
+    )
+    parser.add_argument("--serve-baseline", metavar="HOST:PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_baseline:
+        return args
+    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+    if not stores or any(s not in ("sqlite", "redis") for s in stores):
+        parser.error("--stores: expected a comma-separated subset of sqlite,redis")
+    args.stores = stores
+    if min(args.tasks, args.concurrency, args.rounds) < 1 or args.warmup < 0:
+        parser.error("--tasks, --concurrency and --rounds must be >= 1, --warmup >= 0")
+    if args.max_seconds <= 0:
+        parser.error("--max-seconds must be > 0")
+    if "redis" in stores and not args.redis_server:
+        parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve_baseline:
+        return serve_baseline(args.serve_baseline)
+
+    # SIGTERM unwinds like Ctrl-C, so the processes we started are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    origin = gateway_origin(args.gateway_src)
+    _progress(f"the gateway runs from {origin}")
+    work = Path(tempfile.mkdtemp(prefix="fencegate-bench-", dir=args.temp_dir))
+    fs = filesystem_of(work)
+    _progress(f"working in {work} on {fs}")
+    results: list[PhaseResult] = []
+    redis_version: str | None = None
+    started = time.monotonic()
+    try:
+        for n, name in enumerate(phase_plan(args.stores, args.rounds)):
+            _progress(f"{name}: {args.tasks} tasks, concurrency {args.concurrency} ...")
+            try:
+                if name.startswith("baseline"):
+                    result = phase_baseline(name, work / f"{n:02d}", args)
+                elif name.startswith("sqlite"):
+                    result = phase_sqlite(work / f"{n:02d}", args)
+                    result.name = name
+                else:
+                    result, redis_version = phase_redis(work / f"{n:02d}", args)
+                    result.name = name
+            except (RuntimeError, OSError, redis.exceptions.RedisError) as exc:
+                _progress(f"{name}: could not run: {exc}")
+                result = empty_result(name, args.tasks, f"could not run: {exc}")
+            results.append(result)
+            _progress(
+                f"{name}: {result.cycles} cycles in {result.seconds:.2f}s "
+                f"({result.rate:.0f}/s), {result.failed} failed"
+            )
+    except KeyboardInterrupt:
+        _progress("interrupted")
+        return 130
+    finally:
+        troubled = any(r.errors or r.setup_errors or r.notes for r in results)
+        if args.keep or troubled:
+            _progress(f"kept {work} (logs and data)")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    summaries = [r.summary(reference_of(neighbours(results, i))) for i, r in enumerate(results)]
+    settings = (
+        f"{args.tasks} tasks, concurrency {args.concurrency}, redis appendfsync "
+        f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, gateway log level "
+        f"{args.log_level}, {os.cpu_count()} CPUs, temp dir on {fs}, gateway from {origin}"
+    )
+    if args.store_timeout_ms is not None:
+        settings += f", store.timeout_ms {args.store_timeout_ms}"
+    table = render_table(summaries)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"\nclaim+commit cycles ({settings})\n", file=out)
+    print(table, file=out)
+    rates = [r.rate for r in results if is_baseline(r) and r.cycles]
+    if rates:
+        print(
+            "\nrate / base and p50 / base: a store against the baseline runs just before and "
+            "after it (pooled); a baseline against all baseline runs. The baseline ranged "
+            f"{min(rates):.0f}..{max(rates):.0f} cycles/s ({max(rates) / min(rates) - 1:+.0%}) "
+            "during this run.",
+            file=out,
+        )
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} rounds\n", file=out)
+        print(render_medians(summaries, args.stores), file=out)
+    for s in summaries:
+        for note in s["notes"]:
+            print(f"note: {s['phase']}: {note}", file=out)
+        if s["errors"] or s["setupErrors"]:
+            print(f"errors: {s['phase']}: {s['errors'] or ''} {s['setupErrors'] or ''}", file=out)
+            for sample in s["errorSamples"]:
+                print(f"    {sample}", file=out)
+        if s["statesOfFailedCycles"]:
+            print(
+                f"read back: {s['phase']}: tasks of the failed cycles are now "
+                f"{s['statesOfFailedCycles']}",
+                file=out,
+            )
+        loud = {k: v for k, v in s["serverLogEvents"].items() if not k.startswith("info ")}
+        if loud:
+            print(f"server log: {s['phase']}: {loud}", file=out)
+    print(f"total wall time {time.monotonic() - started:.0f}s", file=out)
+
+    if args.json:
+        document = {
+            "benchmark": "claim_commit",
+            "settings": {
+                "tasks": args.tasks,
+                "concurrency": args.concurrency,
+                "warmup": args.warmup,
+                "maxSeconds": args.max_seconds,
+                "stores": args.stores,
+                "rounds": args.rounds,
+                "appendfsync": args.appendfsync,
+                "sqliteSynchronous": args.sqlite_synchronous,
+                "gatewayLogLevel": args.log_level,
+                "storeTimeoutMs": args.store_timeout_ms,
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "aiohttp": aiohttp.__version__,
+                "redis": redis_version,
+                "tempFilesystem": fs,
+                "gatewaySource": origin,
+            },
+            "phases": summaries,
+        }
+        text = json.dumps(document, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    failed = any(r.failed or r.setup_errors for r in results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Concurrency through real gateway processes: one winner per claim race, never a reused token.
+
+The gateways are ``fencegate serve`` subprocesses (``tests/servers.py``) configured by TOML
+files, as an operator runs them; two of them share one Redis, the way a fleet does. Lease
+expiry here is real time (short TTLs and short sleeps), since a separate process has no test
+clock to advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import aiohttp
+import pytest
+
+from tests.api import Api, Lease
+from tests.servers import GatewayProcess, Gateways, RedisServer
+
+CONTENDERS = 50
+
+
+@pytest.fixture
+def gateways(tmp_path: Path) -> Iterator[Gateways]:
+    group = Gateways(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def redis_pair(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
+    """Two gateways on the session Redis under one fresh key prefix (each test its own task)."""
+    group = Gateways(tmp_path_factory.mktemp("pair"))
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+    try:
+        yield (
+            group.start("gw1", redis_server.url, key_prefix=prefix),
+            group.start("gw2", redis_server.url, key_prefix=prefix),
+        )
+    finally:
+        group.stop_all()
+
+
+def http_api(session: aiohttp.ClientSession) -> Api:
+    """``tests.api.Api`` over a plain client session (``base_url`` = one gateway)."""
+    return Api(cast(Any, session))
+
+
+def lease_from(owner: str, body: dict[str, Any]) -> Lease:
+    return Lease(
+        body["taskId"],
+        body["attemptId"],
+        body["claimGeneration"],
+        owner,
+        body["schedulerEpoch"],
+        body["cancelGeneration"],
+        body["leaseExpiresAt"],
+        body["inputDigest"],
+    )
+
+
+async def claim_race(
+    session: aiohttp.ClientSession, urls: list[str], task_id: str, epoch: int
+) -> list[tuple[str, int, dict[str, Any]]]:
+    """CONTENDERS claims at once, spread round-robin over ``urls``: (owner, status, body)."""
+    start = asyncio.Event()
+
+    async def contender(i: int) -> tuple[str, int, dict[str, Any]]:
+        owner = f"worker-{i}"
+        body = {"owner": owner, "ttlMs": 30_000, "schedulerEpoch": epoch}
+        await start.wait()
+        async with session.post(f"{urls[i % len(urls)]}/v1/tasks/{task_id}/claim", json=body) as r:
+            return owner, r.status, await r.json(content_type=None)
+
+    racers = [asyncio.create_task(contender(i)) for i in range(CONTENDERS)]
+    await asyncio.sleep(0)  # every contender is parked on the event
+    start.set()
+    return await asyncio.gather(*racers)
+
+
+def assert_one_winner(
+    answers: list[tuple[str, int, dict[str, Any]]],
+) -> tuple[str, dict[str, Any]]:
+    statuses = Counter(status for _, status, _ in answers)
+    assert statuses == {200: 1, 409: CONTENDERS - 1}, statuses
+    refused = Counter(body["code"] for _, status, body in answers if status == 409)
+    assert refused == {"CLAIMED": CONTENDERS - 1}, refused
+    ((owner, _, body),) = [a for a in answers if a[1] == 200]
+    return owner, body
+
+
+async def test_fifty_claims_through_two_gateways_on_one_redis_have_one_winner(
+    redis_pair: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    gw1, gw2 = redis_pair
+    connector = aiohttp.TCPConnector(limit=2 * CONTENDERS)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.put(f"{gw1.url}/v1/tasks/race-1", json={"inputDigest": "in-1"}) as r:
+            assert r.status == 201
+        answers = await claim_race(session, [gw1.url, gw2.url], "race-1", epoch=1)
+        owner, won = assert_one_winner(answers)
+        assert won["claimGeneration"] == 1
+        # Both gateways see the same single holder.
+        for url in (gw1.url, gw2.url):
+            async with session.get(f"{url}/v1/tasks/race-1") as r:
+                record = await r.json()
+            assert record["state"] == "CLAIMED"
+            assert record["owner"] == owner
+            assert record["attemptId"] == won["attemptId"]
+            assert record["claimGeneration"] == 1
+
+
+async def test_generations_strictly_increase_across_two_gateways(
+    redis_pair: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    gw1, gw2 = redis_pair
+    async with (
+        aiohttp.ClientSession(base_url=gw1.url) as s1,
+        aiohttp.ClientSession(base_url=gw2.url) as s2,
+    ):
+        apis = [http_api(s1), http_api(s2)]
+        assert (await apis[0].put("gen-1")).status == 201
+        leases: list[Lease] = []
+        for i in range(8):
+            here, there = apis[i % 2], apis[(i + 1) % 2]
+            by_expiry = i % 2 == 1
+            answer = await here.try_claim(
+                "gen-1", owner=f"w{i}", ttl_ms=200 if by_expiry else 30_000, epoch=1
+            )
+            assert answer.status == 200, answer.body
+            leases.append(lease_from(f"w{i}", answer.body))
+            if by_expiry:
+                await asyncio.sleep(0.3)  # let the 200 ms lease run out (store time)
+            else:
+                # The other gateway sees this claim at once: the task is held...
+                refused = await there.try_claim("gen-1", owner="intruder", epoch=1)
+                assert refused.status == 409 and refused.code == "CLAIMED", refused.body
+                # ...and the holder can hand it back through it.
+                assert (await there.release(leases[-1])).status == 200
+        generations = [lease.claim_generation for lease in leases]
+        assert generations == list(range(1, len(leases) + 1)), generations
+        assert len({lease.attempt_id for lease in leases}) == len(leases)
+        # Every earlier attempt is fenced on both gateways; the latest one commits.
+        for lease in leases[:-1]:
+            for api in apis:
+                assert (await api.commit(lease)).code == "FENCED"
+                assert (await api.renew(lease)).code == "FENCED"
+        # The last claim was by expiry (i = 7), so its lease has run out: commit ignores the
+        # clock as long as nobody claimed since.
+        done = await apis[0].commit(leases[-1])
+        assert done.status == 200 and done.body["outcome"] == "COMMITTED"
+        record = (await apis[1].get("gen-1")).body
+        assert record["commit"]["claimGeneration"] == len(leases)
+        assert record["commit"]["attemptId"] == leases[-1].attempt_id
+
+
+async def test_fifty_claims_through_one_gateway_on_sqlite_have_one_winner(
+    gateways: Gateways, tmp_path: Path
+) -> None:
+    gw = gateways.start("gw", f"sqlite:///{tmp_path / 'race.db'}")
+    connector = aiohttp.TCPConnector(limit=2 * CONTENDERS)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.put(f"{gw.url}/v1/tasks/race-1", json={"inputDigest": "in-1"}) as r:
+            assert r.status == 201
+        answers = await claim_race(session, [gw.url], "race-1", epoch=1)
+        owner, won = assert_one_winner(answers)
+        assert won["claimGeneration"] == 1
+        async with session.get(f"{gw.url}/v1/tasks/race-1") as r:
+            record = await r.json()
+        assert record["owner"] == owner
+        assert record["attemptId"] == won["attemptId"]
+        assert record["claimGeneration"] == 1
