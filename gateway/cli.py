@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
@@ -48,15 +49,27 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", metavar="FILE", help="TOML config (default: embedded store)")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="override server.listen")
+    serve.set_defaults(func=_serve)
+
+
+#: Each entry adds its subcommands to the parser; a subcommand sets ``func(args) -> int``.
+#: Operator commands and the demo live in their own modules and register here.
+COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _add_serve,
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fencegate", description="A fencing gateway for autonomous workers."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", metavar="FILE", help="TOML config (default: embedded store)")
-    serve.add_argument("--listen", metavar="HOST:PORT", help="override server.listen")
-    serve.set_defaults(func=_serve)
+    for add in COMMANDS:
+        add(sub)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
