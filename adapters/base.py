@@ -1,15 +1,17 @@
 """The adapter seam: what differs between downstreams, behind one small protocol.
 
-The proxy asks an adapter three things: which headers carry the effect's identity, how a
-response status maps to an outcome, and whether an UNKNOWN effect may go again by itself.
-Everything else (fencing, the ledger, forwarding) is the same for every downstream.
+The proxy asks an adapter: which headers go out (the effect's identity, the gateway-held
+credentials), which request headers are part of the payload, how a response maps to an
+outcome, and three policies the atomic prepare step applies (may an UNKNOWN effect go again
+by itself, for how long; does every forward need an operator's approval). Everything else
+(fencing, the ledger, forwarding) is the same for every downstream.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from ledger.effects import EffectState
+from ledger.effects import Effect, EffectState
 
 __all__ = ["Adapter"]
 
@@ -21,15 +23,26 @@ class Adapter(Protocol):
         ...
 
     @property
-    def resend_unknown(self) -> bool:
-        """May an UNKNOWN effect with the same payload be forwarded again under its original
-        idempotency key? Only where the downstream deduplicates on that key."""
+    def resend_window_ms(self) -> int | None:
+        """How long after its first forward an UNKNOWN effect with the same payload may be
+        forwarded again under its original key by itself (None: never)."""
         ...
 
-    def classify(self, status: int) -> EffectState:
-        """The outcome a response status means for this downstream."""
+    @property
+    def require_approval(self) -> bool:
+        """Does every forward wait for an operator's approval of its exact payload digest?"""
         ...
 
-    def identity_headers(self, effect_id: str, fencing_token: str) -> dict[str, str]:
-        """Headers that carry the effect's identity and the fencing token downstream."""
+    @property
+    def digest_headers(self) -> tuple[str, ...]:
+        """Request headers that are part of the payload (e.g. preconditions)."""
+        ...
+
+    def classify(self, status: int, effect: Effect) -> tuple[EffectState, str]:
+        """The outcome a response status means for this effect, and why."""
+        ...
+
+    def outbound_headers(self, effect_id: str | None, fencing_token: str | None) -> dict[str, str]:
+        """Headers the gateway sets on a request to this downstream: credentials always, the
+        effect's identity and the fencing token for recorded effects."""
         ...

@@ -1,16 +1,18 @@
-"""The plain ``http`` adapter: the contract's default behaviour.
+"""The plain ``http`` adapter: the contract's default behaviour, and the base of the others.
 
 Every forward carries the effectId as its idempotency key and the fencing token; a response
 is COMMITTED, except 500, 502 and 504, which say nothing certain about whether the effect
 happened and so are UNKNOWN. An UNKNOWN effect is never re-sent by this adapter: only an
-operator (or a downstream-specific adapter) can settle it.
+operator (or a kind that can prove it safe) settles it. Status overrides from the config win
+over these defaults.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from ledger.effects import EffectState
+from ledger.effects import Effect, EffectState
 
 __all__ = ["UNKNOWN_STATUSES", "HttpAdapter"]
 
@@ -18,21 +20,45 @@ __all__ = ["UNKNOWN_STATUSES", "HttpAdapter"]
 UNKNOWN_STATUSES = frozenset({500, 502, 504})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class HttpAdapter:
     idempotency_key_header: str = "Idempotency-Key"
     fencing_token_header: str = "Fencing-Token"
-    kind: str = "http"
+    #: Header -> value, resolved from the environment at start-up.
+    credentials: Mapping[str, str] = field(default_factory=dict)
+    #: Status -> outcome, from the downstream's ``outcomes`` table.
+    overrides: Mapping[int, EffectState] = field(default_factory=dict)
 
     @property
-    def resend_unknown(self) -> bool:
+    def kind(self) -> str:
+        return "http"
+
+    @property
+    def resend_window_ms(self) -> int | None:
+        return None
+
+    @property
+    def require_approval(self) -> bool:
         return False
 
-    def classify(self, status: int) -> EffectState:
-        return EffectState.UNKNOWN if status in UNKNOWN_STATUSES else EffectState.COMMITTED
+    @property
+    def digest_headers(self) -> tuple[str, ...]:
+        return ()
 
-    def identity_headers(self, effect_id: str, fencing_token: str) -> dict[str, str]:
-        return {
-            self.idempotency_key_header: effect_id,
-            self.fencing_token_header: fencing_token,
-        }
+    def default_outcome(self, status: int, effect: Effect) -> tuple[EffectState, str]:
+        if status in UNKNOWN_STATUSES:
+            return EffectState.UNKNOWN, f"status {status}"
+        return EffectState.COMMITTED, f"status {status}"
+
+    def classify(self, status: int, effect: Effect) -> tuple[EffectState, str]:
+        if status in self.overrides:
+            return self.overrides[status], f"status {status} (configured outcome)"
+        return self.default_outcome(status, effect)
+
+    def outbound_headers(self, effect_id: str | None, fencing_token: str | None) -> dict[str, str]:
+        headers = dict(self.credentials)
+        if effect_id is not None:
+            headers[self.idempotency_key_header] = effect_id
+        if fencing_token is not None:
+            headers[self.fencing_token_header] = fencing_token
+        return headers

@@ -17,6 +17,7 @@ from gateway import coordination, ledger_api
 from gateway.config import Config
 from gateway.problems import error_middleware
 from gateway.proxy import proxy_handler
+from gateway.reconcile import Reconciler
 from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from ledger.errors import StoreUnavailable
 from ledger.store import Store, open_store
@@ -91,9 +92,17 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         yield
         await session.close()
 
+    async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
+        reconciler = Reconciler(app)
+        if config.reconciler.enabled:
+            reconciler.start()
+        yield
+        await reconciler.stop()
+
     app[ADAPTERS] = {d.name: build_adapter(d) for d in config.downstreams}
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(client_ctx)
+    app.cleanup_ctx.append(reconciler_ctx)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.add_routes(coordination.routes)

@@ -8,6 +8,7 @@ a key ending in ``_env`` names the environment variable that holds the secret.
 from __future__ import annotations
 
 import os
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -20,7 +21,10 @@ __all__ = [
     "DownstreamConfig",
     "LeasesConfig",
     "LoggingConfig",
+    "OutcomesConfig",
+    "ProbeConfig",
     "ProxyConfig",
+    "ReconcilerConfig",
     "ServerConfig",
     "StoreConfig",
     "load_config",
@@ -116,17 +120,89 @@ class ProxyConfig(_Section):
     max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
 
 
+class ReconcilerConfig(_Section):
+    #: Run the background reconciler in this gateway process (safe to run in several: probes
+    #: are leased per effect in the store).
+    enabled: bool = True
+    #: Pause between sweeps.
+    interval_ms: Annotated[int, Field(ge=50, le=_DAY_MS)] = 1_000
+    #: Most UNKNOWN effects one sweep looks at.
+    max_effects_per_sweep: Annotated[int, Field(ge=1, le=100_000)] = 500
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
 
 _HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$"
+HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
+Status = Annotated[int, Field(ge=100, le=599)]
+#: Placeholders a probe path may use.
+PROBE_PLACEHOLDERS = frozenset({"effectId", "taskId", "slot", "node", "revision"})
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+AdapterKind = Literal["http", "idempotent", "probe", "conditional", "manual"]
+
+
+class OutcomesConfig(_Section):
+    """Which response statuses mean what, overriding the adapter's defaults."""
+
+    committed: tuple[Status, ...] = Field(default=(), strict=False)
+    not_applied: tuple[Status, ...] = Field(default=(), strict=False)
+    unknown: tuple[Status, ...] = Field(default=(), strict=False)
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> OutcomesConfig:
+        seen: dict[int, str] = {}
+        for name in ("committed", "not_applied", "unknown"):
+            for status in getattr(self, name):
+                if status in seen:
+                    raise ValueError(f"status {status} is in both {seen[status]} and {name}")
+                seen[status] = name
+        return self
+
+
+class ProbeConfig(_Section):
+    """How to ask the downstream whether an UNKNOWN effect happened."""
+
+    method: Literal["GET", "HEAD", "POST"] = "GET"
+    #: Path under the downstream's url, with {effectId} {taskId} {slot} {node} {revision}.
+    path: str
+    #: Statuses that mean "the effect happened" / "it did not"; any other is inconclusive.
+    found_statuses: tuple[Status, ...] = Field(default=(200,), strict=False)
+    absent_statuses: tuple[Status, ...] = Field(default=(404,), strict=False)
+    #: Optional: a dotted JSON field of a found-status answer, and the values that mean found
+    #: or absent (a value in neither list, or a missing field, is inconclusive).
+    json_field: str | None = None
+    found_values: tuple[str | int | bool, ...] = Field(default=(), strict=False)
+    absent_values: tuple[str | int | bool, ...] = Field(default=(), strict=False)
+    timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] = 5_000
+    #: Backoff between background probes of one effect: doubles from interval to max.
+    interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5_000
+    max_interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5 * _MINUTE_MS
+
+    @field_validator("path")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with /")
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+        except ValueError as exc:
+            raise ValueError(f"not a valid template: {exc}") from exc
+        unknown = sorted(set(fields) - PROBE_PLACEHOLDERS)
+        if unknown or "" in fields:
+            raise ValueError(
+                f"unknown placeholder(s) {unknown or ['{}']}; "
+                f"use {', '.join('{' + p + '}' for p in sorted(PROBE_PLACEHOLDERS))}"
+            )
+        return value
 
 
 class DownstreamConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     url: str
-    adapter: Literal["http"] = "http"
+    #: http | idempotent | probe | conditional | manual (see config.example.toml).
+    adapter: AdapterKind = "http"
     #: Whole forward, from connect to the last response byte. Past it the effect is UNKNOWN.
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] = 10_000
     #: Connecting only; a connect that fails or times out certainly delivered nothing.
@@ -145,6 +221,38 @@ class DownstreamConfig(_Section):
     fencing_token_header: Annotated[str, Field(pattern=_HEADER_NAME)] = "Fencing-Token"
     #: Forward the agent's Authorization header (off: credentials belong to the gateway).
     forward_authorization: bool = False
+    #: Headers the gateway adds to every request to this downstream: header -> name of the
+    #: environment variable holding its value (the downstream's credentials live here).
+    headers_from_env: dict[
+        HeaderName, Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+    ] = Field(default_factory=dict)
+    #: Status -> outcome overrides.
+    outcomes: OutcomesConfig = OutcomesConfig()
+    #: idempotent: how long the downstream deduplicates on a key (an UNKNOWN effect is re-sent
+    #: under its original key only inside this window, counted from its first forward).
+    dedupe_window_ms: Annotated[int, Field(ge=1, le=365 * _DAY_MS)] | None = None
+    #: probe: the lookup that settles UNKNOWN effects.
+    probe: ProbeConfig | None = None
+    #: manual: every forward waits for an operator's approval of its exact payload digest.
+    require_approval: bool = False
+    #: manual: how long an approval stays usable.
+    approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
+
+    @model_validator(mode="after")
+    def _adapter_options(self) -> DownstreamConfig:
+        needs = {"idempotent": "dedupe_window_ms", "probe": "probe"}
+        only = {
+            "dedupe_window_ms": ("idempotent",),
+            "probe": ("probe",),
+            "require_approval": ("manual",),
+        }
+        required = needs.get(self.adapter)
+        if required is not None and getattr(self, required) is None:
+            raise ValueError(f"adapter {self.adapter!r} needs {required}")
+        for option, kinds in only.items():
+            if option in self.model_fields_set and self.adapter not in kinds:
+                raise ValueError(f"{option} is only for adapter = {kinds[0]!r}")
+        return self
 
     @property
     def connect_timeout(self) -> int:
@@ -167,6 +275,7 @@ class Config(_Section):
     store: StoreConfig = StoreConfig()
     leases: LeasesConfig = LeasesConfig()
     proxy: ProxyConfig = ProxyConfig()
+    reconciler: ReconcilerConfig = ReconcilerConfig()
     logging: LoggingConfig = LoggingConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
 
@@ -189,23 +298,29 @@ class Config(_Section):
         return next((d for d in self.downstreams if d.name == name), None)
 
 
-def _key(loc: tuple[int | str, ...]) -> str:
+def _key(loc: tuple[int | str, ...], data: object = None) -> str:
+    """``downstreams[1] ('stripe').probe.path``: the key, and the downstream's name."""
     out = ""
+    node = data
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+            if isinstance(node, dict) and isinstance(node.get("name"), str):
+                out += f" ({node['name']!r})"
         else:
             out += ("." if out else "") + part
+            node = node.get(part) if isinstance(node, dict) else None
     return out or "(top level)"
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, data: object = None) -> str:
     lines = []
     for error in exc.errors():
         message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"{_key(error['loc'])}: {message}")
+        lines.append(f"{_key(error['loc'], data)}: {message}")
     return "; ".join(lines)
 
 
@@ -224,10 +339,17 @@ def load_config(path: str | Path | None) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {_describe(exc)}") from exc
+        raise ConfigError(f"{path}: {_describe(exc, data)}") from exc
     if config.store.password_env is not None and config.store.password_env not in os.environ:
         raise ConfigError(
             f"{path}: store.password_env: environment variable "
             f"{config.store.password_env!r} is not set"
         )
+    for i, downstream in enumerate(config.downstreams):
+        for header, variable in downstream.headers_from_env.items():
+            if variable not in os.environ:
+                raise ConfigError(
+                    f"{path}: downstreams[{i}] ({downstream.name!r}).headers_from_env.{header}: "
+                    f"environment variable {variable!r} is not set"
+                )
     return config

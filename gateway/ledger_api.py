@@ -17,8 +17,11 @@ import structlog
 from aiohttp import web
 from pydantic import Field, StrictInt, StrictStr
 
+from adapters import ManualAdapter
 from gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
-from gateway.state import STORE
+from gateway.reconcile import reconcile
+from gateway.state import ADAPTERS, STORE
+from ledger import effects
 from ledger.effects import EffectState, effect_to_json
 from ledger.errors import BadRequest, NoSuchEffect
 
@@ -40,6 +43,12 @@ class ResolveResponse(ApiBody):
     status: Annotated[StrictInt, Field(ge=100, le=599)]
     headers: dict[HeaderName, HeaderValue] = Field(default_factory=dict, max_length=100)
     body: Annotated[StrictStr, Field(max_length=1024 * 1024)] = ""
+
+
+class ApproveBody(ApiBody):
+    #: Guards against approving a payload that changed since the operator looked.
+    payloadDigest: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    note: Annotated[StrictStr, Field(max_length=2000)] = ""
 
 
 class ResolveBody(ApiBody):
@@ -116,8 +125,11 @@ async def resolve_effect(request: web.Request) -> web.Response:
             }
         )
     try:
-        effect = await request.app[STORE].resolve_effect(
-            effect_id, EffectState(body.outcome), body.note, operator, response_json
+        effect = await request.app[STORE].update_effect(
+            effect_id,
+            lambda record, now: effects.resolve(
+                record, EffectState(body.outcome), body.note, operator, response_json, now
+            ),
         )
     except Exception as exc:
         log.info("operator.resolve_rejected", effect_id=effect_id, operator=operator,
@@ -129,6 +141,47 @@ async def resolve_effect(request: web.Request) -> web.Response:
         task=effect.task_id,
         operator=operator,
         outcome=body.outcome,
+        note=body.note,
+    )
+    return web.json_response(effect_to_json(effect))
+
+
+@routes.post("/v1/effects/{effect_id}/reconcile")
+async def reconcile_effect(request: web.Request) -> web.Response:
+    effect_id = _effect_id(request)
+    operator = _operator(request)
+    raw = await request.read()
+    if raw.strip() not in (b"", b"{}"):
+        raise BadRequest("reconcile takes no body (or an empty JSON object)")
+    effect = await reconcile(request.app, effect_id, f"operator:{operator}")
+    return web.json_response(effect_to_json(effect))
+
+
+@routes.post("/v1/effects/{effect_id}/approve")
+async def approve_effect(request: web.Request) -> web.Response:
+    effect_id = _effect_id(request)
+    operator = _operator(request)
+    raw = await request.read()
+    body = parse_body(raw, ApproveBody) if raw.strip() else ApproveBody()
+    store = request.app[STORE]
+    current = await store.get_effect(effect_id)
+    adapter = request.app[ADAPTERS].get(current.downstream)
+    if not isinstance(adapter, ManualAdapter) or not adapter.require_approval:
+        raise BadRequest(f"downstream {current.downstream!r} does not require approval")
+    effect = await store.update_effect(
+        effect_id,
+        lambda record, now: effects.approve(
+            record, operator, body.note, body.payloadDigest, adapter.approval_ttl_ms, now
+        ),
+    )
+    log.warning(
+        "operator.approve",
+        effect_id=effect_id,
+        task=effect.task_id,
+        downstream=effect.downstream,
+        payload_digest=effect.approval_digest,
+        operator=operator,
+        expires_at=effect.approval_expires_at,
         note=body.note,
     )
     return web.json_response(effect_to_json(effect))

@@ -28,7 +28,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from adapters import Adapter
+from adapters import Adapter, ProbeAdapter
 from gateway import failpoints
 from gateway.config import DownstreamConfig
 from gateway.http_rules import (
@@ -40,6 +40,7 @@ from gateway.http_rules import (
     upstream_response_headers,
 )
 from gateway.problems import problem_response
+from gateway.reconcile import reconcile
 from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from ledger.effects import (
     Action,
@@ -47,6 +48,7 @@ from ledger.effects import (
     EffectRequest,
     EffectState,
     Fence,
+    PrepareOutcome,
     payload_digest,
 )
 from ledger.errors import (
@@ -211,11 +213,19 @@ async def _handle(request: web.Request) -> web.StreamResponse:
 
     assert call.slot is not None
     path = call.tail or "/"
+    preconditions = None
+    if call.adapter.digest_headers:
+        preconditions = [
+            (name, value)
+            for name in call.adapter.digest_headers
+            for value in request.headers.getall(name, [])
+        ]
     digest = payload_digest(
         call.method,
         call.downstream.name,
         path,
         canonical_body(call.body, request.headers.get("Content-Type", "")),
+        preconditions,
     )
     fields = _log_fields(call, node=call.node, slot=call.slot, payload_digest=digest)
     effect_request = EffectRequest(
@@ -228,10 +238,26 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         payload_digest=digest,
     )
     deadline_ms = call.downstream.timeout_ms + request.app[CONFIG].proxy.prepared_margin_ms
-    try:
-        outcome = await store.prepare_effect(
-            effect_request, deadline_ms, resend_unknown=call.adapter.resend_unknown
+
+    async def prepare() -> PrepareOutcome:
+        return await store.prepare_effect(
+            effect_request,
+            deadline_ms,
+            resend_window_ms=call.adapter.resend_window_ms,
+            require_approval=call.adapter.require_approval,
         )
+
+    try:
+        outcome = await prepare()
+        if (
+            outcome.error is not None
+            and outcome.error.code == "EFFECT_UNKNOWN"
+            and isinstance(call.adapter, ProbeAdapter)
+        ):
+            # The downstream can tell: ask it, then decide again on what it said.
+            effect = await reconcile(request.app, outcome.effect.effect_id, "gateway:inline")
+            if effect.state is not EffectState.UNKNOWN:
+                outcome = await prepare()
     except FencegateError as exc:
         if exc.code in _FENCE_CODES:
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
@@ -296,7 +322,7 @@ async def _stream(
 async def _forward_safe(request: web.Request, call: _Call) -> web.StreamResponse:
     headers = downstream_request_headers(
         request.headers.items(),
-        {},
+        call.adapter.outbound_headers(None, None),
         forward_authorization=call.downstream.forward_authorization,
     )
     try:
@@ -355,7 +381,7 @@ async def _forward_effect(
     token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
     headers = downstream_request_headers(
         request.headers.items(),
-        call.adapter.identity_headers(effect.effect_id, token),
+        call.adapter.outbound_headers(effect.effect_id, token),
         forward_authorization=call.downstream.forward_authorization,
     )
     replay_max = call.downstream.replay_max_bytes
@@ -372,14 +398,13 @@ async def _forward_effect(
             status = resp.status
             body, whole = await _read_up_to(resp.content, replay_max)
             failpoints.hit("after_response")
-            outcome = call.adapter.classify(status)
+            outcome, reason = call.adapter.classify(status, effect)
             record = _response_record(
                 status, stored_response_headers(resp.headers.items()), body, whole, replay_max
             )
             recorded = await _record(
-                request, call, effect, seq, outcome, f"status {status}", json.dumps(record),
-                fields,
-            )  # fmt: skip
+                request, call, effect, seq, outcome, reason, json.dumps(record), fields
+            )
             live = upstream_response_headers(resp.headers.items())
             live.update(_fence_headers(recorded, None, False))
             if not whole:

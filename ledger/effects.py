@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
 from ledger.errors import (
     AlreadyCommitted,
+    ApprovalRequired,
     EffectInFlight,
     EffectSettled,
     EffectUnknown,
@@ -55,6 +57,9 @@ __all__ = [
     "EffectState",
     "Fence",
     "PrepareOutcome",
+    "ProbeVerdict",
+    "approve",
+    "begin_probe",
     "check_fence",
     "complete",
     "effect_from_fields",
@@ -62,6 +67,8 @@ __all__ = [
     "effect_to_fields",
     "effect_to_json",
     "effective",
+    "expire",
+    "finish_probe",
     "payload_digest",
     "prepare",
     "resolve",
@@ -69,6 +76,8 @@ __all__ = [
 
 #: Reason recorded on an attempt whose PREPARED record outlived its deadline.
 DEADLINE_REASON = "deadline passed"
+#: Most operator actions kept on one record.
+MAX_ACTIONS = 50
 
 
 class EffectState(StrEnum):
@@ -90,14 +99,26 @@ def effect_id(task_id: str, revision: int, node: str, slot: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def payload_digest(method: str, downstream: str, path_with_query: str, body: bytes) -> str:
-    """SHA-256 over ``METHOD\\ndownstream\\npath?query\\n`` then the (canonical) body.
+def payload_digest(
+    method: str,
+    downstream: str,
+    path_with_query: str,
+    body: bytes,
+    preconditions: Sequence[tuple[str, str]] | None = None,
+) -> str:
+    """SHA-256 over ``METHOD\ndownstream\npath?query\n`` then the (canonical) body.
 
     The caller canonicalises JSON bodies (``canonical_body``) so key order and whitespace do
-    not make two identical requests look different.
+    not make two identical requests look different. Downstreams whose requests carry
+    preconditions (``If-Match``...) pass them too: they are part of what the request does,
+    so a line ``preconditions [[name, value], ...]`` (names lowercased, sorted) comes before
+    the body. Every request to such a downstream has that line, so digests stay unambiguous.
     """
     digest = hashlib.sha256()
     digest.update(f"{method}\n{downstream}\n{path_with_query}\n".encode())
+    if preconditions is not None:
+        pairs = sorted([name.lower(), value] for name, value in preconditions)
+        digest.update(f"preconditions {json.dumps(pairs, separators=(',', ':'))}\n".encode())
     digest.update(body)
     return digest.hexdigest()
 
@@ -132,6 +153,8 @@ class EffectAttempt:
     ended_at: int | None = None
     outcome: str | None = None
     reason: str | None = None
+    #: The operator whose approval this forward consumed (non-replayable downstreams).
+    approved_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +176,18 @@ class Effect:
     attempts: tuple[EffectAttempt, ...] = ()
     #: The stored response (JSON text: status, headers, body or bodyDigest), if any.
     response_json: str | None = None
-    resolved_by: str | None = None
-    resolved_at: int | None = None
-    resolution_note: str | None = None
+    #: An operator's unused approval to forward exactly this payload digest, until it expires.
+    approval_digest: str | None = None
+    approval_by: str | None = None
+    approval_at: int | None = None
+    approval_expires_at: int | None = None
+    #: A reconciler holding the right to probe this UNKNOWN effect, until ``probe_until``.
+    probe_holder: str | None = None
+    probe_until: int | None = None
+    probe_count: int = 0
+    next_probe_at: int | None = None
+    #: Operator and reconciler actions, oldest first (JSON list; the last ``MAX_ACTIONS``).
+    actions_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,18 +259,22 @@ def prepare(
     now: int,
     forward_deadline_ms: int,
     *,
-    resend_unknown: bool = False,
+    resend_window_ms: int | None = None,
+    require_approval: bool = False,
 ) -> PrepareOutcome:
     """Decide what one proxied mutation may do; raises when the claim itself is refused.
 
-    ``resend_unknown`` is the adapter's answer to "may an UNKNOWN effect with the same payload
-    go again under its original key?" (only for downstreams that deduplicate on the key).
+    ``resend_window_ms`` is the adapter's answer to "may an UNKNOWN effect with the same
+    payload go again under its original key?": only for downstreams that deduplicate on the
+    key, and only while the key is inside their deduplication window (counted from the
+    effect's first forward). ``require_approval`` makes every forward wait for an operator's
+    approval of its exact payload digest, consumed by that one forward.
     """
     task = check_fence(task, scheduler, request.fence, now)
     fence = request.fence
     attempt = EffectAttempt(fence.attempt_id, fence.claim_generation, now)
     if effect is None:
-        created = Effect(
+        effect = Effect(
             effect_id=effect_id(task.task_id, task.revision, request.node, request.slot),
             task_id=task.task_id,
             revision=task.revision,
@@ -248,31 +284,54 @@ def prepare(
             method=request.method,
             path=request.path,
             payload_digest=request.payload_digest,
-            state=EffectState.PREPARED,
+            state=EffectState.NOT_APPLIED,
             created_at=now,
             updated_at=now,
-            deadline_at=now + forward_deadline_ms,
-            attempts=(attempt,),
         )
-        return PrepareOutcome(Action.FORWARD, created, write=True)
-
-    current = effective(effect, now)
-    changed = current is not effect
+        current, changed = effect, True
+    else:
+        current = effective(effect, now)
+        changed = current is not effect
     same = current.payload_digest == request.payload_digest
     state = current.state
 
-    if state is EffectState.NOT_APPLIED or (
-        state is EffectState.UNKNOWN and same and resend_unknown
-    ):
-        again = replace(
+    in_window = resend_window_ms is not None and now < current.created_at + resend_window_ms
+    if state is EffectState.NOT_APPLIED or (state is EffectState.UNKNOWN and same and in_window):
+        rebound = replace(
             current,
-            state=EffectState.PREPARED,
             downstream=request.downstream,
             method=request.method,
             path=request.path,
             payload_digest=request.payload_digest,
+            updated_at=now if changed or not same else current.updated_at,
+        )
+        if require_approval:
+            approved = (
+                rebound.approval_digest == request.payload_digest
+                and rebound.approval_expires_at is not None
+                and now < rebound.approval_expires_at
+            )
+            if not approved:
+                waiting: FencegateError = ApprovalRequired(
+                    f"an operator must approve payloadDigest {request.payload_digest}: "
+                    f"POST /v1/effects/{rebound.effect_id}/approve"
+                )
+                write = changed or not same
+                return PrepareOutcome(
+                    Action.REJECT, rebound, write=write, error=_rejection(waiting, rebound)
+                )
+            attempt = replace(attempt, approved_by=rebound.approval_by)
+        again = replace(
+            rebound,
+            state=EffectState.PREPARED,
             deadline_at=now + forward_deadline_ms,
-            attempts=(*current.attempts, attempt),
+            attempts=(*rebound.attempts, attempt),
+            approval_digest=None,
+            approval_by=None,
+            approval_at=None,
+            approval_expires_at=None,
+            probe_holder=None,
+            probe_until=None,
             updated_at=now,
         )
         return PrepareOutcome(Action.FORWARD, again, write=True)
@@ -332,6 +391,24 @@ def complete(
     return done, True
 
 
+def _with_action(effect: Effect, action: dict[str, Any]) -> str:
+    actions = json.loads(effect.actions_json) if effect.actions_json else []
+    actions.append(action)
+    return json.dumps(actions[-MAX_ACTIONS:], separators=(",", ":"))
+
+
+def _settled_error(effect: Effect, doing: str) -> FencegateError:
+    if effect.state is EffectState.PREPARED:
+        error: FencegateError = EffectInFlight(
+            f"the effect is being forwarded right now; cannot {doing} it"
+        )
+    elif effect.state is EffectState.UNKNOWN:
+        error = EffectUnknown(f"the effect's outcome is unknown; cannot {doing} it")
+    else:
+        error = EffectSettled(f"the effect is already {effect.state.value}; cannot {doing} it")
+    return _rejection(error, effect)
+
+
 def resolve(
     effect: Effect | None,
     outcome: EffectState,
@@ -346,32 +423,162 @@ def resolve(
     if outcome not in (EffectState.COMMITTED, EffectState.NOT_APPLIED):
         raise ValueError("an operator resolves to COMMITTED or NOT_APPLIED")
     current = effective(effect, now)
-    if current.state is EffectState.PREPARED:
-        raise _rejection(
-            EffectInFlight("the effect is being forwarded right now; wait for its outcome"),
-            current,
-        )
     if current.state is not EffectState.UNKNOWN:
-        if current.state is outcome and current.resolved_by is not None:
+        actions = json.loads(current.actions_json) if current.actions_json else []
+        last = actions[-1] if actions else {}
+        if (
+            current.state is outcome
+            and last.get("action") == "resolve"
+            and last.get("outcome") == outcome.value
+        ):
             return current
-        raise _rejection(EffectSettled(f"the effect is already {current.state.value}"), current)
+        raise _settled_error(current, "resolve")
     return replace(
         current,
         state=outcome,
         response_json=response_json if outcome is EffectState.COMMITTED else None,
-        resolved_by=operator,
-        resolved_at=now,
-        resolution_note=note,
+        probe_holder=None,
+        probe_until=None,
+        actions_json=_with_action(
+            current,
+            {
+                "action": "resolve",
+                "by": operator,
+                "at": now,
+                "note": note,
+                "outcome": outcome.value,
+            },
+        ),
         updated_at=now,
+    )
+
+
+def approve(
+    effect: Effect | None,
+    operator: str,
+    note: str,
+    expected_digest: str | None,
+    ttl_ms: int,
+    now: int,
+) -> Effect:
+    """Let the waiting payload of a non-replayable effect go, once, until ``now + ttl_ms``."""
+    if effect is None:
+        raise NoSuchEffect()
+    current = effective(effect, now)
+    if current.state is not EffectState.NOT_APPLIED:
+        raise _settled_error(current, "approve")
+    if expected_digest is not None and expected_digest != current.payload_digest:
+        raise _rejection(
+            PayloadConflict(
+                f"the effect now waits for payloadDigest {current.payload_digest}, "
+                f"not {expected_digest}"
+            ),
+            current,
+        )
+    return replace(
+        current,
+        approval_digest=current.payload_digest,
+        approval_by=operator,
+        approval_at=now,
+        approval_expires_at=now + ttl_ms,
+        actions_json=_with_action(
+            current,
+            {
+                "action": "approve",
+                "by": operator,
+                "at": now,
+                "note": note,
+                "payloadDigest": current.payload_digest,
+                "expiresAt": now + ttl_ms,
+            },
+        ),
+        updated_at=now,
+    )
+
+
+def expire(effect: Effect | None, now: int) -> Effect:
+    """Write down that a PREPARED past its deadline is UNKNOWN (the reconciler's sweep);
+    refuses (EFFECT_SETTLED) when there is nothing to write down."""
+    if effect is None:
+        raise NoSuchEffect()
+    current = effective(effect, now)
+    if current is effect:
+        raise _rejection(EffectSettled("nothing to expire"), current)
+    return current
+
+
+def begin_probe(effect: Effect | None, holder: str, lease_ms: int, now: int) -> Effect:
+    """Take the right to probe an UNKNOWN effect, so two reconcilers never probe it at once."""
+    if effect is None:
+        raise NoSuchEffect()
+    current = effective(effect, now)
+    if current.state is not EffectState.UNKNOWN:
+        raise _settled_error(current, "probe")
+    if (
+        current.probe_holder not in (None, holder)
+        and current.probe_until is not None
+        and now < current.probe_until
+    ):
+        raise _rejection(
+            EffectInFlight(
+                f"another reconciler is probing this effect until {current.probe_until}"
+            ),
+            current,
+        )
+    return replace(current, probe_holder=holder, probe_until=now + lease_ms, updated_at=now)
+
+
+class ProbeVerdict(StrEnum):
+    FOUND = "found"
+    ABSENT = "absent"
+    INCONCLUSIVE = "inconclusive"
+
+
+def finish_probe(
+    effect: Effect | None,
+    holder: str,
+    verdict: ProbeVerdict,
+    response_json: str | None,
+    retry_in_ms: int,
+    actor: str,
+    now: int,
+) -> Effect:
+    """Record what a probe found: COMMITTED (with the probe's answer), NOT_APPLIED, or, when
+    the probe said nothing certain, UNKNOWN again with the next probe ``retry_in_ms`` away."""
+    if effect is None:
+        raise NoSuchEffect()
+    current = effective(effect, now)
+    if current.state is not EffectState.UNKNOWN:
+        raise _settled_error(current, "record a probe for")
+    if current.probe_holder != holder:
+        raise _rejection(EffectInFlight("the probe lease was lost to another reconciler"), current)
+    released = replace(current, probe_holder=None, probe_until=None, updated_at=now)
+    action = {"action": "reconcile", "by": actor, "at": now, "verdict": verdict.value}
+    if verdict is ProbeVerdict.INCONCLUSIVE:
+        return replace(
+            released,
+            probe_count=current.probe_count + 1,
+            next_probe_at=now + retry_in_ms,
+            actions_json=_with_action(current, action),
+        )
+    outcome = EffectState.COMMITTED if verdict is ProbeVerdict.FOUND else EffectState.NOT_APPLIED
+    return replace(
+        released,
+        state=outcome,
+        response_json=response_json if outcome is EffectState.COMMITTED else None,
+        probe_count=current.probe_count + 1,
+        next_probe_at=None,
+        actions_json=_with_action(current, {**action, "outcome": outcome.value}),
     )
 
 
 # --- representations -------------------------------------------------------------------------
 
 _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
-        "payload_digest", "resolved_by", "resolution_note")  # fmt: skip
-_INT = ("revision", "created_at", "updated_at", "deadline_at", "resolved_at")
-_ATTEMPT_STR = ("attempt_id", "outcome", "reason")
+        "payload_digest", "approval_digest", "approval_by", "probe_holder")  # fmt: skip
+_INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
+        "approval_expires_at", "probe_until", "probe_count", "next_probe_at")  # fmt: skip
+_ATTEMPT_STR = ("attempt_id", "outcome", "reason", "approved_by")
 _ATTEMPT_INT = ("claim_generation", "started_at", "ended_at")
 
 
@@ -384,6 +591,8 @@ def effect_to_fields(effect: Effect) -> dict[str, str]:
             out[name] = str(value)
     if effect.response_json is not None:
         out["response"] = effect.response_json
+    if effect.actions_json is not None:
+        out["actions"] = effect.actions_json
     for i, attempt in enumerate(effect.attempts):
         for name in _ATTEMPT_STR + _ATTEMPT_INT:
             value = getattr(attempt, name)
@@ -397,6 +606,7 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
     for name in _INT:
         raw = fields.get(name)
         values[name] = int(raw) if raw is not None else None
+    values["probe_count"] = values["probe_count"] or 0
     attempts = []
     for i in range(int(fields["attempt_count"])):
         item: dict[str, Any] = {name: fields.get(f"a{i}_{name}") for name in _ATTEMPT_STR}
@@ -408,18 +618,21 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         state=EffectState(fields["state"]),
         attempts=tuple(attempts),
         response_json=fields.get("response"),
+        actions_json=fields.get("actions"),
         **values,
     )
 
 
 def effect_to_json(effect: Effect) -> dict[str, Any]:
-    """The ledger record of the contract (``GET /v1/effects/{effectId}``)."""
-    resolution = None
-    if effect.resolved_by is not None:
-        resolution = {
-            "by": effect.resolved_by,
-            "at": effect.resolved_at,
-            "note": effect.resolution_note,
+    """The ledger record of the contract (``GET /v1/effects/{effectId}``), plus the approval
+    waiting to be used, the probe state and the operator actions."""
+    approval = None
+    if effect.approval_digest is not None:
+        approval = {
+            "payloadDigest": effect.approval_digest,
+            "by": effect.approval_by,
+            "at": effect.approval_at,
+            "expiresAt": effect.approval_expires_at,
         }
     return {
         "effectId": effect.effect_id,
@@ -441,11 +654,14 @@ def effect_to_json(effect: Effect) -> dict[str, Any]:
                 "endedAt": a.ended_at,
                 "outcome": a.outcome,
                 "reason": a.reason,
+                "approvedBy": a.approved_by,
             }
             for a in effect.attempts
         ],
         "response": json.loads(effect.response_json) if effect.response_json else None,
-        "resolution": resolution,
+        "approval": approval,
+        "probes": {"count": effect.probe_count, "nextAt": effect.next_probe_at},
+        "actions": json.loads(effect.actions_json) if effect.actions_json else [],
         "createdAt": effect.created_at,
         "updatedAt": effect.updated_at,
     }

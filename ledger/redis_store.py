@@ -36,7 +36,7 @@ from redis.retry import Retry
 from ledger import effects, keys
 from ledger.effects import Action, Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
-from ledger.store import Store, decode_cursor, encode_cursor, new_id
+from ledger.store import EffectTransition, Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -66,8 +66,10 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "fence": (),
     "prepare": ("sha256", "effect_lib"),
     "complete": ("effect_lib",),
-    "resolve": ("effect_lib",),
+    "cas_effect": (),
 }
+#: Rounds of read-decide-compare-and-set before update_effect gives up.
+_CAS_ATTEMPTS = 8
 #: Most index entries one list call scans before answering with what it found and a cursor.
 _LIST_SCAN = 2000
 _LIST_BATCH = 200
@@ -338,7 +340,12 @@ class RedisStore(Store):
         return task_from_fields(_parse(reply)[1])
 
     async def prepare_effect(
-        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+        self,
+        request: EffectRequest,
+        forward_deadline_ms: int,
+        *,
+        resend_window_ms: int | None = None,
+        require_approval: bool = False,
     ) -> PrepareOutcome:
         fence = request.fence
         reply = await self._script(
@@ -362,7 +369,8 @@ class RedisStore(Store):
                 request.path,
                 request.payload_digest,
                 forward_deadline_ms,
-                "1" if resend_unknown else "0",
+                "" if resend_window_ms is None else resend_window_ms,
+                "1" if require_approval else "0",
             ],
         )
         status = reply[0]
@@ -496,23 +504,28 @@ class RedisStore(Store):
         more = len(matching) > limit
         return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
 
-    async def resolve_effect(
-        self,
-        effect_id: str,
-        outcome: EffectState,
-        note: str,
-        operator: str,
-        response_json: str | None,
-    ) -> Effect:
+    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
+        """Read, decide in Python, compare-and-set; a concurrent writer makes it read again."""
         task_id = await self._task_of(effect_id)
-        reply = await self._script(
-            "resolve",
-            [self._keys.effects(task_id)],
-            [effect_id, outcome.value, note, operator, response_json or ""],
+        key = self._keys.effects(task_id)
+        cas = self._scripts["cas_effect"]
+        for _ in range(_CAS_ATTEMPTS):
+
+            async def read() -> Any:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.hget(key, effect_id)
+                    pipe.time()
+                    return await pipe.execute()
+
+            raw, (sec, usec) = await self._call(read)
+            now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+            current = None if raw is None else effects.effect_from_fields(json.loads(raw))
+            updated = transition(current, now)
+            new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
+            args = [effect_id, raw or "", new_raw]
+            written = await self._call(functools.partial(cas, keys=[key], args=args))
+            if written:
+                return updated
+        raise StoreUnavailable(
+            f"effect {effect_id} kept changing under {_CAS_ATTEMPTS} attempts; try again"
         )
-        if reply[0] == "ERR":
-            error = ERRORS_BY_CODE[reply[1]](reply[2] or None)
-            if len(reply) > 3:
-                error.extra.update(effectId=effect_id, effectState=reply[3])
-            raise error
-        return effects.effect_from_fields(_parse(reply)[1])

@@ -23,7 +23,7 @@ from typing import TypeVar
 from ledger import effects, tasks
 from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
-from ledger.store import Store, decode_cursor, encode_cursor, new_id
+from ledger.store import EffectTransition, Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -330,7 +330,12 @@ class SQLiteStore(Store):
         )
 
     async def prepare_effect(
-        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+        self,
+        request: EffectRequest,
+        forward_deadline_ms: int,
+        *,
+        resend_window_ms: int | None = None,
+        require_approval: bool = False,
     ) -> PrepareOutcome:
         def step(conn: sqlite3.Connection, now: int) -> PrepareOutcome:
             task = self._load(conn, request.fence.task_id)
@@ -345,7 +350,8 @@ class SQLiteStore(Store):
                 request,
                 now,
                 forward_deadline_ms,
-                resend_unknown=resend_unknown,
+                resend_window_ms=resend_window_ms,
+                require_approval=require_approval,
             )
             if outcome.write:
                 self._save_effect(conn, outcome.effect)
@@ -429,18 +435,9 @@ class SQLiteStore(Store):
 
         return await self._run(step)
 
-    async def resolve_effect(
-        self,
-        effect_id: str,
-        outcome: EffectState,
-        note: str,
-        operator: str,
-        response_json: str | None,
-    ) -> Effect:
+    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
         def step(conn: sqlite3.Connection, now: int) -> Effect:
-            effect = effects.resolve(
-                self._load_effect(conn, effect_id), outcome, note, operator, response_json, now
-            )
+            effect = transition(self._load_effect(conn, effect_id), now)
             self._save_effect(conn, effect)
             return effect
 

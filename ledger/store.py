@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import base64
 import uuid
+from collections.abc import Callable
 
 from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import BadRequest
@@ -25,7 +26,10 @@ from ledger.tasks import (
     Task,
 )
 
-__all__ = ["Store", "decode_cursor", "encode_cursor", "new_id", "open_store"]
+__all__ = ["EffectTransition", "Store", "decode_cursor", "encode_cursor", "new_id", "open_store"]
+
+#: An operator or reconciler step over one effect record: (record or None, now) -> new record.
+EffectTransition = Callable[[Effect | None, int], Effect]
 
 
 def new_id() -> str:
@@ -121,7 +125,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def prepare_effect(
-        self, request: EffectRequest, forward_deadline_ms: int, *, resend_unknown: bool = False
+        self,
+        request: EffectRequest,
+        forward_deadline_ms: int,
+        *,
+        resend_window_ms: int | None = None,
+        require_approval: bool = False,
     ) -> PrepareOutcome:
         """Step one of a proxied mutation: validate the claim and decide, in one atomic step.
 
@@ -161,14 +170,10 @@ class Store(abc.ABC):
         bounds how much it scans per call); keep following the cursor."""
 
     @abc.abstractmethod
-    async def resolve_effect(
-        self,
-        effect_id: str,
-        outcome: EffectState,
-        note: str,
-        operator: str,
-        response_json: str | None,
-    ) -> Effect: ...
+    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
+        """Apply an operator or reconciler transition (``ledger.effects.resolve``, ``approve``,
+        ``begin_probe``...) atomically: ``transition(record, now)`` returns the new record or
+        raises, and the store writes it only if the record did not change meanwhile."""
 
 
 def open_store(

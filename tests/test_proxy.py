@@ -693,8 +693,10 @@ async def test_resolve_unknown_as_committed_then_duplicates_replay_it(
     )
     body = await resolved.json()
     assert resolved.status == 200 and body["state"] == "COMMITTED"
-    assert body["resolution"]["by"] == "alice"
-    assert body["resolution"]["note"] == "seen in the payments console"
+    (action,) = body["actions"]
+    assert action["action"] == "resolve" and action["by"] == "alice"
+    assert action["note"] == "seen in the payments console"
+    assert action["outcome"] == "COMMITTED" and isinstance(action["at"], int)
     replay = await send(api, lease, "/status/502", body={"x": 1})
     assert replay.status == 201 and replay.body == b'{"id":1}'
     assert replay.headers["X-Ref"] == "p-1" and replay.headers["Fence-Replayed"] == "true"

@@ -14,6 +14,7 @@ time elapsed, which the comparison allows (``0 <= store - model < STEP_MS``).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -56,6 +57,15 @@ TASKS = ("alpha", "beta/1")
 CLAIM_TARGETS = st.sampled_from(["alpha", "alpha", "beta/1", "beta/1", "ghost"])
 DIGESTS = ("in-a", "in-b", "in-c")
 TTLS = st.sampled_from([STEP_MS, 3 * STEP_MS, 6 * STEP_MS, 100 * STEP_MS])
+EFFECT_TIME_FIELDS = (
+    "created_at",
+    "updated_at",
+    "deadline_at",
+    "approval_at",
+    "approval_expires_at",
+    "probe_until",
+    "next_probe_at",
+)
 TIME_FIELDS = ("lease_expires_at", "attempt_started_at", "created_at", "updated_at")
 
 
@@ -363,17 +373,25 @@ class LeaseMachine(RuleBasedStateMachine):
                 assert len(m) == len(s)
                 for ma, sa in zip(m, s, strict=True):
                     assert attempts_by_store[sa.attempt_id] == ma.attempt_id
-                    assert (ma.claim_generation, ma.outcome, ma.reason) == (
+                    assert (ma.claim_generation, ma.outcome, ma.reason, ma.approved_by) == (
                         sa.claim_generation,
                         sa.outcome,
                         sa.reason,
+                        sa.approved_by,
                     )
                     assert 0 <= sa.started_at - ma.started_at < STEP_MS
                     assert (ma.ended_at is None) == (sa.ended_at is None)
                     if ma.ended_at is not None:
                         assert 0 <= sa.ended_at - ma.ended_at < STEP_MS
-            elif name in ("created_at", "updated_at", "deadline_at", "resolved_at") and m:
+            elif name in EFFECT_TIME_FIELDS and m:
                 assert s is not None and 0 <= s - m < STEP_MS, (name, m, s)
+            elif name == "actions_json" and m is not None:
+                for ma, sa in zip(json.loads(m), json.loads(s), strict=True):
+                    for key in ma:
+                        if key in ("at", "expiresAt"):
+                            assert 0 <= sa[key] - ma[key] < STEP_MS
+                        else:
+                            assert ma[key] == sa[key], (key, ma, sa)
             else:
                 assert m == s, (name, m, s)
 
@@ -383,11 +401,19 @@ class LeaseMachine(RuleBasedStateMachine):
         slot=st.sampled_from(["s1", "s2"]),
         payload=st.sampled_from(["p1", "p2"]),
         deadline=st.sampled_from([STEP_MS, 3 * STEP_MS]),
-        resend=st.booleans(),
+        resend=st.sampled_from([None, None, 2 * STEP_MS]),
+        approval=st.sampled_from([False, False, True]),
         tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel"]),
     )
     def prepare(
-        self, data: st.DataObject, slot: str, payload: str, deadline: int, resend: bool, tamper: str
+        self,
+        data: st.DataObject,
+        slot: str,
+        payload: str,
+        deadline: int,
+        resend: int | None,
+        approval: bool,
+        tamper: str,
     ) -> None:
         # Mostly a claim that is still current (only those can produce effects), sometimes any.
         current = [
@@ -423,9 +449,12 @@ class LeaseMachine(RuleBasedStateMachine):
                 request("model"),
                 self.now,
                 deadline,
-                resend_unknown=resend,
+                resend_window_ms=resend,
+                require_approval=approval,
             ),
-            self.store.prepare_effect(request("store"), deadline, resend_unknown=resend),
+            self.store.prepare_effect(
+                request("store"), deadline, resend_window_ms=resend, require_approval=approval
+            ),
         )
         event(
             f"prepare {code}"
@@ -476,7 +505,24 @@ class LeaseMachine(RuleBasedStateMachine):
         eid = data.draw(st.sampled_from(sorted(self.model_effects)))
         code, model, stored = self.both(
             lambda: effects.resolve(self.model_effects[eid], outcome, "note", "op", None, self.now),
-            self.store.resolve_effect(eid, outcome, "note", "op", None),
+            self.store.update_effect(
+                eid, lambda e, now: effects.resolve(e, outcome, "note", "op", None, now)
+            ),
+        )
+        if code == "ok":
+            self.model_effects[eid] = model
+            self.same_effect(model, stored)
+
+    @precondition(lambda self: self.model_effects)
+    @rule(data=st.data(), ttl=st.sampled_from([STEP_MS, 4 * STEP_MS]), guard=st.booleans())
+    def approve(self, data: st.DataObject, ttl: int, guard: bool) -> None:
+        eid = data.draw(st.sampled_from(sorted(self.model_effects)))
+        expected = data.draw(st.sampled_from(["p1", "p2"])) if guard else None
+        code, model, stored = self.both(
+            lambda: effects.approve(self.model_effects[eid], "op", "ok", expected, ttl, self.now),
+            self.store.update_effect(
+                eid, lambda e, now: effects.approve(e, "op", "ok", expected, ttl, now)
+            ),
         )
         if code == "ok":
             self.model_effects[eid] = model

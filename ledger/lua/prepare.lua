@@ -5,7 +5,8 @@
 -- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
 -- ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot, ARGV[8] downstream, ARGV[9] method,
 -- ARGV[10] path, ARGV[11] payloadDigest, ARGV[12] forward deadline ms,
--- ARGV[13] '1' when the adapter may re-send an UNKNOWN effect with the same payload
+-- ARGV[13] the adapter's re-send window ms for UNKNOWN effects with the same payload, or '',
+-- ARGV[14] '1' when every forward needs an operator's approval of its payload digest
 -- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
 -- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
 local now = now_ms(ARGV[1])
@@ -24,26 +25,52 @@ end
 local eid = effect_id(t.task_id, t.revision, ARGV[6], ARGV[7])
 local raw = redis.call('HGET', KEYS[3], eid)
 local e
+local changed
 if not raw then
   e = {effect_id = eid, task_id = t.task_id, revision = t.revision, node = ARGV[6],
        slot = ARGV[7], downstream = ARGV[8], method = ARGV[9], path = ARGV[10],
-       payload_digest = ARGV[11], created_at = s(now)}
-  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12])
-  save_effect(KEYS[3], e)
+       payload_digest = ARGV[11], state = 'NOT_APPLIED', attempt_count = '0',
+       probe_count = '0', created_at = s(now), updated_at = s(now)}
   redis.call('ZADD', KEYS[4], 0, string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id)
   redis.call('HSET', KEYS[5], eid, t.task_id)
-  return answer('FORWARD', e)
+  changed = true
+else
+  e = cjson.decode(raw)
+  changed = expire_effect(e, now)
 end
 
-e = cjson.decode(raw)
-local changed = expire_effect(e, now)
 local same = e.payload_digest == ARGV[11]
-if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and ARGV[13] == '1') then
+local in_window = ARGV[13] ~= '' and now < tonumber(e.created_at) + tonumber(ARGV[13])
+if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) then
+  if changed or not same then e.updated_at = s(now) end
   e.downstream = ARGV[8]
   e.method = ARGV[9]
   e.path = ARGV[10]
   e.payload_digest = ARGV[11]
+  local approver = nil
+  if ARGV[14] == '1' then
+    local approved = e.approval_digest == ARGV[11] and e.approval_expires_at ~= nil
+      and now < tonumber(e.approval_expires_at)
+    if not approved then
+      if changed or not same then save_effect(KEYS[3], e) end
+      local out = answer('REJECT', e)
+      table.insert(out, 2, 'APPROVAL_REQUIRED')
+      table.insert(out, 3, 'an operator must approve payloadDigest ' .. ARGV[11]
+        .. ': POST /v1/effects/' .. eid .. '/approve')
+      table.insert(out, 4, '')
+      return out
+    end
+    approver = e.approval_by
+  end
+  e.approval_digest = nil
+  e.approval_by = nil
+  e.approval_at = nil
+  e.approval_expires_at = nil
+  e.probe_holder = nil
+  e.probe_until = nil
+  local i = tonumber(e.attempt_count)
   add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12])
+  if approver then e['a' .. s(i) .. '_approved_by'] = approver end
   save_effect(KEYS[3], e)
   return answer('FORWARD', e)
 end

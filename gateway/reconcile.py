@@ -1,0 +1,199 @@
+"""Settling UNKNOWN effects by asking the downstream, once or in the background.
+
+``reconcile`` is the one path: it takes the effect's probe lease in the store (so two
+gateways never probe one effect at once), sends the downstream's probe, and records what the
+answer means (found -> COMMITTED with the probe's answer stored for replay; absent ->
+NOT_APPLIED, so the same payload may go again under the same key; anything else -> still
+UNKNOWN, probed again later with backoff). The API's ``/reconcile``, the proxy (when an agent
+retries an UNKNOWN effect of a probe downstream) and the background ``Reconciler`` call it.
+
+The ``Reconciler`` also writes down PREPARED records whose deadline passed as UNKNOWN, so
+the ledger's stored state catches up with what reads already show.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from yarl import URL
+
+from adapters import ProbeAdapter
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from ledger import effects
+from ledger.effects import Effect, EffectState, ProbeVerdict
+from ledger.errors import EffectUnknown, FencegateError
+from ledger.store import new_id
+
+__all__ = ["Reconciler", "reconcile"]
+
+log = structlog.get_logger("fencegate.reconcile")
+
+#: The part of a probe answer kept (and replayed when the probe finds the effect).
+_PROBE_BODY_LIMIT = 64 * 1024
+#: Slack on top of the probe's timeout for the probe lease.
+_LEASE_SLACK_MS = 5_000
+
+
+async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
+                 ) -> tuple[ProbeVerdict, str | None, str]:  # fmt: skip
+    spec = adapter.probe
+    assert spec is not None
+    downstream = app[CONFIG].downstream(effect.downstream)
+    assert downstream is not None
+    url = URL(downstream.url + adapter.probe_path(effect), encoded=False)
+    try:
+        async with app[HTTP_CLIENT].request(
+            spec.method,
+            url,
+            headers=adapter.outbound_headers(effect.effect_id, None),
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=spec.timeout_ms / 1000),
+        ) as resp:
+            raw = await resp.content.read(_PROBE_BODY_LIMIT)
+            status = resp.status
+            headers = [[k, v] for k, v in resp.headers.items() if k.lower() != "set-cookie"]
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"
+    body: Any = None
+    with contextlib.suppress(ValueError):
+        body = json.loads(raw) if raw else None
+    verdict = adapter.verdict(status, body)
+    answer = json.dumps(
+        {
+            "status": status,
+            "headers": [h for h in headers if h[0].lower() not in ("content-length",
+                                                                    "transfer-encoding")],
+            "bodySize": len(raw),
+            "bodyDigest": hashlib.sha256(raw).hexdigest(),
+            "bodyBase64": base64.b64encode(raw).decode(),
+            "source": "probe",
+        }
+    )  # fmt: skip
+    return verdict, answer, f"probe answered {status}"
+
+
+async def reconcile(app: web.Application, effect_id: str, actor: str) -> Effect:
+    """Probe one effect if it is UNKNOWN and its downstream can be asked; returns the record."""
+    store = app[STORE]
+    effect = await store.get_effect(effect_id)
+    if effect.state is not EffectState.UNKNOWN:
+        return effect
+    adapter = app[ADAPTERS].get(effect.downstream)
+    if not isinstance(adapter, ProbeAdapter) or adapter.probe is None:
+        raise EffectUnknown(
+            f"downstream {effect.downstream!r} has no probe; an operator settles this effect "
+            f"with POST /v1/effects/{effect_id}/resolve",
+            effectId=effect_id,
+            effectState=effect.state.value,
+        )
+    holder = f"{actor}:{new_id()[:12]}"
+    lease_ms = adapter.probe.timeout_ms + _LEASE_SLACK_MS
+    effect = await store.update_effect(
+        effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
+    )
+    verdict, answer, reason = await _probe(app, adapter, effect)
+    effect = await store.update_effect(
+        effect_id,
+        lambda record, now: effects.finish_probe(
+            record,
+            holder,
+            verdict,
+            answer,
+            adapter.retry_in_ms(record.probe_count if record else 0),
+            actor,
+            now,
+        ),
+    )
+    log.info(
+        "effect.reconciled",
+        effect_id=effect_id,
+        task=effect.task_id,
+        downstream=effect.downstream,
+        payload_digest=effect.payload_digest,
+        verdict=verdict.value,
+        state=effect.state.value,
+        by=actor,
+        reason=reason,
+    )
+    return effect
+
+
+class Reconciler:
+    """The background loop: one sweep every ``reconciler.interval_ms``, bounded per sweep."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self._task: asyncio.Task[None] | None = None
+        self.actor = f"reconciler:{new_id()[:8]}"
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        interval = self.app[CONFIG].reconciler.interval_ms / 1000
+        while True:
+            try:
+                await self.sweep()
+            except FencegateError as exc:
+                log.warning("reconciler.sweep_failed", code=exc.code, reason=exc.detail)
+            except Exception:
+                log.exception("reconciler.sweep_crashed")
+            await asyncio.sleep(interval)
+
+    async def sweep(self) -> int:
+        """Expire overdue PREPARED records and probe the UNKNOWN effects that are due;
+        returns how many records it changed."""
+        store = self.app[STORE]
+        budget = self.app[CONFIG].reconciler.max_effects_per_sweep
+        changed = 0
+        cursor = None
+        now = await store.now_ms()
+        while budget > 0:
+            page, cursor = await store.list_effects(
+                state=EffectState.UNKNOWN, task_id=None, downstream=None,
+                limit=min(budget, 100), cursor=cursor,
+            )  # fmt: skip
+            budget -= max(len(page), 1)
+            for effect in page:
+                changed += await self._settle(effect, now)
+            if cursor is None:
+                break
+        return changed
+
+    async def _settle(self, effect: Effect, now: int) -> int:
+        store = self.app[STORE]
+        changed = 0
+        last = effect.attempts[-1] if effect.attempts else None
+        if last is not None and last.reason == effects.DEADLINE_REASON:
+            try:
+                await store.update_effect(effect.effect_id, effects.expire)
+                log.info("effect.expired", effect_id=effect.effect_id, task=effect.task_id,
+                         downstream=effect.downstream)  # fmt: skip
+                changed += 1
+            except FencegateError:
+                pass  # already written down, or settled meanwhile
+        adapter = self.app[ADAPTERS].get(effect.downstream)
+        due = effect.next_probe_at is None or effect.next_probe_at <= now
+        free = effect.probe_until is None or effect.probe_until <= now
+        if isinstance(adapter, ProbeAdapter) and due and free:
+            try:
+                await reconcile(self.app, effect.effect_id, self.actor)
+                changed += 1
+            except FencegateError as exc:
+                log.info("reconciler.skipped", effect_id=effect.effect_id, code=exc.code,
+                         reason=exc.detail)  # fmt: skip
+        return changed
