@@ -27,14 +27,11 @@ import argparse
 import asyncio
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,262 +40,36 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import redis
 from aiohttp import web
 
+from bench._procs import (
+    HOST,
+    Proc,
+    align,
+    filesystem_of,
+    fmt,
+    gateway_origin,
+    percentile,
+    progress,
+    scan_gateway_log,
+    start_gateway,
+    start_module_server,
+    start_redis,
+    terminable,
+)
+
 __all__ = ["main"]
 
-T = TypeVar("T")
-
-HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Lease asked for by every claim: long enough that no lease runs out during a run.
 TTL_MS = 60_000
 #: Per-request client timeout; a gateway that stops answering shows up as errors, not a hang.
 REQUEST_TIMEOUT_S = 30.0
 #: How many distinct error answers are kept verbatim per phase.
 ERROR_SAMPLES = 5
-
-
-# --- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        try:
-            with socket.create_connection((HOST, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
-    raise TimeoutError(f"nothing listening on {HOST}:{port} after {timeout}s")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User+system CPU of a live process (all its threads), from /proc; None off Linux."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state) of proc(5): utime is field 14, stime field 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@dataclass
-class Proc:
-    """A child process we started, with its log file."""
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    def cpu(self) -> float | None:
-        return cpu_seconds(self.popen.pid)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self) -> int | None:
-        """SIGTERM, then SIGKILL after 10 s; the exit code (None if it had to be killed)."""
-        if self.popen.poll() is not None:
-            return self.popen.returncode
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-            return None
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-
-def _spawn(
-    name: str, args: Sequence[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None
-) -> Proc:
-    with log_path.open("ab") as log:
-        popen = subprocess.Popen(
-            list(args),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches us only; we stop the children ourselves
-        )
-    return Proc(name, popen, log_path)
-
-
-def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, str, str]:
-    """A private redis-server on a free loopback port: (process, url, version)."""
-    directory.mkdir(parents=True)
-    port = free_port()
-    args = [
-        binary,
-        "--port", str(port),
-        "--bind", HOST,
-        "--dir", str(directory),
-        "--save", "",
-        "--appendonly", "yes",
-        "--appendfsync", appendfsync,
-        "--maxmemory-policy", "noeviction",
-        "--logfile", str(directory / "redis.log"),
-    ]  # fmt: skip
-    proc = _spawn("redis-server", args, directory / "redis.stdout", directory)
-    try:
-        wait_for_port(port, proc.popen)
-        client = redis.Redis(host=HOST, port=port, decode_responses=True)
-        try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    info = client.info("server")
-                    break
-                except redis.exceptions.BusyLoadingError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-        finally:
-            client.close()
-        # The port was free a moment ago; make sure what answers on it is the one we started.
-        if int(info["process_id"]) != proc.popen.pid:
-            raise RuntimeError(f"{HOST}:{port} is answered by another redis-server")
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
-
-
-def gateway_env(source: Path | None) -> dict[str, str] | None:
-    """The environment that makes ``python -m gateway.cli`` import from ``source``.
-
-    PYTHONPATH comes before the editable install's finder, so a snapshot of another revision
-    (``git archive``) runs instead of the working tree.
-    """
-    if source is None:
-        return None
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(source) + (os.pathsep + path if path else "")}
-
-
-def gateway_origin(source: Path | None) -> str:
-    """Where the gateway subprocesses import ``gateway`` from (checked, not assumed)."""
-    probe = "import importlib.util as u; print(u.find_spec('gateway.cli').origin)"
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=gateway_env(source),
-        cwd=tempfile.gettempdir(),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return str(Path(done.stdout.strip()).parent.parent)
-
-
-def start_gateway(
-    directory: Path,
-    store_url: str,
-    *,
-    log_level: str,
-    sqlite_synchronous: str,
-    source: Path | None,
-    store_timeout_ms: int | None,
-) -> tuple[Proc, str]:
-    """``fencegate serve`` with a temporary config: (process, base URL)."""
-    directory.mkdir(parents=True)
-    port = free_port()
-    config = directory / "fencegate.toml"
-    lines = [
-        "[server]",
-        f'listen = "{HOST}:{port}"',
-        "[store]",
-        f"url = {json.dumps(store_url)}",
-        f'sqlite_synchronous = "{sqlite_synchronous}"',
-    ]
-    if store_timeout_ms is not None:
-        lines.append(f"timeout_ms = {store_timeout_ms}")
-    lines += ["[logging]", f'level = "{log_level}"']
-    config.write_text("\n".join(lines) + "\n")
-    args = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config)]
-    proc = _spawn("gateway", args, directory / "gateway.log", directory, gateway_env(source))
-    base = f"http://{HOST}:{port}"
-    try:
-        wait_for_port(port, proc.popen)
-        _wait_ready(base, proc)
-    except BaseException as exc:
-        proc.stop()
-        raise RuntimeError(f"gateway did not start ({exc}):\n{proc.log_tail()}") from None
-    return proc, base
-
-
-def start_baseline(directory: Path) -> tuple[Proc, str]:
-    """The bare aiohttp server of this module, in its own process like the gateway."""
-    directory.mkdir(parents=True)
-    port = free_port()
-    args = [sys.executable, "-m", "bench.claim_commit", "--serve-baseline", f"{HOST}:{port}"]
-    proc = _spawn("baseline", args, directory / "baseline.log", REPO_ROOT)
-    base = f"http://{HOST}:{port}"
-    try:
-        wait_for_port(port, proc.popen)
-        _wait_ready(base, proc)
-    except BaseException as exc:
-        proc.stop()
-        raise RuntimeError(f"baseline server did not start ({exc}):\n{proc.log_tail()}") from None
-    return proc, base
-
-
-def _wait_ready(base: str, proc: Proc) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-        except OSError:
-            pass
-        if not proc.alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"{base}/readyz never answered 200")
-        time.sleep(0.05)
-    if not proc.alive():  # someone else answered on our port
-        raise RuntimeError(f"{proc.name} exited; {base} is answered by another process")
-
-
-def filesystem_of(path: Path) -> str:
-    """``fstype (device)`` of the mount holding ``path`` (tmpfs would make fsync free)."""
-    best, found = "", "unknown"
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return found
-    resolved = str(path.resolve())
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        device, point, fstype = parts[0], parts[1], parts[2]
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, found = point, f"{fstype} ({device})"
-    return found
 
 
 # --- the baseline server ---------------------------------------------------------------------
@@ -606,15 +377,6 @@ async def drive(
 # --- phases ----------------------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], pct: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[rank - 1]
-
-
 @dataclass
 class PhaseResult:
     name: str
@@ -692,55 +454,11 @@ def _round(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def scan_gateway_log(path: Path) -> tuple[dict[str, int], list[str]]:
-    """Counts of warning/error events (and of non-JSON lines, e.g. tracebacks) in a log."""
-    counts: Counter[str] = Counter()
-    odd: list[str] = []
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return {}, []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            counts["(non-JSON line)"] += 1
-            if len(odd) < 5:
-                odd.append(line[:300])
-            continue
-        if not isinstance(event, dict):
-            continue
-        level = str(event.get("level", "?"))
-        name = str(event.get("event", "?"))
-        if level not in ("debug", "info"):
-            counts[f"{level} {name}"] += 1
-            if len(odd) < 5 and level in ("error", "critical"):
-                odd.append(line[:300])
-        elif name.endswith(".rejected"):
-            counts[f"{level} {name} {event.get('code', '?')}"] += 1
-    return dict(counts), odd
-
-
-async def _terminable(work: Awaitable[T]) -> T:
-    """Run ``work``; SIGTERM cancels it (and surfaces as KeyboardInterrupt, like Ctrl-C)."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-
-
 def run_phase(
     name: str, base: str, procs: Sequence[Proc], args: argparse.Namespace, verify: bool
 ) -> PhaseResult:
     run = asyncio.run(
-        _terminable(
+        terminable(
             drive(
                 base,
                 procs,
@@ -807,7 +525,9 @@ def _finish(result: PhaseResult, procs: Sequence[Proc], gateway_log: Path | None
 
 
 def phase_baseline(name: str, work: Path, args: argparse.Namespace) -> PhaseResult:
-    proc, base = start_baseline(work / "baseline")
+    proc, base = start_module_server(
+        "baseline", "bench.claim_commit", "--serve-baseline", work / "baseline"
+    )
     try:
         result = run_phase(name, base, [proc], args, verify=False)
     finally:
@@ -931,13 +651,9 @@ def render_medians(summaries: Sequence[dict[str, Any]], stores: Sequence[str]) -
         cells = [store, str(len(mine))]
         for key, spec in zip(keys, specs, strict=True):
             values = [s[key] for s in mine if s[key] is not None]
-            cells.append(_fmt(statistics.median(values) if values else None, spec))
+            cells.append(fmt(statistics.median(values) if values else None, spec))
         rows.append(tuple(cells))
-    return _align(rows)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    return align(rows)
 
 
 def render_table(summaries: Sequence[dict[str, Any]]) -> str:
@@ -960,32 +676,16 @@ def render_table(summaries: Sequence[dict[str, Any]]) -> str:
                 s["phase"],
                 str(s["cycles"]),
                 str(s["failedCycles"]),
-                _fmt(s["seconds"], ".2f"),
-                _fmt(s["cyclesPerSecond"], ".0f"),
-                _fmt(s["cycleP50Ms"], ".2f"),
-                _fmt(s["cycleP99Ms"], ".2f"),
-                _fmt(s["serverCpuMsPerCycle"], ".2f"),
-                _fmt(s["rateVsBaseline"], ".3f"),
-                _fmt(s["p50VsBaseline"], ".2f"),
+                fmt(s["seconds"], ".2f"),
+                fmt(s["cyclesPerSecond"], ".0f"),
+                fmt(s["cycleP50Ms"], ".2f"),
+                fmt(s["cycleP99Ms"], ".2f"),
+                fmt(s["serverCpuMsPerCycle"], ".2f"),
+                fmt(s["rateVsBaseline"], ".3f"),
+                fmt(s["p50VsBaseline"], ".2f"),
             )
         )
-    return _align(rows)
-
-
-def _align(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])]
-        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join(cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+    return align(rows)
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -1097,16 +797,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the processes we started are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     origin = gateway_origin(args.gateway_src)
-    _progress(f"the gateway runs from {origin}")
+    progress(f"the gateway runs from {origin}")
     work = Path(tempfile.mkdtemp(prefix="fencegate-bench-", dir=args.temp_dir))
     fs = filesystem_of(work)
-    _progress(f"working in {work} on {fs}")
+    progress(f"working in {work} on {fs}")
     results: list[PhaseResult] = []
     redis_version: str | None = None
     started = time.monotonic()
     try:
         for n, name in enumerate(phase_plan(args.stores, args.rounds)):
-            _progress(f"{name}: {args.tasks} tasks, concurrency {args.concurrency} ...")
+            progress(f"{name}: {args.tasks} tasks, concurrency {args.concurrency} ...")
             try:
                 if name.startswith("baseline"):
                     result = phase_baseline(name, work / f"{n:02d}", args)
@@ -1117,20 +817,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result, redis_version = phase_redis(work / f"{n:02d}", args)
                     result.name = name
             except (RuntimeError, OSError, redis.exceptions.RedisError) as exc:
-                _progress(f"{name}: could not run: {exc}")
+                progress(f"{name}: could not run: {exc}")
                 result = empty_result(name, args.tasks, f"could not run: {exc}")
             results.append(result)
-            _progress(
+            progress(
                 f"{name}: {result.cycles} cycles in {result.seconds:.2f}s "
                 f"({result.rate:.0f}/s), {result.failed} failed"
             )
     except KeyboardInterrupt:
-        _progress("interrupted")
+        progress("interrupted")
         return 130
     finally:
         troubled = any(r.errors or r.setup_errors or r.notes for r in results)
         if args.keep or troubled:
-            _progress(f"kept {work} (logs and data)")
+            progress(f"kept {work} (logs and data)")
         else:
             shutil.rmtree(work, ignore_errors=True)
 

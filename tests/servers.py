@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -221,16 +222,21 @@ def write_gateway_config(
     timeout_ms: int = 1000,
     key_prefix: str = "fg",
     max_ttl_ms: int = 60_000,
+    downstreams: Sequence[Mapping[str, object]] = (),
+    proxy: Mapping[str, object] | None = None,
+    env: dict[str, str] | None = None,
 ) -> GatewayProcess:
     """Write ``directory/fencegate.toml`` for ``store_url`` and return its (unstarted) gateway.
 
     The port is chosen here and written to ``server.listen``, so the file alone is enough to
-    run the gateway the way an operator would.
+    run the gateway the way an operator would. ``downstreams`` become ``[[downstreams]]``
+    tables and ``proxy`` the ``[proxy]`` section (keys as in ``config.example.toml``);
+    ``env`` is added to the gateway's environment (e.g. ``FENCEGATE_FAILPOINTS``).
     """
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config_path = directory / "fencegate.toml"
-    config_path.write_text(
+    text = (
         "[server]\n"
         f'listen = "127.0.0.1:{port}"\n'
         "\n[store]\n"
@@ -240,7 +246,22 @@ def write_gateway_config(
         "\n[leases]\n"
         f"max_ttl_ms = {max_ttl_ms}\n"
     )
-    return GatewayProcess(config_path, port)
+    if proxy is not None:
+        text += "\n[proxy]\n" + _toml_pairs(proxy)
+    for downstream in downstreams:
+        text += "\n[[downstreams]]\n" + _toml_pairs(downstream)
+    config_path.write_text(text)
+    return GatewayProcess(config_path, port, env=env)
+
+
+def _toml_pairs(values: Mapping[str, object]) -> str:
+    """``key = value`` lines for strings, integers and booleans (JSON spells them as TOML)."""
+    lines = []
+    for key, value in values.items():
+        if not isinstance(value, str | int | bool):
+            raise TypeError(f"{key}: only strings, integers and booleans are written")
+        lines.append(f"{key} = {json.dumps(value)}\n")
+    return "".join(lines)
 
 
 class Gateways:
@@ -258,6 +279,9 @@ class Gateways:
         timeout_ms: int = 1000,
         key_prefix: str = "fg",
         max_ttl_ms: int = 60_000,
+        downstreams: Sequence[Mapping[str, object]] = (),
+        proxy: Mapping[str, object] | None = None,
+        env: dict[str, str] | None = None,
     ) -> GatewayProcess:
         """Configure and start ``fencegate serve`` in ``root/name``; it is listening on return."""
         gateway = write_gateway_config(
@@ -266,6 +290,9 @@ class Gateways:
             timeout_ms=timeout_ms,
             key_prefix=key_prefix,
             max_ttl_ms=max_ttl_ms,
+            downstreams=downstreams,
+            proxy=proxy,
+            env=env,
         )
         self.started.append(gateway)
         return gateway.start()
