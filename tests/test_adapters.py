@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -25,6 +26,7 @@ from ledger.effects import EffectRequest, Fence
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.kind_servers import KindServers
+from tests.servers import GatewayProcess, free_port
 from tests.test_proxy import Sent, fence_headers
 
 TIMEOUT_MS = 300
@@ -494,9 +496,17 @@ def test_config_errors_stop_start_up_naming_downstream_and_key(
     assert "Traceback" not in done.stderr
 
 
-def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
+async def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
+    """config.example.toml shows every kind, and a gateway serves on it unchanged."""
     from gateway.config import load_config
 
     example = Path(__file__).resolve().parent.parent / "config.example.toml"
-    config = load_config(example)
-    assert {d.adapter for d in config.downstreams} >= {"http"}
+    kinds = {d.adapter for d in load_config(example).downstreams}
+    assert kinds == {"http", "idempotent", "probe", "conditional", "manual"}
+    gateway = GatewayProcess(example, free_port(), cwd=tmp_path).start()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"{gateway.url}/readyz") as resp:
+            assert resp.status == 200
+    finally:
+        gateway.stop()
+    assert (tmp_path / "fencegate.db").exists()
