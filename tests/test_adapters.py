@@ -503,7 +503,9 @@ async def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
     example = Path(__file__).resolve().parent.parent / "config.example.toml"
     kinds = {d.adapter for d in load_config(example).downstreams}
     assert kinds == {"http", "idempotent", "probe", "conditional", "manual"}
-    gateway = GatewayProcess(example, free_port(), cwd=tmp_path).start()
+    copy = tmp_path / "config.example.toml"
+    copy.write_text(example.read_text())
+    gateway = GatewayProcess(copy, free_port()).start()
     try:
         async with aiohttp.ClientSession() as session, session.get(f"{gateway.url}/readyz") as resp:
             assert resp.status == 200
