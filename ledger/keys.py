@@ -34,6 +34,26 @@ class Keys:
         return f"{self.prefix}:effects:index"
 
     @property
+    def leases(self) -> str:
+        """Sorted set: taskId scored by leaseExpiresAt, for every CLAIMED task."""
+        return f"{self.prefix}:leases"
+
+    @property
+    def prepared(self) -> str:
+        """Sorted set: effectId scored by its deadline, for every PREPARED effect."""
+        return f"{self.prefix}:effects:prepared"
+
+    @property
+    def unknown(self) -> str:
+        """Set of UNKNOWN effectIds."""
+        return f"{self.prefix}:effects:unknown"
+
+    @property
+    def awaiting(self) -> str:
+        """Set of effectIds waiting for an operator's approval."""
+        return f"{self.prefix}:effects:awaiting"
+
+    @property
     def effect_tasks(self) -> str:
         """Hash: effectId -> taskId, to find a record from its id alone."""
         return f"{self.prefix}:effects:task"

@@ -36,7 +36,7 @@ from redis.retry import Retry
 from ledger import effects, keys
 from ledger.effects import Action, Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
-from ledger.store import EffectTransition, Store, decode_cursor, encode_cursor, new_id
+from ledger.store import EffectTransition, Gauges, Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -66,7 +66,8 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "fence": (),
     "prepare": ("sha256", "effect_lib"),
     "complete": ("effect_lib",),
-    "cas_effect": (),
+    "cas_effect": ("effect_lib",),
+    "gauges": (),
 }
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
 _CAS_ATTEMPTS = 8
@@ -136,6 +137,8 @@ class RedisStore(Store):
         self._timeout_s = timeout_ms / 1000
         self._keys = keys.Keys(key_prefix)
         self._durability_checked = False
+        self._effect_indexes = [self._keys.prepared, self._keys.unknown, self._keys.awaiting]
+        self._effect_indexes = [self._keys.prepared, self._keys.unknown, self._keys.awaiting]
         # A bounded pool that waits (up to the store timeout) for a free connection instead of
         # failing, and no client-side retries: a retried script after a lost reply would run
         # twice, and only the gateway knows whether that is safe.
@@ -229,7 +232,7 @@ class RedisStore(Store):
     ) -> tuple[Task, PutOutcome]:
         reply = await self._script(
             "put",
-            [self._keys.task(task_id)],
+            [self._keys.task(task_id), self._keys.leases],
             [task_id, input_digest, "" if max_runtime_ms is None else max_runtime_ms],
         )
         status, fields = _parse(reply)
@@ -244,7 +247,7 @@ class RedisStore(Store):
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         reply = await self._script(
             "claim",
-            [self._keys.task(task_id), self._keys.scheduler],
+            [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
                 request.owner,
                 request.ttl_ms,
@@ -261,7 +264,7 @@ class RedisStore(Store):
         ident = request.identity
         reply = await self._script(
             "renew",
-            [self._keys.task(task_id), self._keys.scheduler],
+            [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
                 ident.attempt_id,
                 ident.claim_generation,
@@ -278,7 +281,7 @@ class RedisStore(Store):
     async def release(self, task_id: str, identity: Identity) -> Task:
         reply = await self._script(
             "release",
-            [self._keys.task(task_id)],
+            [self._keys.task(task_id), self._keys.leases],
             [
                 identity.attempt_id,
                 identity.claim_generation,
@@ -291,7 +294,7 @@ class RedisStore(Store):
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
         reply = await self._script(
             "commit",
-            [self._keys.task(task_id), self._keys.scheduler],
+            [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
                 request.attempt_id,
                 request.claim_generation,
@@ -307,7 +310,7 @@ class RedisStore(Store):
         return task_from_fields(fields), status == "REPLAY"
 
     async def cancel(self, task_id: str) -> Task:
-        reply = await self._script("cancel", [self._keys.task(task_id)], [])
+        reply = await self._script("cancel", [self._keys.task(task_id), self._keys.leases], [])
         return task_from_fields(_parse(reply)[1])
 
     async def _scheduler_op(self, op: str) -> Scheduler:
@@ -356,6 +359,7 @@ class RedisStore(Store):
                 self._keys.effects(fence.task_id),
                 self._keys.effects_index,
                 self._keys.effect_tasks,
+                *self._effect_indexes,
             ],
             [
                 fence.attempt_id,
@@ -397,7 +401,7 @@ class RedisStore(Store):
     ) -> tuple[Effect, bool]:
         reply = await self._script(
             "complete",
-            [self._keys.effects(task_id)],
+            [self._keys.effects(task_id), *self._effect_indexes],
             [effect_id, seq, attempt_id, outcome.value, reason, response_json or ""],
         )
         status, fields = _parse(reply)
@@ -504,6 +508,11 @@ class RedisStore(Store):
         more = len(matching) > limit
         return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
 
+    async def gauges(self) -> Gauges:
+        keys_ = [self._keys.leases, *self._effect_indexes]
+        active, prepared, unknown, awaiting = await self._script("gauges", keys_, [])
+        return Gauges(int(active), int(prepared), int(unknown), int(awaiting))
+
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
         """Read, decide in Python, compare-and-set; a concurrent writer makes it read again."""
         task_id = await self._task_of(effect_id)
@@ -523,7 +532,8 @@ class RedisStore(Store):
             updated = transition(current, now)
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]
-            written = await self._call(functools.partial(cas, keys=[key], args=args))
+            cas_keys = [key, *self._effect_indexes]
+            written = await self._call(functools.partial(cas, keys=cas_keys, args=args))
             if written:
                 return updated
         raise StoreUnavailable(

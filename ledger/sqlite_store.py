@@ -23,7 +23,7 @@ from typing import TypeVar
 from ledger import effects, tasks
 from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
-from ledger.store import EffectTransition, Store, decode_cursor, encode_cursor, new_id
+from ledger.store import EffectTransition, Gauges, Store, decode_cursor, encode_cursor, new_id
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -41,9 +41,12 @@ T = TypeVar("T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
-    task_id TEXT PRIMARY KEY,
-    fields  TEXT NOT NULL
+    task_id          TEXT PRIMARY KEY,
+    state            TEXT NOT NULL,
+    lease_expires_at INTEGER,
+    fields           TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS tasks_leases ON tasks (state, lease_expires_at);
 CREATE TABLE IF NOT EXISTS scheduler (
     id     INTEGER PRIMARY KEY CHECK (id = 1),
     epoch  INTEGER NOT NULL,
@@ -179,9 +182,15 @@ class SQLiteStore(Store):
     @staticmethod
     def _save(conn: sqlite3.Connection, task: Task) -> None:
         conn.execute(
-            "INSERT INTO tasks (task_id, fields) VALUES (?, ?) "
-            "ON CONFLICT (task_id) DO UPDATE SET fields = excluded.fields",
-            (task.task_id, json.dumps(tasks.task_to_fields(task), separators=(",", ":"))),
+            "INSERT INTO tasks (task_id, state, lease_expires_at, fields) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, "
+            "lease_expires_at = excluded.lease_expires_at, fields = excluded.fields",
+            (
+                task.task_id,
+                task.state.value,
+                task.lease_expires_at,
+                json.dumps(tasks.task_to_fields(task), separators=(",", ":")),
+            ),
         )
 
     @staticmethod
@@ -432,6 +441,28 @@ class SQLiteStore(Store):
             more = len(rows) > limit
             next_cursor = encode_cursor(found[-1].created_at, found[-1].effect_id) if more else None
             return found, next_cursor
+
+        return await self._run(step)
+
+    async def gauges(self) -> Gauges:
+        def step(conn: sqlite3.Connection, now: int) -> Gauges:
+            (active,) = conn.execute(
+                "SELECT COUNT(*) FROM tasks WHERE state = 'CLAIMED' AND lease_expires_at > ?",
+                (now,),
+            ).fetchone()
+            prepared, overdue = conn.execute(
+                "SELECT COUNT(*) FILTER (WHERE deadline_at > ?), "
+                "COUNT(*) FILTER (WHERE deadline_at <= ?) FROM effects WHERE state = 'PREPARED'",
+                (now, now),
+            ).fetchone()
+            (unknown,) = conn.execute(
+                "SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'"
+            ).fetchone()
+            (awaiting,) = conn.execute(
+                "SELECT COUNT(*) FROM effects WHERE state = 'NOT_APPLIED' "
+                "AND json_extract(fields, '$.attempt_count') = '0'"
+            ).fetchone()
+            return Gauges(active, prepared, unknown + overdue, awaiting)
 
         return await self._run(step)
 

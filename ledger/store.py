@@ -12,6 +12,7 @@ import abc
 import base64
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import BadRequest
@@ -26,7 +27,15 @@ from ledger.tasks import (
     Task,
 )
 
-__all__ = ["EffectTransition", "Store", "decode_cursor", "encode_cursor", "new_id", "open_store"]
+__all__ = [
+    "EffectTransition",
+    "Gauges",
+    "Store",
+    "decode_cursor",
+    "encode_cursor",
+    "new_id",
+    "open_store",
+]
 
 #: An operator or reconciler step over one effect record: (record or None, now) -> new record.
 EffectTransition = Callable[[Effect | None, int], Effect]
@@ -35,6 +44,27 @@ EffectTransition = Callable[[Effect | None, int], Effect]
 def new_id() -> str:
     """Opaque ids for attempts and commits: random, so a restarted gateway never reuses one."""
     return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """What is in flight right now, across every gateway sharing the store."""
+
+    active_leases: int
+    prepared_effects: int
+    unknown_effects: int
+    awaiting_approval: int
+
+    @property
+    def settled(self) -> bool:
+        """Nothing held, nothing in flight, nothing unknown, nothing waiting: safe to switch
+        worker pools."""
+        return not (
+            self.active_leases
+            or self.prepared_effects
+            or self.unknown_effects
+            or self.awaiting_approval
+        )
 
 
 def encode_cursor(created_at: int, effect_id: str) -> str:
@@ -168,6 +198,10 @@ class Store(abc.ABC):
 
         A page may hold fewer than ``limit`` records while ``nextCursor`` is set (the store
         bounds how much it scans per call); keep following the cursor."""
+
+    @abc.abstractmethod
+    async def gauges(self) -> Gauges:
+        """Counts kept cheap by the store's own indexes (one round trip)."""
 
     @abc.abstractmethod
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:

@@ -129,6 +129,11 @@ class Task:
     claim_epoch: int | None = None
     claim_revision: int | None = None
     commit: Commit | None = None
+    #: When the current revision became READY (created or revised): READY-to-commit latency.
+    ready_at: int | None = None
+    #: The lease a claim took over from, if it took over an expired (or fenced) claim:
+    #: lease-expiry-to-reclaim latency.
+    previous_lease_expires_at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,7 @@ def put(
             max_runtime_ms=max_runtime_ms,
             created_at=now,
             updated_at=now,
+            ready_at=now,
         )
         return created, PutOutcome.CREATED
     if task.input_digest == input_digest:
@@ -197,6 +203,7 @@ def put(
         max_runtime_ms=max_runtime_ms if max_runtime_ms is not None else task.max_runtime_ms,
         commit=None,
         updated_at=now,
+        ready_at=now,
     )
     return revised, PutOutcome.REVISED
 
@@ -234,8 +241,10 @@ def claim(
         raise Claimed(f"held until leaseExpiresAt {task.lease_expires_at}")
     runtime = task.max_runtime_ms or policy.default_max_runtime_ms
     ttl = min(request.ttl_ms, policy.max_ttl_ms, runtime)
+    taken_over = task.lease_expires_at if task.state is TaskState.CLAIMED else None
     return replace(
         task,
+        previous_lease_expires_at=taken_over,
         state=TaskState.CLAIMED,
         claim_generation=task.claim_generation + 1,
         attempt_id=attempt_id,
@@ -419,6 +428,8 @@ def set_claims_paused(scheduler: Scheduler, paused: bool) -> Scheduler:
 # --- representations -------------------------------------------------------------------------
 
 _INT_FIELDS = (
+    "ready_at",
+    "previous_lease_expires_at",
     "revision",
     "created_at",
     "updated_at",

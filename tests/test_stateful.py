@@ -38,7 +38,7 @@ from ledger.effects import Effect, EffectRequest, EffectState, Fence
 from ledger.errors import FencegateError
 from ledger.redis_store import RedisStore
 from ledger.sqlite_store import SQLiteStore
-from ledger.store import Store
+from ledger.store import Gauges, Store
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -66,7 +66,14 @@ EFFECT_TIME_FIELDS = (
     "probe_until",
     "next_probe_at",
 )
-TIME_FIELDS = ("lease_expires_at", "attempt_started_at", "created_at", "updated_at")
+TIME_FIELDS = (
+    "lease_expires_at",
+    "attempt_started_at",
+    "created_at",
+    "updated_at",
+    "ready_at",
+    "previous_lease_expires_at",
+)
 
 
 @dataclass
@@ -531,6 +538,28 @@ class LeaseMachine(RuleBasedStateMachine):
     # --- invariants ------------------------------------------------------------------------
 
     @invariant()
+    def gauges_agree(self) -> None:
+        now = self.now
+        leases = sum(
+            1
+            for t in self.model_tasks.values()
+            if t is not None
+            and t.state is tasks.TaskState.CLAIMED
+            and t.lease_expires_at is not None
+            and now < t.lease_expires_at
+        )
+        views = [effects.effective(e, now) for e in self.model_effects.values()]
+        expected = Gauges(
+            active_leases=leases,
+            prepared_effects=sum(1 for e in views if e.state is EffectState.PREPARED),
+            unknown_effects=sum(1 for e in views if e.state is EffectState.UNKNOWN),
+            awaiting_approval=sum(
+                1 for e in views if e.state is EffectState.NOT_APPLIED and not e.attempts
+            ),
+        )
+        assert self.run(self.store.gauges()) == expected
+
+    @invariant()
     def ledgers_agree(self) -> None:
         for eid, model in self.model_effects.items():
             stored = self.run(self.store.get_effect(eid))
@@ -551,7 +580,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
 
 RUN_SETTINGS = settings(
-    max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", "100")),
+    max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", "60")),
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -1,5 +1,5 @@
 -- Cancel until the next revision (mirror of ledger.tasks.cancel).
--- KEYS[1] task hash
+-- KEYS[1] task hash, KEYS[2] leases index
 -- ARGV[1] clock offset ms
 -- Returns {'OK', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
@@ -13,4 +13,5 @@ t.state = 'CANCELLED'
 t.cancel_generation = s(tonumber(t.cancel_generation) + 1)
 t.updated_at = s(now)
 save_hash(KEYS[1], t)
+index_lease(KEYS[2], t)
 return answer('OK', t)

@@ -1,5 +1,5 @@
 -- Claim a task (mirror of ledger.tasks.claim).
--- KEYS[1] task hash, KEYS[2] scheduler hash
+-- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] clock offset ms, ARGV[2] owner, ARGV[3] ttlMs, ARGV[4] schedulerEpoch,
 -- ARGV[5] expectedRevision or '', ARGV[6] new attemptId, ARGV[7] max ttl ms,
 -- ARGV[8] default max runtime ms
@@ -24,6 +24,11 @@ if t.state == 'CLAIMED' and num(t.claim_epoch) == epoch and t.lease_expires_at
 end
 local runtime = num(t.max_runtime_ms) or tonumber(ARGV[8])
 local ttl = math.min(tonumber(ARGV[3]), tonumber(ARGV[7]), runtime)
+if t.state == 'CLAIMED' then
+  t.previous_lease_expires_at = t.lease_expires_at
+else
+  t.previous_lease_expires_at = nil
+end
 t.state = 'CLAIMED'
 t.claim_generation = s(tonumber(t.claim_generation) + 1)
 t.attempt_id = ARGV[6]
@@ -34,4 +39,5 @@ t.claim_epoch = s(epoch)
 t.claim_revision = t.revision
 t.updated_at = s(now)
 save_hash(KEYS[1], t)
+index_lease(KEYS[3], t)
 return answer('OK', t)

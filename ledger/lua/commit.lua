@@ -1,5 +1,5 @@
 -- Record the canonical result (mirror of ledger.tasks.commit). Compares identities, not the clock.
--- KEYS[1] task hash, KEYS[2] scheduler hash
+-- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
 -- ARGV[5] cancelGeneration, ARGV[6] inputDigest, ARGV[7] resultDigest, ARGV[8] new commitId,
 -- ARGV[9] result JSON or '' for none
@@ -30,4 +30,5 @@ t.committed_at = s(now)
 if ARGV[9] ~= '' then t.commit_result = ARGV[9] end
 t.updated_at = s(now)
 save_hash(KEYS[1], t)
+index_lease(KEYS[3], t)
 return answer('OK', t)

@@ -51,6 +51,15 @@ local function answer(status, h)
   return out
 end
 
+-- Keep the leases index (a sorted set of CLAIMED tasks by expiry) in step with a task.
+local function index_lease(key, t)
+  if t.state == 'CLAIMED' then
+    redis.call('ZADD', key, tonumber(t.lease_expires_at), t.task_id)
+  else
+    redis.call('ZREM', key, t.task_id)
+  end
+end
+
 -- The global scheduler record: epoch (default 1) and the claims-paused flag.
 local function scheduler(key)
   local e = redis.call('HMGET', key, 'epoch', 'paused')

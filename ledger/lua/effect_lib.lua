@@ -21,8 +21,32 @@ local function expire_effect(e, now)
   return false
 end
 
+-- The gauge indexes (prepared zset, unknown set, awaiting set); each effect script sets
+-- EFFECT_INDEX from its KEYS before saving anything.
+local EFFECT_INDEX = nil
+
+local function index_effect(e)
+  local id = e.effect_id
+  if e.state == 'PREPARED' then
+    redis.call('ZADD', EFFECT_INDEX.prepared, tonumber(e.deadline_at), id)
+  else
+    redis.call('ZREM', EFFECT_INDEX.prepared, id)
+  end
+  if e.state == 'UNKNOWN' then
+    redis.call('SADD', EFFECT_INDEX.unknown, id)
+  else
+    redis.call('SREM', EFFECT_INDEX.unknown, id)
+  end
+  if e.state == 'NOT_APPLIED' and e.attempt_count == '0' then
+    redis.call('SADD', EFFECT_INDEX.awaiting, id)
+  else
+    redis.call('SREM', EFFECT_INDEX.awaiting, id)
+  end
+end
+
 local function save_effect(key, e)
   redis.call('HSET', key, e.effect_id, cjson.encode(e))
+  index_effect(e)
 end
 
 -- Append a new forward (attempt) and make the record PREPARED again.

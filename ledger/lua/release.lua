@@ -1,5 +1,5 @@
 -- Give a claim back (mirror of ledger.tasks.release); no epoch check, see tasks.py.
--- KEYS[1] task hash
+-- KEYS[1] task hash, KEYS[2] leases index
 -- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
 -- ARGV[5] cancelGeneration
 -- Returns {'OK', fields...} or {'ERR', code, detail}
@@ -17,4 +17,5 @@ t.claim_epoch = nil
 t.claim_revision = nil
 t.updated_at = s(now)
 save_hash(KEYS[1], t)
+index_lease(KEYS[2], t)
 return answer('OK', t)

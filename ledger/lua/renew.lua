@@ -1,5 +1,5 @@
 -- Extend a lease (mirror of ledger.tasks.renew).
--- KEYS[1] task hash, KEYS[2] scheduler hash
+-- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
 -- ARGV[5] schedulerEpoch, ARGV[6] cancelGeneration, ARGV[7] ttlMs, ARGV[8] max ttl ms,
 -- ARGV[9] default max runtime ms
@@ -20,4 +20,5 @@ end
 t.lease_expires_at = s(math.min(now + math.min(tonumber(ARGV[7]), tonumber(ARGV[8])), deadline))
 t.updated_at = s(now)
 save_hash(KEYS[1], t)
+index_lease(KEYS[3], t)
 return answer('OK', t)
