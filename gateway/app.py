@@ -13,12 +13,13 @@ import structlog
 from aiohttp import web
 
 from adapters import build_adapter
-from gateway import coordination, ledger_api
+from gateway import coordination, ledger_api, operations
 from gateway.config import Config
+from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.problems import error_middleware
 from gateway.proxy import proxy_handler
 from gateway.reconcile import Reconciler
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, STORE
 from ledger.errors import StoreUnavailable
 from ledger.store import Store, open_store
 from ledger.tasks import LeasePolicy
@@ -49,10 +50,25 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready means one real round trip to the store succeeded just now."""
+    """Ready means one real round trip to the store succeeded just now, and (Redis) the store
+    is as durable as ``store.require_durable`` asks."""
     store = request.app[STORE]
     await store.ping()
+    if request.app[CONFIG].store.require_durable:
+        warnings = await store.durability()
+        if warnings:
+            raise StoreUnavailable("the store is not durable: " + "; ".join(warnings))
     return web.json_response({"status": "ready", "store": store.kind})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app_metrics = request.app[METRICS]
+    try:
+        app_metrics.set_gauges(await request.app[STORE].gauges())
+    except StoreUnavailable as exc:
+        log.warning("metrics.gauges_unavailable", reason=exc.detail)
+    body = app_metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def create_app(config: Config, store: Store | None = None) -> web.Application:
@@ -62,6 +78,9 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     )
     app[CONFIG] = config
     app[STORE] = store if store is not None else build_store(config)
+    app[METRICS] = Metrics()
+    store_seconds = app[METRICS].store_seconds
+    app[STORE].observe = lambda op, seconds: store_seconds.labels(op).observe(seconds)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         the_store = app[STORE]
@@ -105,7 +124,9 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.cleanup_ctx.append(reconciler_ctx)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
     app.add_routes(coordination.routes)
     app.add_routes(ledger_api.routes)
+    app.add_routes(operations.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
     return app

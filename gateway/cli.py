@@ -9,9 +9,11 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
+from fencegate.demo import register as _add_demo
 from gateway.app import create_app
 from gateway.config import ConfigError, load_config, parse_listen
 from gateway.logs import configure_logging
+from gateway.ops_cli import register as _add_ops
 from ledger.errors import StoreUnavailable
 
 __all__ = ["main"]
@@ -60,6 +62,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 #: Operator commands and the demo live in their own modules and register here.
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _add_serve,
+    _add_ops,
+    _add_demo,
 ]
 
 

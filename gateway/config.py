@@ -72,6 +72,9 @@ class StoreConfig(_Section):
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     #: Redis only: prefix of every key fencegate writes.
     redis_key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "fg"
+    #: Redis only: /readyz fails while Redis runs without appendonly=yes, appendfsync=always
+    #: and maxmemory-policy=noeviction (an answered claim or effect record could be lost).
+    require_durable: bool = True
     #: Redis only: connections per gateway process; a request waits (up to timeout_ms) for a
     #: free one rather than failing.
     redis_max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
@@ -118,6 +121,10 @@ class ProxyConfig(_Section):
     prepared_margin_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 5_000
     #: Most pooled connections to all downstreams together.
     max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
+    #: enforce: refusals are answered. shadow: every check runs and is recorded (log and
+    #: fencegate_shadow_rejections_total), but the call is forwarded anyway. Per downstream
+    #: too (``enforcement`` in its table).
+    enforcement: Literal["enforce", "shadow"] = "enforce"
 
 
 class ReconcilerConfig(_Section):
@@ -235,6 +242,8 @@ class DownstreamConfig(_Section):
     probe: ProbeConfig | None = None
     #: manual: every forward waits for an operator's approval of its exact payload digest.
     require_approval: bool = False
+    #: Overrides proxy.enforcement for this downstream.
+    enforcement: Literal["enforce", "shadow"] | None = None
     #: manual: how long an approval stays usable.
     approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
 

@@ -23,8 +23,8 @@ from gateway.api_models import (
     check_task_id,
     parse_body,
 )
-from gateway.state import CONFIG, STORE
-from ledger.errors import BadRequest, FencegateError, PayloadTooLarge
+from gateway.state import CONFIG, METRICS, STORE
+from ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
 from ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -43,13 +43,27 @@ T = TypeVar("T")
 routes = web.RouteTableDef()
 
 
-async def _decide(event: str, fields: dict[str, Any], step: Callable[[], Awaitable[T]]) -> T:
-    """Run one store step, logging ``<event>.rejected`` with the code when it is refused."""
+async def _decide(
+    request: web.Request,
+    event: str,
+    fields: dict[str, Any],
+    step: Callable[[], Awaitable[T]],
+    point: str | None = None,
+) -> T:
+    """Run one store step, logging ``<event>.rejected`` with the code when it is refused, and
+    counting the acceptance point's decision (``point``: claim, renew or commit)."""
     try:
-        return await step()
+        result = await step()
     except FencegateError as exc:
         log.info(f"{event}.rejected", code=exc.code, reason=exc.detail, **fields)
+        if point is not None:
+            request.app[METRICS].decision(
+                point, exc.code, validated=not isinstance(exc, StoreUnavailable)
+            )
         raise
+    if point is not None:
+        request.app[METRICS].decision(point, None, validated=True)
+    return result
 
 
 def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
@@ -77,8 +91,13 @@ async def claim(request: web.Request) -> web.Response:
         expected_revision=body.expectedRevision,
     )
     fields = {"task": task_id, "owner": body.owner, "epoch": body.schedulerEpoch}
-    task = await _decide("claim", fields, lambda: request.app[STORE].claim(task_id, req))
+    task = await _decide(
+        request, "claim", fields, lambda: request.app[STORE].claim(task_id, req), "claim"
+    )
     assert task.lease_expires_at is not None and task.attempt_started_at is not None
+    if task.previous_lease_expires_at is not None:
+        waited = max(task.attempt_started_at - task.previous_lease_expires_at, 0) / 1000
+        request.app[METRICS].reclaim_latency.observe(waited)
     log.info(
         "claim.granted",
         task=task_id,
@@ -114,7 +133,9 @@ async def renew(request: web.Request) -> web.Response:
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task = await _decide("renew", fields, lambda: request.app[STORE].renew(task_id, req))
+    task = await _decide(
+        request, "renew", fields, lambda: request.app[STORE].renew(task_id, req), "renew"
+    )
     log.info("renew.granted", lease_expires_at=task.lease_expires_at, **fields)
     return web.json_response({"leaseExpiresAt": task.lease_expires_at})
 
@@ -130,7 +151,9 @@ async def release(request: web.Request) -> web.Response:
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task = await _decide("release", fields, lambda: request.app[STORE].release(task_id, ident))
+    task = await _decide(
+        request, "release", fields, lambda: request.app[STORE].release(task_id, ident)
+    )
     log.info("release.done", **fields)
     return web.json_response({"taskId": task.task_id, "state": task.state.value})
 
@@ -160,8 +183,15 @@ async def commit(request: web.Request) -> web.Response:
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task, replay = await _decide("commit", fields, lambda: request.app[STORE].commit(task_id, req))
+    task, replay = await _decide(
+        request, "commit", fields, lambda: request.app[STORE].commit(task_id, req), "commit"
+    )
     assert task.commit is not None
+    if not replay:
+        request.app[METRICS].attempts_per_task.observe(task.claim_generation)
+        if task.ready_at is not None:
+            ready = max(task.commit.committed_at - task.ready_at, 0) / 1000
+            request.app[METRICS].ready_to_commit.observe(ready)
     log.info(
         "commit.replayed" if replay else "commit.committed",
         commit_id=task.commit.commit_id,
@@ -177,7 +207,9 @@ async def cancel(request: web.Request) -> web.Response:
     raw = await request.read()
     if raw.strip() not in (b"", b"{}"):
         raise BadRequest("cancel takes no body (or an empty JSON object)")
-    task = await _decide("cancel", {"task": task_id}, lambda: request.app[STORE].cancel(task_id))
+    task = await _decide(
+        request, "cancel", {"task": task_id}, lambda: request.app[STORE].cancel(task_id)
+    )
     log.info("task.cancelled", task=task_id, cancel_generation=task.cancel_generation)
     return web.json_response({"cancelGeneration": task.cancel_generation})
 
@@ -190,6 +222,7 @@ async def put_task(request: web.Request) -> web.Response:
     if body.maxRuntimeMs is not None and body.maxRuntimeMs > limit:
         raise BadRequest(f"maxRuntimeMs: must be at most leases.max_runtime_ms_limit ({limit})")
     task, outcome = await _decide(
+        request,
         "task",
         {"task": task_id},
         lambda: request.app[STORE].put_task(task_id, body.inputDigest, body.maxRuntimeMs),

@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from gateway.http_rules import (
 )
 from gateway.problems import problem_response
 from gateway.reconcile import reconcile
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, STORE
 from ledger.effects import (
     Action,
     Effect,
@@ -58,7 +59,6 @@ from ledger.errors import (
     FencegateError,
     NoSuchDownstream,
     PayloadTooLarge,
-    Rejected,
     StoreUnavailable,
 )
 
@@ -70,6 +70,13 @@ _ID = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
 _COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
 _MAX_COUNTER = 2**53 - 1
 _FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
+#: Refusal codes as the effects counter names them.
+_EFFECT_REFUSALS = {
+    "PAYLOAD_CONFLICT": "conflict",
+    "EFFECT_IN_FLIGHT": "in_flight",
+    "EFFECT_UNKNOWN": "unknown_refused",
+    "APPROVAL_REQUIRED": "approval_required",
+}
 #: Claim-level refusals: the caller is not (or no longer) the task's current attempt.
 _FENCE_CODES = frozenset(
     {"FENCED", "STALE_EPOCH", "CANCELLED", "LEASE_EXPIRED", "STALE_INPUT", "ALREADY_COMMITTED",
@@ -89,6 +96,8 @@ class _Call:
     node: str
     slot: str | None
     body: bytes
+    #: Shadow mode: refusals are recorded and let through.
+    shadow: bool = False
 
 
 def _one_header(request: web.Request, name: str, required: bool) -> str | None:
@@ -154,7 +163,18 @@ async def _parse(request: web.Request) -> _Call:
     body = await request.read()
     if limit is not None and len(body) > limit:
         raise PayloadTooLarge(f"body over downstreams.{name}.max_body_bytes ({limit} bytes)")
-    return _Call(downstream, request.app[ADAPTERS][name], method, tail, fence, node, slot, body)
+    enforcement = downstream.enforcement or config.proxy.enforcement
+    return _Call(
+        downstream,
+        request.app[ADAPTERS][name],
+        method,
+        tail,
+        fence,
+        node,
+        slot,
+        body,
+        shadow=enforcement == "shadow",
+    )
 
 
 def _fence_headers(effect: Effect | None, state: str | None, replayed: bool) -> dict[str, str]:
@@ -203,13 +223,20 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request) -> web.StreamResponse:
     call = await _parse(request)
     store = request.app[STORE]
+    metrics = request.app[METRICS]
     if call.method in SAFE_METHODS:
         try:
             await store.check_fence(call.fence)
-        except Rejected as exc:
+        except FencegateError as exc:
+            metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
+            if exc.code not in _FENCE_CODES:
+                raise
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **_log_fields(call))
+            if call.shadow:
+                return await _shadow(request, call, exc.code, None, _log_fields(call))
             return _refusal(exc)
-        return await _forward_safe(request, call)
+        metrics.decision("proxy", None, validated=True)
+        return await _forward_plain(request, call, call.adapter.outbound_headers(None, None))
 
     assert call.slot is not None
     path = call.tail or "/"
@@ -259,21 +286,32 @@ async def _handle(request: web.Request) -> web.StreamResponse:
             if effect.state is not EffectState.UNKNOWN:
                 outcome = await prepare()
     except FencegateError as exc:
+        metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
         if exc.code in _FENCE_CODES:
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
+            if call.shadow:
+                return await _shadow(request, call, exc.code, None, fields)
             return _refusal(exc)
         raise
     effect = outcome.effect
     fields["effect_id"] = effect.effect_id
+    metrics.decision("proxy", outcome.error.code if outcome.error else None, validated=True)
     if outcome.action is Action.REJECT:
         assert outcome.error is not None
+        code = outcome.error.code
+        metrics.effects.labels(call.downstream.name, _EFFECT_REFUSALS.get(code, code)).inc()
         log.info(
-            "effect.rejected", code=outcome.error.code, reason=outcome.error.detail,
-            state=effect.state.value, **fields,
+            "effect.rejected", code=code, reason=outcome.error.detail, state=effect.state.value,
+            **fields,
         )  # fmt: skip
+        if call.shadow:
+            return await _shadow(request, call, code, effect, fields)
         return _refusal(outcome.error)
     if outcome.action is Action.REPLAY:
+        metrics.effects.labels(call.downstream.name, "replayed").inc()
         log.info("effect.replayed", **fields)
+        if call.shadow:
+            return await _shadow(request, call, "REPLAY", effect, fields)
         return _replay(effect)
     log.info("effect.prepared", seq=outcome.seq, **fields)
     failpoints.hit("after_prepare")
@@ -319,12 +357,31 @@ async def _stream(
     return answer
 
 
-async def _forward_safe(request: web.Request, call: _Call) -> web.StreamResponse:
+async def _shadow(
+    request: web.Request, call: _Call, code: str, effect: Effect | None, fields: dict[str, Any]
+) -> web.StreamResponse:
+    """Shadow mode: the refusal (or replay) is recorded, and the call goes through anyway,
+    unrecorded, so a fleet can adopt fencing and watch what it would refuse."""
+    request.app[METRICS].shadow_rejections.labels("proxy", code).inc()
+    log.warning("effect.shadow_rejected", code=code, **fields)
+    token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
+    identity = call.adapter.outbound_headers(effect.effect_id if effect else None, token)
+    return await _forward_plain(request, call, identity, {"Fence-Shadow-Rejected": code})
+
+
+async def _forward_plain(
+    request: web.Request,
+    call: _Call,
+    identity: dict[str, str],
+    answer_headers: dict[str, str] | None = None,
+) -> web.StreamResponse:
+    """Forward without a ledger entry (safe methods, shadow mode); the answer passes through."""
     headers = downstream_request_headers(
         request.headers.items(),
-        call.adapter.outbound_headers(None, None),
+        identity,
         forward_authorization=call.downstream.forward_authorization,
     )
+    started = time.monotonic()
     try:
         async with request.app[HTTP_CLIENT].request(
             call.method,
@@ -336,7 +393,11 @@ async def _forward_safe(request: web.Request, call: _Call) -> web.StreamResponse
         ) as resp:
             live = upstream_response_headers(resp.headers.items())
             live.update(_fence_headers(None, None, False))
+            live.update(answer_headers or {})
             body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
+            request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
+                time.monotonic() - started
+            )
             if not whole:
                 return await _stream(request, resp, live, body)
             return web.Response(status=resp.status, body=body, headers=live)
@@ -386,6 +447,7 @@ async def _forward_effect(
     )
     replay_max = call.downstream.replay_max_bytes
     status: int | None = None
+    started = time.monotonic()
     try:
         async with request.app[HTTP_CLIENT].request(
             call.method,
@@ -397,6 +459,9 @@ async def _forward_effect(
         ) as resp:
             status = resp.status
             body, whole = await _read_up_to(resp.content, replay_max)
+            request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
+                time.monotonic() - started
+            )
             failpoints.hit("after_response")
             outcome, reason = call.adapter.classify(status, effect)
             record = _response_record(
@@ -461,6 +526,7 @@ async def _record(
         log.warning("effect.stale_completion", outcome=outcome.value, state=recorded.state.value,
                     reason=reason, **fields)  # fmt: skip
         return recorded
+    request.app[METRICS].effects.labels(call.downstream.name, outcome.value).inc()
     event = {
         EffectState.COMMITTED: "effect.committed",
         EffectState.NOT_APPLIED: "effect.not_applied",

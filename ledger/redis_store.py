@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -179,7 +180,9 @@ class RedisStore(Store):
 
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
         script = self._scripts[name]
+        started = time.monotonic()
         reply = await self._call(lambda: script(keys=keys_, args=[self.clock_offset_ms, *args]))
+        self.observe(name, time.monotonic() - started)
         if not self._durability_checked:
             await self._check_durability()
         return reply  # type: ignore[no-any-return]

@@ -125,7 +125,7 @@ class SQLiteStore(Store):
         conn.execute("COMMIT")
         return result
 
-    async def _run(self, fn: Callable[[sqlite3.Connection, int], T]) -> T:
+    async def _run(self, fn: Callable[[sqlite3.Connection, int], T], op: str = "other") -> T:
         """One transaction on the store's thread.
 
         ``store.timeout_ms`` bounds the wait in the queue and for SQLite's write lock; both
@@ -133,10 +133,13 @@ class SQLiteStore(Store):
         503 says the outcome is unknown.
         """
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self._timeout_s
+        started = time.monotonic()
+        deadline = started + self._timeout_s
         try:
             async with asyncio.timeout(4 * self._timeout_s + 5):
-                return await loop.run_in_executor(self._executor, self._transaction, fn, deadline)
+                result = await loop.run_in_executor(self._executor, self._transaction, fn, deadline)
+            self.observe(op, time.monotonic() - started)
+            return result
         except FencegateError:
             raise
         except TimeoutError as exc:
@@ -167,7 +170,7 @@ class SQLiteStore(Store):
         self._executor.shutdown(wait=True)
 
     async def ping(self) -> None:
-        await self._run(lambda conn, now: conn.execute("SELECT 1").fetchone())
+        await self._run(lambda conn, now: conn.execute("SELECT 1").fetchone(), "ping")
 
     async def now_ms(self) -> int:
         return self._clock()
@@ -218,7 +221,7 @@ class SQLiteStore(Store):
                 self._save(conn, task)
             return task, outcome
 
-        return await self._run(step)
+        return await self._run(step, "put_task")
 
     async def get_task(self, task_id: str) -> Task:
         def step(conn: sqlite3.Connection, now: int) -> Task:
@@ -227,7 +230,7 @@ class SQLiteStore(Store):
                 raise NoSuchTask()
             return task
 
-        return await self._run(step)
+        return await self._run(step, "get_task")
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         attempt_id = new_id()
@@ -244,7 +247,7 @@ class SQLiteStore(Store):
             self._save(conn, task)
             return task
 
-        return await self._run(step)
+        return await self._run(step, "claim")
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
         def step(conn: sqlite3.Connection, now: int) -> Task:
@@ -254,7 +257,7 @@ class SQLiteStore(Store):
             self._save(conn, task)
             return task
 
-        return await self._run(step)
+        return await self._run(step, "renew")
 
     async def release(self, task_id: str, identity: Identity) -> Task:
         def step(conn: sqlite3.Connection, now: int) -> Task:
@@ -262,7 +265,7 @@ class SQLiteStore(Store):
             self._save(conn, task)
             return task
 
-        return await self._run(step)
+        return await self._run(step, "release")
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
         commit_id = new_id()
@@ -275,7 +278,7 @@ class SQLiteStore(Store):
                 self._save(conn, task)
             return task, replay
 
-        return await self._run(step)
+        return await self._run(step, "commit")
 
     async def cancel(self, task_id: str) -> Task:
         def step(conn: sqlite3.Connection, now: int) -> Task:
@@ -283,10 +286,10 @@ class SQLiteStore(Store):
             self._save(conn, task)
             return task
 
-        return await self._run(step)
+        return await self._run(step, "cancel")
 
     async def get_scheduler(self) -> Scheduler:
-        return await self._run(lambda conn, now: self._scheduler(conn))
+        return await self._run(lambda conn, now: self._scheduler(conn), "get_scheduler")
 
     async def bump_epoch(self) -> Scheduler:
         def step(conn: sqlite3.Connection, now: int) -> Scheduler:
@@ -294,7 +297,7 @@ class SQLiteStore(Store):
             self._save_scheduler(conn, scheduler)
             return scheduler
 
-        return await self._run(step)
+        return await self._run(step, "bump_epoch")
 
     async def set_claims_paused(self, paused: bool) -> Scheduler:
         def step(conn: sqlite3.Connection, now: int) -> Scheduler:
@@ -302,7 +305,7 @@ class SQLiteStore(Store):
             self._save_scheduler(conn, scheduler)
             return scheduler
 
-        return await self._run(step)
+        return await self._run(step, "set_claims_paused")
 
     # --- the idempotency ledger -------------------------------------------------------------
 
@@ -335,7 +338,8 @@ class SQLiteStore(Store):
         return await self._run(
             lambda conn, now: effects.check_fence(
                 self._load(conn, fence.task_id), self._scheduler(conn), fence, now
-            )
+            ),
+            "check_fence",
         )
 
     async def prepare_effect(
@@ -366,7 +370,7 @@ class SQLiteStore(Store):
                 self._save_effect(conn, outcome.effect)
             return outcome
 
-        return await self._run(step)
+        return await self._run(step, "prepare_effect")
 
     async def complete_effect(
         self,
@@ -389,7 +393,7 @@ class SQLiteStore(Store):
                 self._save_effect(conn, done)
             return done, applied
 
-        return await self._run(step)
+        return await self._run(step, "complete_effect")
 
     async def get_effect(self, effect_id: str) -> Effect:
         def step(conn: sqlite3.Connection, now: int) -> Effect:
@@ -398,7 +402,7 @@ class SQLiteStore(Store):
                 raise NoSuchEffect()
             return effects.effective(effect, now)
 
-        return await self._run(step)
+        return await self._run(step, "get_effect")
 
     async def list_effects(
         self,
@@ -442,7 +446,7 @@ class SQLiteStore(Store):
             next_cursor = encode_cursor(found[-1].created_at, found[-1].effect_id) if more else None
             return found, next_cursor
 
-        return await self._run(step)
+        return await self._run(step, "list_effects")
 
     async def gauges(self) -> Gauges:
         def step(conn: sqlite3.Connection, now: int) -> Gauges:
@@ -464,7 +468,7 @@ class SQLiteStore(Store):
             ).fetchone()
             return Gauges(active, prepared, unknown + overdue, awaiting)
 
-        return await self._run(step)
+        return await self._run(step, "gauges")
 
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
         def step(conn: sqlite3.Connection, now: int) -> Effect:
@@ -472,4 +476,4 @@ class SQLiteStore(Store):
             self._save_effect(conn, effect)
             return effect
 
-        return await self._run(step)
+        return await self._run(step, "update_effect")

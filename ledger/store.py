@@ -93,6 +93,12 @@ class Store(abc.ABC):
 
     def __init__(self, policy: LeasePolicy) -> None:
         self.policy = policy
+        #: Called with (operation, seconds) after every answered store call; metrics hook it.
+        self.observe: Callable[[str, float], None] = lambda op, seconds: None
+
+    async def durability(self) -> list[str]:
+        """What an answered transition could lose under the store's current settings."""
+        return []
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,137 @@
+"""Prometheus metrics, with names and labels fixed so dashboards can be shared.
+
+Counters and histograms are per gateway process (Prometheus sums them across processes);
+the gauges (active leases, PREPARED and UNKNOWN effects, effects awaiting approval) are read
+from the store at scrape time, from indexes the store keeps, so they are right across every
+gateway sharing it and cost one store round trip per scrape.
+
+``fencegate_validations_total{point}`` counts acceptance points that reached a decision
+after comparing epoch, generation and cancel generation; ``fencegate_requests_total{point}``
+counts well-formed requests that reached the point. Their ratio is the coverage the rollout
+notes ask to watch: a fenced count of zero proves nothing, a coverage below 1 shows a path
+that skips the checks (or a store that did not answer).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ledger.store import Gauges
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_HUMAN = (0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+
+
+class Metrics:
+    """One registry per app, so several apps in one process (tests) do not collide."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.claims = Counter(
+            "fencegate_claims",
+            "Claims by outcome (granted or the problem code)",
+            ["outcome"],
+            registry=r,
+        )
+        self.renewals = Counter(
+            "fencegate_renewals", "Renewals by outcome", ["outcome"], registry=r
+        )
+        self.commits = Counter("fencegate_commits", "Commits by outcome", ["outcome"], registry=r)
+        self.rejections = Counter(
+            "fencegate_rejections",
+            "Refusals by acceptance point and code",
+            ["point", "code"],
+            registry=r,
+        )
+        self.validations = Counter(
+            "fencegate_validations",
+            "Acceptance points that compared epoch, generation and cancel generation",
+            ["point"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "fencegate_requests", "Well-formed requests per acceptance point", ["point"], registry=r
+        )
+        self.effects = Counter(
+            "fencegate_effects",
+            "Proxied effects by outcome (COMMITTED, NOT_APPLIED, UNKNOWN, replayed, conflict, "
+            "in_flight...)",
+            ["downstream", "outcome"],
+            registry=r,
+        )
+        self.shadow_rejections = Counter(
+            "fencegate_shadow_rejections",
+            "Refusals that shadow mode recorded and let through",
+            ["point", "code"],
+            registry=r,
+        )
+        self.unknown_effects = Gauge(
+            "fencegate_unknown_effects", "UNKNOWN effects (store-wide)", registry=r
+        )
+        self.prepared_effects = Gauge(
+            "fencegate_prepared_effects", "Effects being forwarded (store-wide)", registry=r
+        )
+        self.active_leases = Gauge(
+            "fencegate_active_leases", "Unexpired leases (store-wide)", registry=r
+        )
+        self.awaiting_approval = Gauge(
+            "fencegate_awaiting_approval_effects",
+            "Effects waiting for an operator's approval",
+            registry=r,
+        )
+        self.reclaim_latency = Histogram(
+            "fencegate_reclaim_latency_seconds",
+            "From the expiry of a lease to the claim that took the task over",
+            buckets=_HUMAN,
+            registry=r,
+        )
+        self.attempts_per_task = Histogram(
+            "fencegate_attempts_per_task",
+            "Claims a task took until its canonical commit",
+            buckets=(1, 2, 3, 4, 5, 8, 13, 21, 50, 100),
+            registry=r,
+        )
+        self.ready_to_commit = Histogram(
+            "fencegate_ready_to_commit_seconds",
+            "From a revision becoming READY to its canonical commit",
+            buckets=_HUMAN,
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "fencegate_forward_seconds",
+            "Forwards to downstreams",
+            ["downstream"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.store_seconds = Histogram(
+            "fencegate_store_seconds",
+            "Store round trips by operation",
+            ["op"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+
+    def decision(self, point: str, code: str | None, *, validated: bool) -> None:
+        """One acceptance point's decision: ``code`` None means granted."""
+        self.requests.labels(point).inc()
+        if validated:
+            self.validations.labels(point).inc()
+        outcome = code or "granted"
+        counter = {"claim": self.claims, "renew": self.renewals, "commit": self.commits}.get(point)
+        if counter is not None:
+            counter.labels(outcome).inc()
+        if code is not None and validated:
+            self.rejections.labels(point, code).inc()
+
+    def set_gauges(self, gauges: Gauges) -> None:
+        self.unknown_effects.set(gauges.unknown_effects)
+        self.prepared_effects.set(gauges.prepared_effects)
+        self.active_leases.set(gauges.active_leases)
+        self.awaiting_approval.set(gauges.awaiting_approval)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,34 @@
+"""Operator views that span the whole store: ``GET /v1/rollout``.
+
+The rollback procedure from the rollout notes: pause claims, bump the epoch, then wait until
+no lease is held and no effect is PREPARED, UNKNOWN or waiting for approval before switching
+worker pools. This answers exactly that question, from the store's own indexes.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.state import STORE
+
+__all__ = ["routes"]
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/v1/rollout")
+async def rollout_status(request: web.Request) -> web.Response:
+    store = request.app[STORE]
+    gauges = await store.gauges()
+    scheduler = await store.get_scheduler()
+    return web.json_response(
+        {
+            "schedulerEpoch": scheduler.epoch,
+            "claimsPaused": scheduler.claims_paused,
+            "activeLeases": gauges.active_leases,
+            "preparedEffects": gauges.prepared_effects,
+            "unknownEffects": gauges.unknown_effects,
+            "awaitingApproval": gauges.awaiting_approval,
+            "safeToSwitchPools": gauges.settled,
+        }
+    )
