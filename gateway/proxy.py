@@ -422,7 +422,12 @@ def _response_record(status: int, headers: list[list[str]], body: bytes, whole: 
 
 
 def _replay(effect: Effect) -> web.Response:
-    stored = json.loads(effect.response_json) if effect.response_json else {}
+    if effect.response_json is None:
+        # Settled COMMITTED by an operator who knew no response: say so, invent nothing.
+        headers = _fence_headers(effect, None, True)
+        headers["Fence-Replay-Body"] = "none"
+        return web.Response(status=204, headers=headers)
+    stored = json.loads(effect.response_json)
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in stored.get("headers", []):
         headers.add(name, value)

@@ -433,10 +433,15 @@ def resolve(
         ):
             return current
         raise _settled_error(current, "resolve")
+    if outcome is EffectState.COMMITTED:
+        # Without a response from the operator, keep what the forward recorded (if anything).
+        kept = response_json if response_json is not None else current.response_json
+    else:
+        kept = None
     return replace(
         current,
         state=outcome,
-        response_json=response_json if outcome is EffectState.COMMITTED else None,
+        response_json=kept,
         probe_holder=None,
         probe_until=None,
         actions_json=_with_action(

@@ -770,3 +770,23 @@ async def test_node_and_revision_make_distinct_effects(api: Api, downstream: Dow
     assert c.status == 200
     assert c.headers["Fence-Effect-Id"] == effect_id("t1", 2, "main", "s1")
     assert len(downstream.calls()) == 3
+
+
+async def test_resolve_without_response_replays_what_was_recorded_or_says_none(
+    api: Api, downstream: Downstream
+) -> None:
+    lease = await task_with_lease(api)
+    answered = await send(api, lease, "/status/500", body={"x": 1})
+    silent = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", slot="s2", body={"x": 1})
+    for sent in (answered, silent):
+        eid = sent.headers["Fence-Effect-Id"]
+        ok = await api.call(
+            "POST", f"/v1/effects/{eid}/resolve", {"outcome": "COMMITTED", "note": "it happened"}
+        )
+        assert ok.status == 200
+    replay = await send(api, lease, "/status/500", body={"x": 1})
+    assert replay.status == 500 and replay.headers["Fence-Replayed"] == "true"
+    assert json.loads(replay.body)["calls"] == 1
+    none = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", slot="s2", body={"x": 1})
+    assert none.status == 204 and none.headers["Fence-Replay-Body"] == "none"
+    assert none.headers["Fence-Replayed"] == "true"
