@@ -6,6 +6,7 @@ and close with it, in tests as in ``fencegate serve``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -19,7 +20,7 @@ from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.problems import error_middleware
 from gateway.proxy import proxy_handler
 from gateway.reconcile import Reconciler
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, STORE
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
 from ledger.errors import StoreUnavailable
 from ledger.store import Store, open_store
 from ledger.tasks import LeasePolicy
@@ -111,6 +112,14 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         yield
         await session.close()
 
+    async def aborts_ctx(app: web.Application) -> AsyncIterator[None]:
+        app[PENDING_ABORTS] = set()
+        yield
+        pending: set[asyncio.Task[None]] = app[PENDING_ABORTS]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
     async def reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         reconciler = Reconciler(app)
         if config.reconciler.enabled:
@@ -122,6 +131,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(client_ctx)
     app.cleanup_ctx.append(reconciler_ctx)
+    app.cleanup_ctx.append(aborts_ctx)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -6,20 +6,22 @@ import argparse
 import sys
 from collections.abc import Callable
 
-import structlog
-from aiohttp import web
-
 from fencegate.demo import register as _add_demo
-from gateway.app import create_app
 from gateway.config import ConfigError, load_config, parse_listen
-from gateway.logs import configure_logging
 from gateway.ops_cli import register as _add_ops
-from ledger.errors import StoreUnavailable
 
 __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Imported here: the operator commands should not pay for the server's imports.
+    import structlog
+    from aiohttp import web
+
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+    from ledger.errors import StoreUnavailable
+
     try:
         config = load_config(args.config)
     except ConfigError as exc:

@@ -15,6 +15,7 @@ in one round trip and forwarded without a ledger entry. Every answer carries
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -42,7 +43,8 @@ from gateway.http_rules import (
 )
 from gateway.problems import problem_response
 from gateway.reconcile import reconcile
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, STORE
+from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from ledger import effects
 from ledger.effects import (
     Action,
     Effect,
@@ -61,6 +63,7 @@ from ledger.errors import (
     PayloadTooLarge,
     StoreUnavailable,
 )
+from ledger.store import new_id
 
 __all__ = ["proxy_handler"]
 
@@ -263,6 +266,7 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         method=call.method,
         path=path,
         payload_digest=digest,
+        forward_id=new_id(),
     )
     deadline_ms = call.downstream.timeout_ms + request.app[CONFIG].proxy.prepared_margin_ms
 
@@ -287,6 +291,10 @@ async def _handle(request: web.Request) -> web.StreamResponse:
                 outcome = await prepare()
     except FencegateError as exc:
         metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
+        if isinstance(exc, StoreUnavailable):
+            # The store may still apply the prepare it did not answer; nothing was forwarded,
+            # so find that record once the store answers again and make it NOT_APPLIED.
+            _abort_later(request.app, effect_request, deadline_ms)
         if exc.code in _FENCE_CODES:
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
             if call.shadow:
@@ -316,6 +324,49 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     log.info("effect.prepared", seq=outcome.seq, **fields)
     failpoints.hit("after_prepare")
     return await _forward_effect(request, call, effect, outcome.seq, fields)
+
+
+#: Pause between attempts to find and abort a prepare the store did not answer.
+_ABORT_RETRY_S = 0.5
+
+
+def _abort_later(app: web.Application, request: EffectRequest, deadline_ms: int) -> None:
+    task = asyncio.get_running_loop().create_task(_abort(app, request, deadline_ms))
+    pending = app[PENDING_ABORTS]
+    pending.add(task)
+    task.add_done_callback(pending.discard)
+
+
+async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int) -> None:
+    """Bounded: keeps looking for the deadline plus a margin (the store may apply the prepare
+    only when it recovers), then gives up; a record it never found is then one no gateway
+    created, or one that reads UNKNOWN and an operator settles."""
+    assert request.forward_id is not None
+    store = app[STORE]
+    give_up = time.monotonic() + deadline_ms / 1000 + 5
+    fields = {"task": request.fence.task_id, "attempt": request.fence.attempt_id,
+              "slot": request.slot, "downstream": request.downstream,
+              "forward_id": request.forward_id}  # fmt: skip
+    forward_id = request.forward_id
+
+    def abort(record: Effect | None, now: int) -> Effect:
+        return effects.abort(record, forward_id, now)
+
+    while time.monotonic() < give_up:
+        try:
+            effect_id = await store.find_forward(request.fence.task_id, forward_id)
+            if effect_id is not None:
+                effect = await store.update_effect(effect_id, abort)
+                log.warning("effect.aborted", effect_id=effect.effect_id,
+                            state=effect.state.value, **fields)  # fmt: skip
+                return
+        except StoreUnavailable:
+            pass
+        except FencegateError as exc:  # settled meanwhile: nothing to abort
+            log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
+            return
+        await asyncio.sleep(_ABORT_RETRY_S)
+    log.info("effect.abort_gave_up", **fields)
 
 
 def _client_timeout(downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
@@ -424,9 +475,9 @@ def _response_record(status: int, headers: list[list[str]], body: bytes, whole: 
 def _replay(effect: Effect) -> web.Response:
     if effect.response_json is None:
         # Settled COMMITTED by an operator who knew no response: say so, invent nothing.
-        headers = _fence_headers(effect, None, True)
-        headers["Fence-Replay-Body"] = "none"
-        return web.Response(status=204, headers=headers)
+        nothing = _fence_headers(effect, None, True)
+        nothing["Fence-Replay-Body"] = "none"
+        return web.Response(status=204, headers=nothing)
     stored = json.loads(effect.response_json)
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in stored.get("headers", []):

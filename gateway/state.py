@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import aiohttp
@@ -12,7 +13,7 @@ from gateway.config import Config
 from gateway.metrics import Metrics
 from ledger.store import Store
 
-__all__ = ["ADAPTERS", "CONFIG", "HTTP_CLIENT", "METRICS", "STORE"]
+__all__ = ["ADAPTERS", "CONFIG", "HTTP_CLIENT", "METRICS", "PENDING_ABORTS", "STORE"]
 
 CONFIG = web.AppKey("config", Config)
 STORE = web.AppKey("store", Store)
@@ -22,3 +23,5 @@ ADAPTERS = web.AppKey("adapters", Mapping[str, Adapter])
 HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)
 #: The app's Prometheus metrics.
 METRICS = web.AppKey("metrics", Metrics)
+#: Background aborts of prepares the store did not answer (cancelled at shutdown).
+PENDING_ABORTS = web.AppKey("pending_aborts", set[asyncio.Task[None]])

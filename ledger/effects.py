@@ -58,6 +58,7 @@ __all__ = [
     "Fence",
     "PrepareOutcome",
     "ProbeVerdict",
+    "abort",
     "approve",
     "begin_probe",
     "check_fence",
@@ -143,6 +144,9 @@ class EffectRequest:
     method: str
     path: str
     payload_digest: str
+    #: Names this one request's forward, so a gateway that lost the store's answer to its
+    #: prepare can find the record and abort it (it knows it forwarded nothing).
+    forward_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,7 @@ class EffectAttempt:
     reason: str | None = None
     #: The operator whose approval this forward consumed (non-replayable downstreams).
     approved_by: str | None = None
+    forward_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +277,9 @@ def prepare(
     """
     task = check_fence(task, scheduler, request.fence, now)
     fence = request.fence
-    attempt = EffectAttempt(fence.attempt_id, fence.claim_generation, now)
+    attempt = EffectAttempt(
+        fence.attempt_id, fence.claim_generation, now, forward_id=request.forward_id
+    )
     if effect is None:
         effect = Effect(
             effect_id=effect_id(task.task_id, task.revision, request.node, request.slot),
@@ -501,6 +508,33 @@ def approve(
     )
 
 
+#: Reason recorded when a gateway aborts a forward it never sent.
+ABORT_REASON = "never forwarded: the gateway lost the store's answer to its prepare"
+
+
+def abort(effect: Effect | None, forward_id: str, now: int) -> Effect:
+    """NOT_APPLIED for a PREPARED whose gateway got no answer from the store and so never
+    forwarded it (also after its deadline made it read UNKNOWN). Refuses (EFFECT_SETTLED) when
+    the record's last forward is another one or already has an outcome of its own."""
+    if effect is None:
+        raise NoSuchEffect()
+    current = effective(effect, now)
+    last = current.attempts[-1] if current.attempts else None
+    waiting = current.state is EffectState.PREPARED or (
+        current.state is EffectState.UNKNOWN and last is not None and last.reason == DEADLINE_REASON
+    )
+    if last is None or last.forward_id != forward_id or not waiting:
+        raise _rejection(EffectSettled("no forward of this request is waiting"), current)
+    ended = replace(last, ended_at=now, outcome=EffectState.NOT_APPLIED.value, reason=ABORT_REASON)
+    return replace(
+        current,
+        state=EffectState.NOT_APPLIED,
+        deadline_at=None,
+        attempts=(*current.attempts[:-1], ended),
+        updated_at=now,
+    )
+
+
 def expire(effect: Effect | None, now: int) -> Effect:
     """Write down that a PREPARED past its deadline is UNKNOWN (the reconciler's sweep);
     refuses (EFFECT_SETTLED) when there is nothing to write down."""
@@ -583,7 +617,7 @@ _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
         "payload_digest", "approval_digest", "approval_by", "probe_holder")  # fmt: skip
 _INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
         "approval_expires_at", "probe_until", "probe_count", "next_probe_at")  # fmt: skip
-_ATTEMPT_STR = ("attempt_id", "outcome", "reason", "approved_by")
+_ATTEMPT_STR = ("attempt_id", "outcome", "reason", "approved_by", "forward_id")
 _ATTEMPT_INT = ("claim_generation", "started_at", "ended_at")
 
 

@@ -378,6 +378,7 @@ class RedisStore(Store):
                 forward_deadline_ms,
                 "" if resend_window_ms is None else resend_window_ms,
                 "1" if require_approval else "0",
+                request.forward_id or "",
             ],
         )
         status = reply[0]
@@ -510,6 +511,14 @@ class RedisStore(Store):
         page = matching[:limit]
         more = len(matching) > limit
         return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
+
+    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
+        raws: Any = await self._call(lambda: self._redis.hvals(self._keys.effects(task_id)))
+        for raw in raws:
+            effect = effects.effect_from_fields(json.loads(raw))
+            if effect.attempts and effect.attempts[-1].forward_id == forward_id:
+                return effect.effect_id
+        return None
 
     async def gauges(self) -> Gauges:
         keys_ = [self._keys.leases, *self._effect_indexes]

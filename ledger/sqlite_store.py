@@ -448,6 +448,19 @@ class SQLiteStore(Store):
 
         return await self._run(step, "list_effects")
 
+    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
+        def step(conn: sqlite3.Connection, now: int) -> str | None:
+            rows = conn.execute(
+                "SELECT fields FROM effects WHERE task_id = ?", (task_id,)
+            ).fetchall()
+            for (raw,) in rows:
+                effect = effects.effect_from_fields(json.loads(raw))
+                if effect.attempts and effect.attempts[-1].forward_id == forward_id:
+                    return effect.effect_id
+            return None
+
+        return await self._run(step, "find_forward")
+
     async def gauges(self) -> Gauges:
         def step(conn: sqlite3.Connection, now: int) -> Gauges:
             (active,) = conn.execute(

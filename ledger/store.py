@@ -206,6 +206,10 @@ class Store(abc.ABC):
         bounds how much it scans per call); keep following the cursor."""
 
     @abc.abstractmethod
+    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
+        """The effectId whose last forward is ``forward_id``, if the store has it."""
+
+    @abc.abstractmethod
     async def gauges(self) -> Gauges:
         """Counts kept cheap by the store's own indexes (one round trip)."""
 

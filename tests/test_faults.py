@@ -589,9 +589,12 @@ async def test_gateway_started_before_its_redis_checks_durability_once_redis_is_
     gateway = gateways.start("early", unsafe.url, timeout_ms=500)
     unsafe.start()  # same port and directory, still appendonly=no
     async with gateway_api(gateway) as api:
-        await wait_until_ready(api)
-        assert (await api.put("t1")).status == 201
+        deadline = time.monotonic() + NO_HANG_S
+        while (await api.put("t1")).status != 201 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # until Redis answers
         assert (await api.try_claim("t1", "w1", epoch=1)).status == 200
+        ready = await api.call("GET", "/readyz")  # reachable, but not durable: not ready
+        assert ready.status == 503 and "appendonly" in ready.body["detail"]
         deadline = time.monotonic() + NO_HANG_S
         while True:
             warnings, names = durability_events(gateway)

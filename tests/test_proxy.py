@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from gateway.app import create_app
 from gateway.config import Config
 from ledger.effects import EffectRequest, EffectState, Fence, effect_id, payload_digest
+from ledger.errors import FencegateError
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -790,3 +791,31 @@ async def test_resolve_without_response_replays_what_was_recorded_or_says_none(
     none = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", slot="s2", body={"x": 1})
     assert none.status == 204 and none.headers["Fence-Replay-Body"] == "none"
     assert none.headers["Fence-Replayed"] == "true"
+
+
+async def test_a_prepare_the_gateway_never_forwarded_is_aborted_by_its_forward_id(
+    api: Api, downstream: Downstream
+) -> None:
+    """What the gateway does after a 503 at the first step (the store may have applied the
+    prepare without answering): find the record by forward id and make it NOT_APPLIED."""
+    from ledger import effects
+
+    lease = await task_with_lease(api)
+    fence = Fence("t1", lease.attempt_id, lease.claim_generation, 1, 0)
+    digest = payload_digest("POST", "api", "/ok/pay", b"{}")
+    request = EffectRequest(fence, "main", "s1", "api", "POST", "/ok/pay", digest, "fwd-1")
+    prepared = await api.store.prepare_effect(request, 60_000)
+    assert await api.store.find_forward("t1", "fwd-2") is None
+    found = await api.store.find_forward("t1", "fwd-1")
+    assert found == prepared.effect.effect_id
+    aborted = await api.store.update_effect(
+        found, lambda record, now: effects.abort(record, "fwd-1", now)
+    )
+    assert aborted.state is EffectState.NOT_APPLIED
+    assert aborted.attempts[-1].reason == effects.ABORT_REASON
+    # Another forward's abort cannot touch it, and the same call now goes through.
+    with pytest.raises(FencegateError):
+        await api.store.update_effect(found, lambda r, now: effects.abort(r, "fwd-1", now))
+    sent = await send(api, lease, body={})
+    assert sent.status == 200 and sent.headers["Fence-Effect-State"] == "COMMITTED"
+    assert len(downstream.calls()) == 1

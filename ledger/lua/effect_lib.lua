@@ -50,10 +50,11 @@ local function save_effect(key, e)
 end
 
 -- Append a new forward (attempt) and make the record PREPARED again.
-local function add_attempt(e, now, attempt_id, generation, deadline_ms)
+local function add_attempt(e, now, attempt_id, generation, deadline_ms, forward_id)
   local i = tonumber(e.attempt_count or '0')
   local p = 'a' .. s(i) .. '_'
   e[p .. 'attempt_id'] = attempt_id
+  if forward_id ~= nil and forward_id ~= '' then e[p .. 'forward_id'] = forward_id end
   e[p .. 'claim_generation'] = generation
   e[p .. 'started_at'] = s(now)
   e.attempt_count = s(i + 1)

@@ -7,7 +7,8 @@
 -- ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot, ARGV[8] downstream, ARGV[9] method,
 -- ARGV[10] path, ARGV[11] payloadDigest, ARGV[12] forward deadline ms,
 -- ARGV[13] the adapter's re-send window ms for UNKNOWN effects with the same payload, or '',
--- ARGV[14] '1' when every forward needs an operator's approval of its payload digest
+-- ARGV[14] '1' when every forward needs an operator's approval of its payload digest,
+-- ARGV[15] the request's forward id ('' for none)
 -- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
 -- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
 local now = now_ms(ARGV[1])
@@ -71,7 +72,7 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
   e.probe_holder = nil
   e.probe_until = nil
   local i = tonumber(e.attempt_count)
-  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12])
+  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12], ARGV[15])
   if approver then e['a' .. s(i) .. '_approved_by'] = approver end
   save_effect(KEYS[3], e)
   return answer('FORWARD', e)
