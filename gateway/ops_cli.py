@@ -566,6 +566,31 @@ def _epoch_bump(gateway: Gateway, args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_status(gateway: Gateway, args: argparse.Namespace) -> int:
+    """The rollback checklist: exit 0 only when it is safe to switch worker pools."""
+    status = gateway.call("GET", "/v1/rollout")
+    if args.json:
+        _print_json(status)
+    else:
+        print(
+            _fields(
+                [
+                    ("scheduler epoch", status.get("schedulerEpoch")),
+                    ("claims paused", status.get("claimsPaused")),
+                    ("active leases", status.get("activeLeases")),
+                    ("PREPARED effects", status.get("preparedEffects")),
+                    ("UNKNOWN effects", status.get("unknownEffects")),
+                    ("awaiting approval", status.get("awaitingApproval")),
+                ]
+            )
+        )
+        if status.get("safeToSwitchPools"):
+            print("safe to switch pools")
+        else:
+            print("NOT safe to switch pools: wait for leases to expire and settle the effects")
+    return 0 if status.get("safeToSwitchPools") else 4
+
+
 def _claims(paused: bool) -> Callable[[Gateway, argparse.Namespace], int]:
     def run(gateway: Gateway, args: argparse.Namespace) -> int:
         scheduler = gateway.call("POST", f"/v1/claims/{'pause' if paused else 'resume'}")
@@ -662,7 +687,8 @@ def _leaf(
 
 
 def register(sub: SubParsers) -> None:
-    """Add ``effects``, ``tasks``, ``epoch`` and ``claims`` to ``fencegate``'s parser."""
+    """Add ``effects``, ``tasks``, ``epoch``, ``claims`` and ``rollout`` to ``fencegate``'s
+    parser."""
     common = _common()
 
     effects = sub.add_parser("effects", help="read and settle the idempotency ledger")
@@ -717,3 +743,13 @@ def register(sub: SubParsers) -> None:
     claim_actions = claims.add_subparsers(dest="action", required=True, metavar="ACTION")
     _leaf(claim_actions, "pause", "refuse new claims (CLAIMS_PAUSED)", common, _claims(True))
     _leaf(claim_actions, "resume", "accept new claims again", common, _claims(False))
+
+    rollout = sub.add_parser("rollout", help="is it safe to switch worker pools?")
+    rollout_actions = rollout.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _leaf(
+        rollout_actions,
+        "status",
+        "leases, PREPARED/UNKNOWN effects, approvals; exit 0 only when all are zero",
+        common,
+        _rollout_status,
+    )

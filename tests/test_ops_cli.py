@@ -415,6 +415,19 @@ async def test_claims_pause_and_resume(env: Env) -> None:
     assert (await env.cli("claims", "resume")).out.startswith("claims resumed (")
 
 
+async def test_rollout_status_exits_0_only_when_safe(env: Env) -> None:
+    await env.api.put("t1")
+    lease = await env.api.claim("t1")
+    busy = await env.cli("rollout", "status")
+    assert busy.code == 4 and "active leases" in busy.out
+    assert "NOT safe to switch pools" in busy.out
+    assert (await env.api.commit(lease)).status == 200
+    safe = await env.cli("rollout", "status")
+    assert safe.code == 0 and safe.out.rstrip().endswith("safe to switch pools")
+    as_json = await env.cli("rollout", "status", "--json")
+    assert as_json.json()["safeToSwitchPools"] is True
+
+
 # --- where the gateway is, and when it is not there -------------------------------------------
 
 
