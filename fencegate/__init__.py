@@ -1,0 +1,137 @@
+"""fencegate: the agent SDK of the fencing gateway (async, aiohttp).
+
+    from fencegate import Client, LeaseLost
+
+    async with Client("http://127.0.0.1:8700") as client:
+        await client.put_task("invoice-42", input_digest="sha256:9f2c")
+        try:
+            async with client.claim("invoice-42", owner="worker-a", ttl_ms=3000) as lease:
+                charge = await lease.request(
+                    "payments", "POST", "/v1/charges", slot="charge", json={"amount": 4200}
+                )
+                await lease.commit({"charge": charge.json()})
+        except LeaseLost as lost:
+            ...  # someone else owns the task now; nothing more was sent under this lease
+
+``Client`` is the connection to one gateway (scheduler, worker and operator calls);
+``Lease`` is one claim (``fencegate.lease``); every refusal of the gateway is a typed
+exception (``fencegate.errors``). ``fencegate demo`` plays the whole story against a real
+gateway. See docs/sdk.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fencegate.client import Client, Epoch, TaskRecord
+    from fencegate.errors import (
+        AlreadyCommitted,
+        ApprovalRequired,
+        BadRequest,
+        Cancelled,
+        Claimed,
+        ClaimRefused,
+        ClaimsPaused,
+        Conflict,
+        DownstreamTimeout,
+        DownstreamUnreachable,
+        EffectInFlight,
+        EffectSettled,
+        EffectUnknown,
+        Fenced,
+        FencegateError,
+        Forbidden,
+        GatewayUnreachable,
+        InternalError,
+        LeaseExpired,
+        LeaseLost,
+        NoSuchDownstream,
+        NoSuchEffect,
+        NoSuchTask,
+        NotFound,
+        PayloadConflict,
+        PayloadTooLarge,
+        ProblemError,
+        RuntimeExceeded,
+        StaleEpoch,
+        StaleInput,
+        StoreUnavailable,
+        Unauthenticated,
+        Unavailable,
+    )
+    from fencegate.lease import (
+        ClaimScope,
+        Commit,
+        Lease,
+        ProxyResponse,
+        canonical_json,
+        result_digest,
+        wait_out_in_flight,
+    )
+
+__all__ = [
+    "AlreadyCommitted",
+    "ApprovalRequired",
+    "BadRequest",
+    "Cancelled",
+    "ClaimRefused",
+    "ClaimScope",
+    "Claimed",
+    "ClaimsPaused",
+    "Client",
+    "Commit",
+    "Conflict",
+    "DownstreamTimeout",
+    "DownstreamUnreachable",
+    "EffectInFlight",
+    "EffectSettled",
+    "EffectUnknown",
+    "Epoch",
+    "Fenced",
+    "FencegateError",
+    "Forbidden",
+    "GatewayUnreachable",
+    "InternalError",
+    "Lease",
+    "LeaseExpired",
+    "LeaseLost",
+    "NoSuchDownstream",
+    "NoSuchEffect",
+    "NoSuchTask",
+    "NotFound",
+    "PayloadConflict",
+    "PayloadTooLarge",
+    "ProblemError",
+    "ProxyResponse",
+    "RuntimeExceeded",
+    "StaleEpoch",
+    "StaleInput",
+    "StoreUnavailable",
+    "TaskRecord",
+    "Unauthenticated",
+    "Unavailable",
+    "canonical_json",
+    "result_digest",
+    "wait_out_in_flight",
+]
+
+#: Where each export lives. Imported on first use (PEP 562), so that ``import fencegate.demo``
+#: (the command line registering ``fencegate demo``) does not pay for aiohttp.
+_MODULES = ("fencegate.errors", "fencegate.lease", "fencegate.client")
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for module_name in _MODULES:
+            module = importlib.import_module(module_name)
+            if name in getattr(module, "__all__", ()):
+                value = getattr(module, name)
+                globals()[name] = value
+                return value
+    raise AttributeError(f"module 'fencegate' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,0 +1,760 @@
+"""The stories ``fencegate demo`` plays (see ``fencegate.demo``), kept apart so that the
+command line registers ``demo`` without importing aiohttp or the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import structlog
+from aiohttp import web
+
+from fencegate.client import Client
+from fencegate.errors import FencegateError, LeaseLost, ProblemError
+from fencegate.lease import Commit, Lease, ProxyResponse
+
+__all__ = ["run_demo"]
+
+T = TypeVar("T")
+
+#: Short leases, so they run out while you watch.
+TTL_MS = 600
+#: The gateway gives the shop this long to answer; ``/slow/`` takes longer.
+SHOP_TIMEOUT_MS = 400
+SLOW_S = 1.0
+PAGES = 5
+
+
+# --- the shop: a small downstream that remembers what it received ---------------------------
+
+
+@dataclass
+class Received:
+    seq: int
+    at: float
+    method: str
+    path: str
+    key: str
+    token: str
+    body: Any
+    answer: dict[str, Any]
+
+
+@dataclass
+class Shop:
+    received: list[Received] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        seq = len(self.received) + 1
+        kind = request.path.strip("/").split("/")[-1] or "call"
+        answer = {"id": f"{kind}-{seq}", "received": body}
+        self.received.append(
+            Received(
+                seq,
+                time.monotonic(),
+                request.method,
+                request.path_qs,
+                request.headers.get("Idempotency-Key", ""),
+                request.headers.get("Fencing-Token", ""),
+                body,
+                answer,
+            )
+        )
+        self.arrived.set()
+        if request.path.startswith("/slow/"):
+            await asyncio.sleep(SLOW_S)
+        elif request.path.startswith("/emails"):
+            await asyncio.sleep(0.2)
+        else:
+            await asyncio.sleep(0.01)
+        return web.json_response(answer, status=201)
+
+    def calls_for(self, key: str) -> list[Received]:
+        return [r for r in self.received if r.key == key]
+
+    async def start(self) -> Shop:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{_port(site)}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def _port(site: web.TCPSite) -> int:
+    server = site._server
+    assert server is not None
+    port: int = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    return port
+
+
+# --- narration ----------------------------------------------------------------------------------
+
+
+class Narrator:
+    """Prints the stories and keeps score: every checked verdict must be the expected one."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.checked = 0
+        self.mismatches: list[str] = []
+
+    def line(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def story(self, number: int, title: str, source: str) -> None:
+        self.line()
+        self.line(f"== {number}. {title} ==")
+        self.line(f"   ({source})")
+
+    def say(self, who: str, text: str) -> None:
+        self.line(f"  {who}: {text}")
+
+    def result(self, verdict: str, meaning: str, ok: bool = True, expected: str = "") -> None:
+        self.checked += 1
+        if ok:
+            self.line(f"     -> {verdict}: {meaning}")
+        else:
+            self.mismatches.append(f"expected {expected}, got {verdict}")
+            self.line(f"     -> {verdict}  !! UNEXPECTED: the story needs {expected} here")
+
+    def check(self, ok: bool, meaning: str, failure: str) -> None:
+        self.checked += 1
+        if ok:
+            self.line(f"     -> ok: {meaning}")
+        else:
+            self.mismatches.append(failure)
+            self.line(f"     -> !! UNEXPECTED: {failure}")
+
+
+def verdict_of(value: object) -> str:
+    if isinstance(value, ProxyResponse):
+        return "REPLAYED" if value.replayed else f"{value.status} {value.effect_state}"
+    if isinstance(value, Commit):
+        return value.outcome
+    if isinstance(value, Lease):
+        return "GRANTED"
+    return "OK"
+
+
+async def step(
+    n: Narrator,
+    who: str,
+    action: str,
+    call: Awaitable[T],
+    expect: str,
+    meaning: str,
+) -> T | None:
+    """Run one call, print its verdict and check it is ``expect`` (a problem code, GRANTED,
+    COMMITTED, REPLAYED, OK, or the start of "201 COMMITTED"...)."""
+    n.say(who, action)
+    try:
+        value = await call
+    except ProblemError as exc:
+        n.result(exc.code, meaning, exc.code == expect, expect)
+        return None
+    except LeaseLost:
+        n.result("LEASE_LOST", meaning, expect == "LEASE_LOST", expect)
+        return None
+    verdict = verdict_of(value)
+    n.result(verdict, meaning, verdict.startswith(expect), expect)
+    return value
+
+
+def short(key: str) -> str:
+    return key[:12] + "..." if len(key) > 12 else key or "(none)"
+
+
+# --- the stories ---------------------------------------------------------------------------------
+
+
+async def story_takeover(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        1,
+        "A worker pauses past its lease; another takes over",
+        'note "Use expiring leases for distributed jobs": A pauses, B claims, A resumes',
+    )
+    task = "invoice-42"
+    await step(
+        n, "scheduler", f"creates task {task}", client.put_task(task, "sha256:in-42"), "OK", "READY"
+    )
+    # A bare lease: a worker frozen mid-task renews nothing and checks nothing itself.
+    a = await step(
+        n,
+        "A",
+        f"claims {task} for {TTL_MS} ms",
+        client.acquire(task, owner="worker-a", ttl_ms=TTL_MS),
+        "GRANTED",
+        "generation 1 is A's fencing token",
+    )
+    if a is None:
+        return
+    charge = {"amount": 4200, "currency": "eur"}
+    await step(
+        n,
+        "A",
+        'charges the customer 42.00 EUR (slot "charge")',
+        a.request("shop", "POST", "/charges", slot="charge", json=charge),
+        "201",
+        "the shop charged; the ledger recorded the answer",
+    )
+    n.say(
+        "A",
+        f"freezes for {TTL_MS * 3 // 2} ms (a GC pause, a slow model call): "
+        "nothing renews its lease",
+    )
+    await asyncio.sleep(TTL_MS * 1.5 / 1000)
+    await step(
+        n,
+        "A",
+        "wakes up and renews its lease",
+        a.renew(),
+        "LEASE_EXPIRED",
+        "the lease ran out while A was frozen; the store refuses to extend it",
+    )
+    b = await step(
+        n,
+        "B",
+        f"claims {task}",
+        client.acquire(task, owner="worker-b", ttl_ms=5000),
+        "GRANTED",
+        "generation 2: B owns the task now",
+    )
+    if b is None:
+        return
+    await step(
+        n, "A", "renews again", a.renew(), "FENCED", "generation 1 is no longer the task's claim"
+    )
+    await step(
+        n,
+        "A",
+        'goes on and emails the receipt (slot "receipt")',
+        a.request("shop", "POST", "/receipts", slot="receipt", json={"to": "ana"}),
+        "FENCED",
+        "refused before a byte left the gateway",
+    )
+    await step(
+        n,
+        "A",
+        "commits its result",
+        a.commit({"charged": 4200, "by": "A"}),
+        "FENCED",
+        "the store rejects the stale completion",
+    )
+    await step(
+        n,
+        "B",
+        "charges the customer (same slot, same payload)",
+        b.request("shop", "POST", "/charges", slot="charge", json=charge),
+        "REPLAYED",
+        "A's charge already happened: B gets its recorded answer, no second charge",
+    )
+    await step(
+        n,
+        "B",
+        "emails the receipt",
+        b.request("shop", "POST", "/receipts", slot="receipt", json={"to": "ana"}),
+        "201",
+        "forwarded once, under generation 2",
+    )
+    await step(
+        n,
+        "B",
+        "commits its result",
+        b.commit({"charged": 4200, "by": "B"}),
+        "COMMITTED",
+        "the one canonical commit of invoice-42",
+    )
+    record = await client.get_task(task)
+    commit = record.commit or {}
+    n.say("scheduler", f"reads {task}")
+    n.check(
+        record.state == "COMMITTED" and commit.get("claimGeneration") == 2,
+        f"{record.state}, committed by generation {commit.get('claimGeneration')}",
+        f"{task} should be COMMITTED by generation 2, is {record.state} {commit}",
+    )
+
+
+async def story_lost_answer(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        2,
+        "A lost answer: UNKNOWN, PAYLOAD_CONFLICT, EFFECT_UNKNOWN, then an operator",
+        'note "Multi-Agent Task Claims": A sends X and loses the answer; B generates Y',
+    )
+    task = "refund-7"
+    x, y = {"order": "o-7", "amount": 3000}, {"order": "o-7", "amount": 3500}
+    await client.put_task(task, "sha256:in-7")
+    n.say("scheduler", f"creates task {task}")
+    # Long enough that A's lease outlives its timed-out call, so B has to wait for it.
+    ttl_ms = SHOP_TIMEOUT_MS + 600
+    a = await step(
+        n,
+        "A",
+        f"claims {task} for {ttl_ms} ms",
+        client.acquire(task, owner="worker-a", ttl_ms=ttl_ms),
+        "GRANTED",
+        "generation 1",
+    )
+    if a is None:
+        return
+    n.say("A", f"refunds 30.00 EUR (X) through the gateway; the shop takes {SLOW_S:.0f} s")
+    failed = await _attempt(a.request("shop", "POST", "/slow/refunds", slot="refund", json=x))
+    if isinstance(failed, ProblemError):
+        n.result(
+            failed.code,
+            f"no answer in {SHOP_TIMEOUT_MS} ms: the refund is {failed.effect_state} "
+            "(it may or may not have happened)",
+            failed.code == "DOWNSTREAM_TIMEOUT" and failed.effect_state == "UNKNOWN",
+            "DOWNSTREAM_TIMEOUT with effect UNKNOWN",
+        )
+        effect_id = failed.effect_id or ""
+    else:
+        n.result(verdict_of(failed), "", False, "DOWNSTREAM_TIMEOUT")
+        return
+    n.say("A", "crashes; nothing renews its lease")
+    n.say("B", f"claims {task}")
+    b: Lease | None = None
+    refused: list[str] = []
+    deadline = time.monotonic() + 5
+    while b is None and time.monotonic() < deadline:
+        got = await _attempt(client.acquire(task, owner="worker-b", ttl_ms=5000))
+        if isinstance(got, Lease):
+            b = got
+        elif isinstance(got, ProblemError) and got.code == "CLAIMED":
+            refused.append(got.code)
+            await asyncio.sleep(0.1)
+        else:
+            break
+    n.result(
+        "CLAIMED" if refused else "(never refused)",
+        "A's lease has not run out yet; B waits",
+        bool(refused),
+        "CLAIMED",
+    )
+    if b is None:
+        n.result("NOT GRANTED", "", False, "GRANTED")
+        return
+    n.result("GRANTED", f"generation {b.claim_generation}, once A's lease ran out")
+    await step(
+        n,
+        "B",
+        "regenerates the refund as 35.00 EUR (Y) for the same slot",
+        b.request("shop", "POST", "/slow/refunds", slot="refund", json=y),
+        "PAYLOAD_CONFLICT",
+        "the slot is bound to X; Y is never sent",
+    )
+    await step(
+        n,
+        "B",
+        "sends X again",
+        b.request("shop", "POST", "/slow/refunds", slot="refund", json=x),
+        "EFFECT_UNKNOWN",
+        "X may have happened: nobody may blindly send it again",
+    )
+    unknown = await client.list_effects(state="UNKNOWN", task_id=task)
+    n.say("operator", f"lists UNKNOWN effects of {task}")
+    n.check(
+        [e["effectId"] for e in unknown] == [effect_id],
+        f"one: {short(effect_id)} (slot refund, {unknown[0]['method'] if unknown else '?'} "
+        f"{unknown[0]['path'] if unknown else '?'})",
+        f"expected exactly the refund effect {short(effect_id)}, got {unknown}",
+    )
+    seen = shop.calls_for(effect_id)
+    n.say("operator", f"looks the refund up in the shop by its key {short(effect_id)}")
+    n.check(
+        len(seen) == 1,
+        "the shop did receive X once: the refund happened",
+        f"the shop has {len(seen)} calls for the refund",
+    )
+    if not seen:
+        return
+    await step(
+        n,
+        "operator",
+        "resolves the effect as COMMITTED, with the shop's answer",
+        client.resolve_effect(
+            effect_id,
+            "COMMITTED",
+            "found in the shop: refund-2 happened",
+            response={
+                "status": 201,
+                "headers": {"Content-Type": "application/json"},
+                "body": json.dumps(seen[0].answer),
+            },
+            operator="ops-alice",
+        ),
+        "OK",
+        "the ledger now knows X happened",
+    )
+    replay = await step(
+        n,
+        "B",
+        "retries X",
+        b.request("shop", "POST", "/slow/refunds", slot="refund", json=x),
+        "REPLAYED",
+        "the gateway answers from the ledger; the shop is not called again",
+    )
+    if replay is not None:
+        n.say("B", f"reads the answer: {replay.text()}")
+    await step(
+        n,
+        "B",
+        "commits",
+        b.commit({"refunded": 3000}),
+        "COMMITTED",
+        "one refund, settled and committed",
+    )
+
+
+async def story_duplicates(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        3,
+        "Duplicates are replayed, not repeated",
+        'note "Lease-Based Task Ownership": idempotency makes effects repeatable',
+    )
+    task = "email-9"
+    await client.put_task(task, "sha256:in-9")
+    n.say("scheduler", f"creates task {task}")
+    email = {"to": "bo@example.com", "template": "welcome"}
+    async with client.claim(task, owner="worker-c", ttl_ms=TTL_MS) as lease:
+        n.say("C", f"claims {task} (guarded: renewed every ~{lease.renew_interval * 1000:.0f} ms)")
+        shop.arrived.clear()
+        before = len(shop.received)
+
+        def send(wait: float = 0.0) -> Coroutine[Any, Any, ProxyResponse]:
+            return lease.request(
+                "shop", "POST", "/emails", slot="welcome", json=email, wait_in_flight=wait
+            )
+
+        first = asyncio.create_task(send())
+        while len(shop.received) == before:
+            await shop.arrived.wait()
+            shop.arrived.clear()
+        n.say("C", "sends the welcome email; the shop takes 200 ms to answer")
+        await step(
+            n,
+            "C",
+            "retries while the first is still in flight (a timeout, a retry storm)",
+            send(),
+            "EFFECT_IN_FLIGHT",
+            "the same effect is being forwarded right now; try again shortly",
+        )
+        await step(
+            n,
+            "C",
+            "retries, waiting out EFFECT_IN_FLIGHT with backoff",
+            send(5.0),
+            "REPLAYED",
+            "once the first answer is in, duplicates get it",
+        )
+        original = await first
+        n.say("C", "the first send returns")
+        n.result(
+            verdict_of(original),
+            "forwarded once (Fence-Replayed: false)",
+            not original.replayed and original.status == 201,
+            "201 COMMITTED",
+        )
+        again = await asyncio.gather(send(5.0), send(5.0), send(5.0))
+        n.say("C", "sends it three more times at once")
+        n.check(
+            all(r.replayed and r.body == original.body for r in again),
+            "3 x REPLAYED, each the very same answer",
+            f"expected three replays, got {[verdict_of(r) for r in again]}",
+        )
+        await step(
+            n,
+            "C",
+            "commits",
+            lease.commit({"sent": original.json()["id"]}),
+            "COMMITTED",
+            "one email, whatever the retries",
+        )
+    key = original.effect_id or ""
+    n.say("shop", f"calls with key {short(key)}")
+    n.check(len(shop.calls_for(key)) == 1, "exactly 1", f"{len(shop.calls_for(key))} calls")
+
+
+@dataclass
+class PageWorker:
+    name: str
+    task: str
+    started: dict[int, float] = field(default_factory=dict)
+    lost: LeaseLost | None = None
+    lost_at: float = 0.0
+    renew_interval: float = 0.0
+    generation: int = 0
+
+
+async def _write_pages(client: Client, worker: PageWorker, epoch: int) -> None:
+    try:
+        async with client.claim(
+            worker.task, owner=worker.name, ttl_ms=TTL_MS, scheduler_epoch=epoch
+        ) as lease:
+            worker.renew_interval = lease.renew_interval
+            worker.generation = lease.claim_generation
+            for page in range(PAGES):
+                worker.started[page] = time.monotonic()
+                await lease.request(
+                    "shop",
+                    "POST",
+                    f"/reports/{worker.task}/pages",
+                    slot=f"page-{page}",
+                    json={"page": page},
+                )
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(10)  # "thinking" about the summary, renewing meanwhile
+            await lease.commit({"pages": PAGES})
+    except LeaseLost as exc:
+        worker.lost, worker.lost_at = exc, time.monotonic()
+
+
+async def story_epoch_bump(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        4,
+        "An epoch bump fences every old claim at once",
+        'note "Multi-Agent Task Claims": first stop new claims and increase schedulerEpoch',
+    )
+    epoch = (await client.get_epoch()).scheduler_epoch
+    tasks = [f"report-{i}" for i in (1, 2, 3)]
+    for task in tasks:
+        await client.put_task(task, f"sha256:in-{task}")
+    n.say("scheduler", f"creates {', '.join(tasks)}; the scheduler epoch is {epoch}")
+    old = [PageWorker(f"w{i}", task) for i, task in enumerate(tasks, 1)]
+    running = [asyncio.create_task(_write_pages(client, w, epoch)) for w in old]
+    await asyncio.sleep(0.35)
+    n.say(
+        "w1..w3",
+        f"claim them (guarded leases) and write {PAGES} pages each, one per 100 ms",
+    )
+    await step(
+        n, "operator", "pauses claims", client.pause_claims(), "OK", "no new claim may start"
+    )
+    await client.put_task("report-4", "sha256:in-report-4")
+    await step(
+        n,
+        "x",
+        "claims report-4",
+        client.acquire("report-4", owner="x", ttl_ms=TTL_MS),
+        "CLAIMS_PAUSED",
+        "nobody gets a new claim while the operator works",
+    )
+    bumped = await step(
+        n,
+        "operator",
+        "bumps the scheduler epoch",
+        client.bump_epoch(),
+        "OK",
+        f"epoch {epoch + 1}: every claim of epoch {epoch} is fenced",
+    )
+    bumped_at = time.monotonic()
+    await asyncio.wait(running, timeout=5)
+    n.say("w1..w3", "keep working")
+    for w in old:
+        cause = w.lost.code if w.lost is not None else None
+        after = w.lost_at - bumped_at
+        how = "its next page" if w.lost and "renew" not in w.lost.reason else "its renewal"
+        n.result(
+            f"LeaseLost ({cause})" if w.lost else "still running",
+            f"{w.name}: {how} refused {after * 1000:.0f} ms after the bump "
+            f"(renews every {w.renew_interval * 1000:.0f} ms)",
+            w.lost is not None and cause == "STALE_EPOCH" and after <= w.renew_interval + 0.5,
+            "LeaseLost (STALE_EPOCH) within one renewal period",
+        )
+    for worker_task in running:
+        worker_task.cancel()
+    # A call started before the bump may still land (the gateway let it through before the
+    # bump); one started after it must not.
+    late = [(w, page) for w in old for page, at in w.started.items() if at > bumped_at]
+    leaked = [
+        r
+        for w, page in late
+        for r in shop.received
+        if r.path == f"/reports/{w.task}/pages"
+        and r.token == f"{epoch}.{w.generation}"
+        and r.body == {"page": page}
+    ]
+    n.say("shop", f"calls the old workers tried after the bump ({len(late)})")
+    n.check(not leaked, "none reached the shop", f"{len(leaked)} reached the shop")
+    await step(n, "operator", "resumes claims", client.resume_claims(), "OK", "claims go again")
+    new_epoch = bumped.scheduler_epoch if bumped is not None else epoch + 1
+    for i, task in enumerate(tasks, 1):
+        lease = await step(
+            n,
+            f"v{i}",
+            f"claims {task} at once (w{i}'s lease has not run out)",
+            client.acquire(task, owner=f"v{i}", ttl_ms=5000, scheduler_epoch=new_epoch),
+            "GRANTED",
+            f"epoch {new_epoch}: the old claim counts for nothing",
+        )
+        if lease is None:
+            continue
+        answers = [
+            await lease.request(
+                "shop", "POST", f"/reports/{task}/pages", slot=f"page-{page}", json={"page": page}
+            )
+            for page in range(PAGES)
+        ]
+        replayed = sum(a.replayed for a in answers)
+        n.say(f"v{i}", f"writes the {PAGES} pages")
+        n.check(
+            all(a.status == 201 for a in answers),
+            f"{replayed} replayed (w{i} had written them), {PAGES - replayed} forwarded",
+            f"unexpected answers {[verdict_of(a) for a in answers]}",
+        )
+        await step(
+            n, f"v{i}", "commits", lease.commit({"pages": PAGES}), "COMMITTED", f"{task} done once"
+        )
+
+
+async def _attempt(call: Awaitable[T]) -> T | FencegateError:
+    try:
+        return await call
+    except FencegateError as exc:
+        return exc
+
+
+async def summary(n: Narrator, client: Client, shop: Shop) -> None:
+    n.line()
+    n.line("== What the shop actually received ==")
+    per_key: dict[str, list[Received]] = {}
+    for r in shop.received:
+        per_key.setdefault(r.key, []).append(r)
+    n.line(f"  {'calls':>5}  {'Idempotency-Key':<15}  {'task/slot':<22}  request")
+    for key, calls in per_key.items():
+        where = "?"
+        with contextlib.suppress(FencegateError):
+            record = await client.get_effect(key)
+            where = f"{record['taskId']}/{record['slot']}"
+        first = calls[0]
+        body = json.dumps(first.body, separators=(",", ":"))
+        body = body if len(body) <= 40 else body[:37] + "..."
+        n.line(
+            f"  {len(calls):>5}  {short(key):<15}  {where:<22}  {first.method} {first.path} {body}"
+        )
+    expected_keys = 2 + 1 + 1 + 3 * PAGES
+    n.check(
+        len(per_key) == expected_keys and all(len(c) == 1 for c in per_key.values()),
+        f"{len(per_key)} effects, {len(shop.received)} calls: every effect reached the shop "
+        "exactly once",
+        f"expected {expected_keys} effects of one call each, got "
+        f"{ {short(k): len(c) for k, c in per_key.items()} }",
+    )
+
+
+# --- running it -----------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _gateway(store_url: str, shop_url: str) -> AsyncIterator[str]:
+    from gateway.app import create_app
+    from gateway.config import Config
+
+    config = Config.model_validate(
+        {
+            "store": {"url": store_url, "redis_key_prefix": f"demo{uuid.uuid4().hex[:8]}"},
+            "proxy": {"prepared_margin_ms": 1000},
+            "downstreams": [{"name": "shop", "url": shop_url, "timeout_ms": SHOP_TIMEOUT_MS}],
+        }
+    )
+    runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{_port(site)}"
+    finally:
+        await runner.cleanup()
+
+
+def _log_to(path: Path) -> IO[str]:
+    """The gateway's decision log goes to a file, so the narration stays readable."""
+    log_file = path.open("a", encoding="utf-8")
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.WriteLoggerFactory(file=log_file),
+        cache_logger_on_first_use=False,
+    )
+    return log_file
+
+
+async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | None = None) -> int:
+    """Play every story; 0 if every verdict was the expected one, else 1."""
+    n = Narrator(out or sys.stdout)
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="fencegate-demo-"))
+    store_url = store or f"sqlite:///{workdir / 'fencegate.db'}"
+    log_file = _log_to(workdir / "gateway.log")
+    shop = await Shop().start()
+    try:
+        # Bounded as a whole, start and shutdown included: a smoke test must not hang.
+        async with (
+            asyncio.timeout(45),
+            _gateway(store_url, shop.url) as url,
+            Client(url, timeout=10) as client,
+        ):
+            where = "the embedded SQLite store" if store is None else store.split("@")[-1]
+            n.line(f"fencegate demo: a real gateway on {url}, on {where},")
+            n.line(f'in front of a small "shop" API on {shop.url} that records every call.')
+            n.line(
+                f"Leases last {TTL_MS} ms, so they run out while you watch; the shop gets "
+                f"{SHOP_TIMEOUT_MS} ms to answer."
+            )
+            stories = (story_takeover, story_lost_answer, story_duplicates, story_epoch_bump)
+            for story in (*stories, summary):
+                try:
+                    await story(n, client, shop)
+                except FencegateError as exc:
+                    n.check(False, "", f"the story stopped on {type(exc).__name__}: {exc}")
+    except Exception as exc:  # the demo is a smoke test: say what broke, exit non-zero
+        n.check(False, "", f"the demo broke: {type(exc).__name__}: {exc}")
+    finally:
+        await shop.stop()
+        log_file.close()
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    n.line()
+    took = time.monotonic() - started
+    if n.mismatches:
+        n.line(
+            f"FAILED: {len(n.mismatches)} of {n.checked} verdicts were not the expected ones "
+            f"({took:.1f} s):"
+        )
+        for problem in n.mismatches:
+            n.line(f"  - {problem}")
+        return 1
+    n.line(f"All {n.checked} verdicts as expected ({took:.1f} s). Every effect happened once.")
+    if keep:
+        n.line(f"Kept {workdir}: the store, and the gateway's decisions in gateway.log.")
+    return 0

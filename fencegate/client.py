@@ -1,0 +1,372 @@
+"""The client: one connection pool to one gateway, for schedulers, workers and operators.
+
+Scheduler side: ``put_task`` (create or revise), ``get_task``, ``cancel_task``,
+``get_epoch``, ``bump_epoch``, ``pause_claims``, ``resume_claims``.
+Worker side: ``claim`` (a guarded lease as an ``async with``: renewed in the background,
+the body cancelled when it is lost) and ``acquire`` (a bare lease you renew yourself).
+Operator side: ``list_effects``, ``get_effect``, ``resolve_effect``, ``approve_effect``,
+``reconcile_effect``.
+
+Every refusal of the gateway is raised as its typed exception (``fencegate.errors``);
+a gateway that does not answer is ``GatewayUnreachable``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import quote, urlencode
+
+import aiohttp
+from yarl import URL
+
+from fencegate._http import RawAnswer, gateway_problem
+from fencegate.errors import GatewayUnreachable, ProblemError
+from fencegate.lease import ClaimScope, Lease
+
+__all__ = ["Client", "Epoch", "TaskRecord"]
+
+#: Characters of the id grammar, left as they are in paths (``/`` included, as the contract says).
+_ID_SAFE = "/:@._-"
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    """``GET /v1/epoch``: the global scheduler epoch and whether claims are paused."""
+
+    scheduler_epoch: int
+    claims_paused: bool
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> Epoch:
+        return cls(int(body["schedulerEpoch"]), bool(body["claimsPaused"]))
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """The task record of the contract. ``raw`` is the whole answer (newer fields too);
+    ``created`` is True only on the ``put_task`` that created the task."""
+
+    task_id: str
+    state: str
+    revision: int
+    input_digest: str
+    claim_generation: int
+    attempt_id: str | None
+    owner: str | None
+    lease_expires_at: int | None
+    cancel_generation: int
+    scheduler_epoch: int | None
+    commit: dict[str, Any] | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+    created: bool = False
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], created: bool = False) -> TaskRecord:
+        return cls(
+            task_id=body["taskId"],
+            state=body["state"],
+            revision=body["revision"],
+            input_digest=body["inputDigest"],
+            claim_generation=body["claimGeneration"],
+            attempt_id=body.get("attemptId"),
+            owner=body.get("owner"),
+            lease_expires_at=body.get("leaseExpiresAt"),
+            cancel_generation=body["cancelGeneration"],
+            scheduler_epoch=body.get("schedulerEpoch"),
+            commit=body.get("commit"),
+            raw=dict(body),
+            created=created,
+        )
+
+
+class Client:
+    """A fencegate gateway at ``url`` (``http://127.0.0.1:8700``).
+
+    Use it as ``async with Client(url) as client:`` (or call ``close()``). Pass ``session``
+    to share your own ``aiohttp.ClientSession`` (the client then does not close it);
+    ``headers`` go with every call (``Authorization`` where the gateway wants one);
+    ``timeout`` bounds each call in seconds, proxied calls included (keep it above the
+    downstreams' ``timeout_ms``); ``operator`` is sent as ``Fence-Operator`` on operator calls.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        timeout: float = 30.0,
+        headers: Mapping[str, str] | None = None,
+        operator: str | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.headers = dict(headers or {})
+        self.operator = operator
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- plumbing -----------------------------------------------------------------------------
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> RawAnswer:
+        """One HTTP exchange with the gateway; ``path`` is sent as given (already encoded)."""
+        all_headers = {**self.headers, **(headers or {})}
+        try:
+            async with self._http().request(
+                method,
+                URL(self.url + path, encoded=True),
+                data=body,
+                headers=all_headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout),
+            ) as resp:
+                raw = await resp.read()
+                return RawAnswer(resp.status, resp.headers, raw)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
+            raise GatewayUnreachable(
+                f"{method} {path}: no answer from the gateway ({what}: {exc})"
+            ) from exc
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """A JSON call of the coordination or ledger API: (status, decoded body), or raise."""
+        data = None if body is None else json.dumps(body).encode()
+        all_headers = dict(headers or {})
+        if data is not None:
+            all_headers["Content-Type"] = "application/json"
+        answer = await self.send(method, path, body=data, headers=all_headers)
+        if answer.status >= 400:
+            problem = gateway_problem(answer)
+            if problem is not None:
+                raise problem
+            # Not the gateway's own answer: something in between (a load balancer...).
+            if answer.status in (502, 503, 504):
+                raise GatewayUnreachable(f"{method} {path}: HTTP {answer.status} from in between")
+            raise ProblemError(
+                f"{method} {path}: HTTP {answer.status} (not a fencegate problem)",
+                status=answer.status,
+                code=f"HTTP_{answer.status}",
+                headers=answer.headers,
+            )
+        return answer.status, answer.json()
+
+    @staticmethod
+    def task_path(task_id: str, action: str = "") -> str:
+        return f"/v1/tasks/{quote(task_id, safe=_ID_SAFE)}" + (f"/{action}" if action else "")
+
+    def _operator_headers(self, operator: str | None) -> dict[str, str]:
+        name = operator or self.operator
+        return {"Fence-Operator": name} if name else {}
+
+    # --- scheduler ----------------------------------------------------------------------------
+
+    async def put_task(
+        self, task_id: str, input_digest: str, *, max_runtime_ms: int | None = None
+    ) -> TaskRecord:
+        """Create the task, or revise it: a new ``input_digest`` opens a new revision (the
+        same one changes nothing)."""
+        body: dict[str, Any] = {"inputDigest": input_digest}
+        if max_runtime_ms is not None:
+            body["maxRuntimeMs"] = max_runtime_ms
+        status, answer = await self.call("PUT", self.task_path(task_id), body)
+        return TaskRecord.from_json(answer, created=status == 201)
+
+    async def get_task(self, task_id: str) -> TaskRecord:
+        _, answer = await self.call("GET", self.task_path(task_id))
+        return TaskRecord.from_json(answer)
+
+    async def cancel_task(self, task_id: str) -> int:
+        """Cancel the task; answers its new ``cancelGeneration``."""
+        _, answer = await self.call("POST", self.task_path(task_id, "cancel"))
+        return int(answer["cancelGeneration"])
+
+    async def get_epoch(self) -> Epoch:
+        _, answer = await self.call("GET", "/v1/epoch")
+        return Epoch.from_json(answer)
+
+    async def bump_epoch(self) -> Epoch:
+        """Fence every claim made under the current epoch."""
+        _, answer = await self.call("POST", "/v1/epoch/bump")
+        return Epoch.from_json(answer)
+
+    async def pause_claims(self) -> Epoch:
+        _, answer = await self.call("POST", "/v1/claims/pause")
+        return Epoch.from_json(answer)
+
+    async def resume_claims(self) -> Epoch:
+        _, answer = await self.call("POST", "/v1/claims/resume")
+        return Epoch.from_json(answer)
+
+    # --- workers ------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        task_id: str,
+        *,
+        owner: str,
+        ttl_ms: int,
+        scheduler_epoch: int | None = None,
+        expected_revision: int | None = None,
+    ) -> ClaimScope:
+        """A guarded lease: ``async with client.claim(...) as lease:``.
+
+        Claims on entry (``Claimed``, ``AlreadyCommitted``, ``StaleEpoch``, ``ClaimsPaused``
+        ... when it cannot), renews every third of the granted TTL (with jitter) while the
+        body runs, and when the lease is lost (a renewal refused, or no renewal got through
+        before it would expire) cancels the body and raises ``LeaseLost`` at the ``async with``.
+        A body that ends without committing hands the task back (release).
+        ``scheduler_epoch`` defaults to the current one (one ``GET /v1/epoch``).
+        """
+        return ClaimScope(
+            self,
+            task_id,
+            owner=owner,
+            ttl_ms=ttl_ms,
+            scheduler_epoch=scheduler_epoch,
+            expected_revision=expected_revision,
+        )
+
+    async def acquire(
+        self,
+        task_id: str,
+        *,
+        owner: str,
+        ttl_ms: int,
+        scheduler_epoch: int | None = None,
+        expected_revision: int | None = None,
+        guarded: bool = False,
+    ) -> Lease:
+        """Claim ``task_id`` and return a bare lease: nothing renews it, nothing stops its
+        calls; the gateway still fences every one of them. ``claim`` is the guarded form."""
+        if scheduler_epoch is None:
+            scheduler_epoch = (await self.get_epoch()).scheduler_epoch
+        body: dict[str, Any] = {"owner": owner, "ttlMs": ttl_ms, "schedulerEpoch": scheduler_epoch}
+        if expected_revision is not None:
+            body["expectedRevision"] = expected_revision
+        sent_at = time.monotonic()
+        _, answer = await self.call("POST", self.task_path(task_id, "claim"), body)
+        return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=answer, sent_at=sent_at,
+                     guarded=guarded)  # fmt: skip
+
+    # --- operators ----------------------------------------------------------------------------
+
+    async def get_effect(self, effect_id: str) -> dict[str, Any]:
+        _, answer = await self.call("GET", f"/v1/effects/{quote(effect_id, safe='')}")
+        return dict(answer)
+
+    async def list_effects(
+        self,
+        *,
+        state: str | None = None,
+        task_id: str | None = None,
+        downstream: str | None = None,
+        page_size: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Every matching effect record, following ``nextCursor`` to the end."""
+        query = {"state": state, "taskId": task_id, "downstream": downstream}
+        params = {k: v for k, v in query.items() if v is not None}
+        params["limit"] = str(page_size)
+        found: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            page = dict(params, cursor=cursor) if cursor else params
+            _, answer = await self.call("GET", "/v1/effects?" + urlencode(page))
+            found.extend(answer["effects"])
+            cursor = answer.get("nextCursor")
+            if not cursor:
+                return found
+
+    async def resolve_effect(
+        self,
+        effect_id: str,
+        outcome: Literal["COMMITTED", "NOT_APPLIED"],
+        note: str,
+        *,
+        response: Mapping[str, Any] | None = None,
+        operator: str | None = None,
+    ) -> dict[str, Any]:
+        """Settle an UNKNOWN effect. With ``COMMITTED``, ``response`` (``{"status", "headers",
+        "body"}``) is what duplicates will replay."""
+        body: dict[str, Any] = {"outcome": outcome, "note": note}
+        if response is not None:
+            body["response"] = dict(response)
+        _, answer = await self.call(
+            "POST",
+            f"/v1/effects/{quote(effect_id, safe='')}/resolve",
+            body,
+            headers=self._operator_headers(operator),
+        )
+        return dict(answer)
+
+    async def approve_effect(
+        self,
+        effect_id: str,
+        note: str = "",
+        *,
+        payload_digest: str | None = None,
+        operator: str | None = None,
+    ) -> dict[str, Any]:
+        """Let a waiting non-replayable effect go once (``payload_digest``: only if it still
+        waits for exactly that payload)."""
+        body: dict[str, Any] = {"note": note}
+        if payload_digest is not None:
+            body["payloadDigest"] = payload_digest
+        _, answer = await self.call(
+            "POST",
+            f"/v1/effects/{quote(effect_id, safe='')}/approve",
+            body,
+            headers=self._operator_headers(operator),
+        )
+        return dict(answer)
+
+    async def reconcile_effect(
+        self, effect_id: str, *, operator: str | None = None
+    ) -> dict[str, Any]:
+        """Run the downstream adapter's probe on an UNKNOWN effect; answers the record
+        (``EffectUnknown`` when the downstream has no probe: resolve it by hand)."""
+        _, answer = await self.call(
+            "POST",
+            f"/v1/effects/{quote(effect_id, safe='')}/reconcile",
+            headers=self._operator_headers(operator),
+        )
+        return dict(answer)

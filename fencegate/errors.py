@@ -1,0 +1,371 @@
+"""What the SDK raises: one exception class per problem ``code`` of the wire contract.
+
+The tree::
+
+    FencegateError                       root of everything the SDK raises on purpose
+    ├── GatewayUnreachable               no answer from the gateway (connect failed, timed
+    │                                    out, connection broke): the call may or may not
+    │                                    have been applied; every fencegate call is safe to
+    │                                    repeat as it was (the ledger and commit replay)
+    ├── LeaseLost                        the lease is gone: a renewal or call was refused
+    │                                    (``cause`` holds the refusal) or the lease would
+    │                                    run out before a renewal got through (``cause`` None)
+    └── ProblemError                     the gateway answered application/problem+json
+        ├── BadRequest                   400 BAD_REQUEST
+        ├── Unauthenticated, Forbidden   401 UNAUTHENTICATED, 403 FORBIDDEN
+        ├── NotFound                     404 NOT_FOUND (no such route)
+        │   └── NoSuchTask, NoSuchEffect, NoSuchDownstream
+        ├── Conflict                     409: the fence or the ledger says no
+        │   ├── ClaimRefused             the claim is not (or can no longer be) current
+        │   │   └── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
+        │   │       RuntimeExceeded
+        │   ├── Claimed, AlreadyCommitted
+        │   └── EffectInFlight (``retry_after``), EffectUnknown, EffectSettled,
+        │       ApprovalRequired
+        ├── PayloadTooLarge              413 PAYLOAD_TOO_LARGE
+        ├── PayloadConflict              422 PAYLOAD_CONFLICT
+        ├── InternalError                500 INTERNAL
+        ├── DownstreamUnreachable        502: certainly not delivered, nothing happened
+        ├── Unavailable                  503
+        │   └── ClaimsPaused, StoreUnavailable
+        └── DownstreamTimeout            504: the effect is now UNKNOWN
+
+A problem whose ``code`` this SDK does not know (a newer gateway) is a plain
+``ProblemError`` (or the class of its status) carrying that ``code``: switch on ``code``,
+never on ``title`` or ``detail``. A downstream's own error answer (say a 400 from the
+payments API) is not an exception: ``Lease.request`` returns it as a response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from multidict import CIMultiDict
+
+__all__ = [
+    "ERRORS_BY_CODE",
+    "LEASE_ENDING_CODES",
+    "AlreadyCommitted",
+    "ApprovalRequired",
+    "BadRequest",
+    "Cancelled",
+    "ClaimRefused",
+    "Claimed",
+    "ClaimsPaused",
+    "Conflict",
+    "DownstreamTimeout",
+    "DownstreamUnreachable",
+    "EffectInFlight",
+    "EffectSettled",
+    "EffectUnknown",
+    "Fenced",
+    "FencegateError",
+    "Forbidden",
+    "GatewayUnreachable",
+    "InternalError",
+    "LeaseExpired",
+    "LeaseLost",
+    "NoSuchDownstream",
+    "NoSuchEffect",
+    "NoSuchTask",
+    "NotFound",
+    "PayloadConflict",
+    "PayloadTooLarge",
+    "ProblemError",
+    "RuntimeExceeded",
+    "StaleEpoch",
+    "StaleInput",
+    "StoreUnavailable",
+    "Unauthenticated",
+    "Unavailable",
+    "error_from_problem",
+]
+
+#: Problem ``type`` URIs of the gateway's own answers (a downstream's problem+json differs).
+PROBLEM_TYPE_PREFIX = "urn:fencegate:problem:"
+
+
+class FencegateError(Exception):
+    """Root of every error the SDK raises on purpose."""
+
+
+class GatewayUnreachable(FencegateError):
+    """The gateway did not answer. The call may or may not have been applied."""
+
+
+class LeaseLost(FencegateError):
+    """The lease is gone; the worker must stop producing effects under it.
+
+    ``cause`` is the gateway's refusal that ended it (``Fenced``, ``StaleEpoch``...), or
+    ``None`` when the lease ran out before a renewal got through.
+    """
+
+    def __init__(self, task_id: str, reason: str, cause: ProblemError | None = None) -> None:
+        self.task_id = task_id
+        self.reason = reason
+        self.cause = cause
+        super().__init__(f"lease on {task_id!r} lost: {reason}")
+
+    @property
+    def code(self) -> str | None:
+        """The problem code that ended the lease (``None``: it ran out locally)."""
+        return self.cause.code if self.cause is not None else None
+
+
+class ProblemError(FencegateError):
+    """The gateway refused: an RFC 9457 problem with a stable ``code``."""
+
+    code: str = "UNKNOWN_PROBLEM"
+    status: int = 0
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        title: str = "",
+        problem: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.detail = detail
+        self.title = title
+        #: The whole problem body (extra members such as ``retryAfterMs`` included).
+        self.problem: dict[str, Any] = dict(problem or {})
+        #: The answer's headers (``Retry-After``, ``Fence-Effect-*`` on proxied calls).
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
+        super().__init__(f"{self.status} {self.code}: {detail}")
+
+    @property
+    def effect_id(self) -> str | None:
+        """The effect the refusal concerns (proxied calls and the ledger API), if any."""
+        value = self.headers.get("Fence-Effect-Id") or self.problem.get("effectId")
+        return str(value) if value else None
+
+    @property
+    def effect_state(self) -> str | None:
+        """``Fence-Effect-State`` of a proxied refusal (``UNKNOWN`` after a timeout...)."""
+        value = self.headers.get("Fence-Effect-State") or self.problem.get("effectState")
+        return str(value) if value else None
+
+
+class BadRequest(ProblemError):
+    code, status = "BAD_REQUEST", 400
+
+
+class Unauthenticated(ProblemError):
+    code, status = "UNAUTHENTICATED", 401
+
+
+class Forbidden(ProblemError):
+    code, status = "FORBIDDEN", 403
+
+
+class NotFound(ProblemError):
+    code, status = "NOT_FOUND", 404
+
+
+class NoSuchTask(NotFound):
+    code = "NO_SUCH_TASK"
+
+
+class NoSuchEffect(NotFound):
+    code = "NO_SUCH_EFFECT"
+
+
+class NoSuchDownstream(NotFound):
+    code = "NO_SUCH_DOWNSTREAM"
+
+
+class Conflict(ProblemError):
+    """409: well formed, but the fence or the ledger refuses it."""
+
+    status = 409
+
+
+class ClaimRefused(Conflict):
+    """The claim the call carried is not, or can no longer be, the task's current one."""
+
+
+class Fenced(ClaimRefused):
+    """Another attempt has claimed the task since (or the claim was released)."""
+
+    code = "FENCED"
+
+
+class LeaseExpired(ClaimRefused):
+    code = "LEASE_EXPIRED"
+
+
+class StaleEpoch(ClaimRefused):
+    """The scheduler epoch was bumped: every claim of an older epoch is fenced."""
+
+    code = "STALE_EPOCH"
+
+
+class Cancelled(ClaimRefused):
+    code = "CANCELLED"
+
+
+class StaleInput(ClaimRefused):
+    """The task has a newer input revision."""
+
+    code = "STALE_INPUT"
+
+
+class RuntimeExceeded(ClaimRefused):
+    """The attempt reached its maximum runtime: its lease cannot be extended."""
+
+    code = "RUNTIME_EXCEEDED"
+
+
+class Claimed(Conflict):
+    """Another attempt holds an unexpired lease on the task."""
+
+    code = "CLAIMED"
+
+
+class AlreadyCommitted(Conflict):
+    code = "ALREADY_COMMITTED"
+
+
+class EffectInFlight(Conflict):
+    """The same effect is being forwarded right now; ask again after ``retry_after`` s."""
+
+    code = "EFFECT_IN_FLIGHT"
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds until the running forward must have ended (``retryAfterMs``, else the
+        ``Retry-After`` header)."""
+        ms = self.problem.get("retryAfterMs")
+        if isinstance(ms, int | float) and not isinstance(ms, bool):
+            return max(float(ms), 0.0) / 1000
+        header = self.headers.get("Retry-After", "")
+        return float(header) if header.isdigit() else None
+
+
+class EffectUnknown(Conflict):
+    """An earlier forward of this effect has an unknown outcome: an operator (or the
+    downstream's reconciler) must settle it before anything is sent again."""
+
+    code = "EFFECT_UNKNOWN"
+
+
+class EffectSettled(Conflict):
+    """An operator tried to resolve or approve an effect that already has an outcome."""
+
+    code = "EFFECT_SETTLED"
+
+
+class ApprovalRequired(Conflict):
+    """A non-replayable effect waits for an operator's approval."""
+
+    code = "APPROVAL_REQUIRED"
+
+
+class PayloadTooLarge(ProblemError):
+    code, status = "PAYLOAD_TOO_LARGE", 413
+
+
+class PayloadConflict(ProblemError):
+    """This effect (task, revision, node, slot) is bound to a different payload."""
+
+    code, status = "PAYLOAD_CONFLICT", 422
+
+
+class InternalError(ProblemError):
+    code, status = "INTERNAL", 500
+
+
+class DownstreamUnreachable(ProblemError):
+    """The downstream could not be reached: nothing was delivered, it may go again."""
+
+    code, status = "DOWNSTREAM_UNREACHABLE", 502
+
+
+class Unavailable(ProblemError):
+    status = 503
+
+
+class ClaimsPaused(Unavailable):
+    code = "CLAIMS_PAUSED"
+
+
+class StoreUnavailable(Unavailable):
+    code = "STORE_UNAVAILABLE"
+
+
+class DownstreamTimeout(ProblemError):
+    """Delivered or maybe delivered, no answer in time: the effect is now UNKNOWN."""
+
+    code, status = "DOWNSTREAM_TIMEOUT", 504
+
+
+def _leaves() -> dict[str, type[ProblemError]]:
+    found: dict[str, type[ProblemError]] = {}
+    pending: list[type[ProblemError]] = [ProblemError]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if "code" in cls.__dict__ and cls is not ProblemError:
+            found[cls.code] = cls
+    return found
+
+
+#: problem ``code`` -> the class raised for it.
+ERRORS_BY_CODE: dict[str, type[ProblemError]] = _leaves()
+#: Status -> the class for a code this SDK does not know.
+_BY_STATUS: dict[int, type[ProblemError]] = {
+    400: BadRequest,
+    401: Unauthenticated,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: PayloadConflict,
+    500: InternalError,
+    502: DownstreamUnreachable,
+    503: Unavailable,
+    504: DownstreamTimeout,
+}
+#: Refusals after which a lease can no longer act: the SDK stops using it.
+LEASE_ENDING_CODES: frozenset[str] = frozenset(
+    {
+        "FENCED",
+        "LEASE_EXPIRED",
+        "STALE_EPOCH",
+        "CANCELLED",
+        "STALE_INPUT",
+        "RUNTIME_EXCEEDED",
+        "ALREADY_COMMITTED",
+        "NO_SUCH_TASK",
+    }
+)
+
+
+def error_from_problem(
+    status: int, problem: Mapping[str, Any] | None, headers: Mapping[str, str] | None = None
+) -> ProblemError:
+    """The typed exception for one problem answer of the gateway."""
+    problem = problem or {}
+    code = problem.get("code")
+    detail = str(problem.get("detail") or problem.get("title") or f"HTTP {status}")
+    title = str(problem.get("title") or "")
+    if isinstance(code, str) and code in ERRORS_BY_CODE:
+        cls = ERRORS_BY_CODE[code]
+        return cls(detail, status=status, title=title, problem=problem, headers=headers)
+    cls = _BY_STATUS.get(status, ProblemError)
+    return cls(
+        detail,
+        status=status,
+        code=code if isinstance(code, str) else f"HTTP_{status}",
+        title=title,
+        problem=problem,
+        headers=headers,
+    )

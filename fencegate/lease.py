@@ -1,0 +1,566 @@
+"""A lease: one claim of one task, and everything a worker does under it.
+
+Two forms, one class:
+
+* **guarded** (``async with client.claim(...) as lease:``): renewed in the background every
+  third of the granted TTL (with jitter, never later). When a renewal is refused (``Fenced``,
+  ``StaleEpoch``, ``Cancelled``...) or no renewal got through before the lease would run out,
+  the lease is lost: the body is cancelled, every later ``request`` is refused locally without
+  a byte leaving the worker, and ``LeaseLost`` is raised at the ``async with``. A worker that
+  cannot renew stops producing effects.
+* **bare** (``lease = await client.acquire(...)``): nothing renews it and nothing stops its
+  calls locally; you call ``renew()`` yourself. The gateway still fences every call.
+
+The local clock only ever makes a lease end *sooner*: its expiry is estimated from the moment
+the claim (or renewal) was *sent*, minus a small margin, so the worker stops before the store
+would let anyone else in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote, urlencode
+
+from multidict import CIMultiDictProxy
+
+from fencegate._http import gateway_problem
+from fencegate.errors import (
+    LEASE_ENDING_CODES,
+    EffectInFlight,
+    FencegateError,
+    GatewayUnreachable,
+    LeaseLost,
+    ProblemError,
+    StoreUnavailable,
+)
+
+if TYPE_CHECKING:
+    from fencegate.client import Client
+
+__all__ = [
+    "ClaimScope",
+    "Commit",
+    "Lease",
+    "ProxyResponse",
+    "canonical_json",
+    "result_digest",
+    "wait_out_in_flight",
+]
+
+T = TypeVar("T")
+
+#: Methods the gateway forwards without a ledger entry (no ``slot`` needed).
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: Characters left as they are in a proxied path (anything else is percent-encoded).
+_PATH_SAFE = "/?&=%:@!$'()*+,;~[]-._"
+_NO_JSON: Any = object()
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no insignificant whitespace, UTF-8: the same value, the same bytes."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def result_digest(value: Any) -> str:
+    """The ``resultDigest`` of a result: ``sha256:`` + hex SHA-256 of its canonical JSON."""
+    return "sha256:" + hashlib.sha256(canonical_json(value)).hexdigest()
+
+
+_result_digest = result_digest
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """The task's canonical commit, made by this lease."""
+
+    commit_id: str
+    result_digest: str
+    outcome: str = "COMMITTED"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyResponse:
+    """A downstream's answer through the gateway, or the ledger's replay of it.
+
+    ``effect_state`` is ``COMMITTED`` (recorded; duplicates replay it), ``UNKNOWN`` (the
+    downstream answered 500/502/504: the effect may or may not have happened) or ``NONE``
+    (safe methods: no ledger entry). ``replayed`` is True when the gateway answered from the
+    ledger without calling the downstream.
+    """
+
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    effect_id: str | None
+    effect_state: str
+    replayed: bool
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 400
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
+async def wait_out_in_flight(
+    send: Callable[[], Awaitable[T]],
+    *,
+    max_wait_s: float,
+    first_delay_s: float = 0.05,
+    max_delay_s: float = 2.0,
+) -> T:
+    """Call ``send()``; while it raises ``EffectInFlight``, wait and call it again.
+
+    Waits grow from ``first_delay_s`` (doubling, with jitter) up to ``max_delay_s`` and never
+    past the refusal's ``retry_after``; after ``max_wait_s`` in all the last
+    ``EffectInFlight`` is raised. The retry gets the forward's outcome: a replay of its answer,
+    ``EffectUnknown``, or a new forward if it was certainly not delivered.
+    """
+    deadline = time.monotonic() + max_wait_s
+    delay = first_delay_s
+    while True:
+        try:
+            return await send()
+        except EffectInFlight as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            wait = min(delay, left)
+            if exc.retry_after is not None:
+                wait = min(wait, max(exc.retry_after, 0.01))
+            await asyncio.sleep(wait * random.uniform(0.8, 1.0))
+            delay = min(delay * 2, max_delay_s)
+
+
+class Lease:
+    """One claim of ``task_id``: its identity, and the calls made under it.
+
+    Built by ``Client.acquire`` (bare) or ``Client.claim`` (guarded); see the module docstring.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        owner: str,
+        ttl_ms: int,
+        claim: Mapping[str, Any],
+        sent_at: float,
+        guarded: bool,
+    ) -> None:
+        self._client = client
+        self.owner = owner
+        #: The TTL asked for at every renewal.
+        self.ttl_ms = ttl_ms
+        self.guarded = guarded
+        self.task_id: str = claim["taskId"]
+        self.attempt_id: str = claim["attemptId"]
+        self.claim_generation: int = claim["claimGeneration"]
+        self.scheduler_epoch: int = claim["schedulerEpoch"]
+        self.cancel_generation: int = claim["cancelGeneration"]
+        self.revision: int = claim["revision"]
+        self.input_digest: str = claim["inputDigest"]
+        #: Store time (ms) the lease runs out, as the last claim or renewal answered.
+        self.lease_expires_at: int = claim["leaseExpiresAt"]
+        #: What the claim granted (``ttlMs`` clamped by the gateway's maximum).
+        self.granted_ttl_ms: int = int(claim.get("grantedTtlMs", ttl_ms))
+        # Store time at the claim, seen from the local monotonic clock at the moment the claim
+        # was sent (the store decided later, so local estimates err on the short side).
+        self._store_t0 = self.lease_expires_at - self.granted_ttl_ms
+        self._mono_t0 = sent_at
+        self._deadline = sent_at + self.granted_ttl_ms / 1000
+        self._margin = min(0.2, self.granted_ttl_ms / 10_000)
+        self._lost: LeaseLost | None = None
+        self._commit: Commit | None = None
+        self._released = False
+        # Guarded form only.
+        self._owner: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._cancel_requested = False
+        self._in_body = False
+        self._committing = 0
+        self._keeper: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<Lease {self.task_id!r} gen={self.claim_generation} epoch={self.scheduler_epoch} "
+            f"owner={self.owner!r}{' lost' if self._lost else ''}>"
+        )
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def renew_interval(self) -> float:
+        """Seconds between background renewals at most (a third of the granted TTL)."""
+        return self.granted_ttl_ms / 3000
+
+    @property
+    def expires_in(self) -> float:
+        """Seconds this worker may still act, by its own (pessimistic) clock."""
+        return self._deadline - self._margin - time.monotonic()
+
+    @property
+    def lost(self) -> LeaseLost | None:
+        """Why the lease is gone (``None`` while it is not known to be)."""
+        return self._lost
+
+    @property
+    def committed(self) -> Commit | None:
+        return self._commit
+
+    def fence_headers(self, *, slot: str | None = None, node: str | None = None) -> dict[str, str]:
+        """The ``Fence-*`` headers of this claim, for callers building requests themselves."""
+        headers = {
+            "Fence-Task": self.task_id,
+            "Fence-Attempt": self.attempt_id,
+            "Fence-Generation": str(self.claim_generation),
+            "Fence-Epoch": str(self.scheduler_epoch),
+            "Fence-Cancel": str(self.cancel_generation),
+        }
+        if node is not None:
+            headers["Fence-Node"] = node
+        if slot is not None:
+            headers["Fence-Slot"] = slot
+        return headers
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "attemptId": self.attempt_id,
+            "claimGeneration": self.claim_generation,
+            "owner": self.owner,
+            "schedulerEpoch": self.scheduler_epoch,
+            "cancelGeneration": self.cancel_generation,
+        }
+
+    def _lose(self, reason: str, cause: ProblemError | None = None) -> None:
+        """Mark the lease lost; a guarded body that is not committing is cancelled."""
+        if self._lost is not None or self._commit is not None:
+            return
+        lost = LeaseLost(self.task_id, reason, cause)
+        lost.__cause__ = cause
+        self._lost = lost
+        current = asyncio.current_task()
+        owner = self._owner
+        if (
+            self.guarded
+            and self._in_body
+            and not self._committing
+            and owner is not None
+            and owner is not current
+            and not owner.done()
+        ):
+            self._cancel_requested = True
+            owner.cancel(msg=f"fencegate: {lost}")
+        if self._keeper is not None and self._keeper is not current:
+            self._keeper.cancel()
+
+    def _refused(self, exc: ProblemError, what: str) -> None:
+        if exc.code in LEASE_ENDING_CODES:
+            self._lose(f"{what} refused: {exc.code}", exc)
+
+    def _guard(self) -> None:
+        """A guarded lease sends nothing once it is lost, released or run out."""
+        if not self.guarded:
+            return
+        if self._released:
+            raise LeaseLost(self.task_id, "the lease was released")
+        if self._lost is None and self._commit is None and self.expires_in <= 0:
+            self._lose("the lease ran out before a renewal got through")
+        if self._lost is not None:
+            raise LeaseLost(self.task_id, self._lost.reason, self._lost.cause) from self._lost.cause
+
+    # --- coordination calls -----------------------------------------------------------------
+
+    async def renew(self, ttl_ms: int | None = None) -> int:
+        """Extend the lease by ``ttl_ms`` (default: the claim's); answers ``leaseExpiresAt``.
+
+        Raises ``Fenced``, ``LeaseExpired``, ``StaleEpoch``, ``Cancelled``, ``StaleInput`` or
+        ``RuntimeExceeded`` when the lease is over (and marks it lost).
+        """
+        self._guard()
+        ttl = ttl_ms or self.ttl_ms
+        sent = time.monotonic()
+        try:
+            _, answer = await self._client.call(
+                "POST", self._client.task_path(self.task_id, "renew"),
+                {**self._identity(), "ttlMs": ttl},
+            )  # fmt: skip
+        except ProblemError as exc:
+            self._refused(exc, "renew")
+            raise
+        expires = int(answer["leaseExpiresAt"])
+        self.lease_expires_at = expires
+        mapped = self._mono_t0 + (expires - self._store_t0) / 1000
+        self._deadline = min(mapped, sent + ttl / 1000)
+        return expires
+
+    async def release(self) -> None:
+        """Hand the task back (READY again). The lease cannot be used afterwards."""
+        self._released = True
+        self._stop_keeper_soon()
+        await self._client.call(
+            "POST", self._client.task_path(self.task_id, "release"), self._identity()
+        )
+
+    async def commit(
+        self,
+        result: Any = None,
+        *,
+        result_digest: str | None = None,
+        store_result: bool = True,
+    ) -> Commit:
+        """Commit the task's result: the one canonical commit of this revision.
+
+        ``resultDigest`` is ``result_digest(result)`` (canonical JSON) unless given; the
+        result itself is stored with the commit when ``store_result`` (and not None). Answers
+        the ``Commit`` (COMMITTED); raises ``Fenced``, ``StaleInput``, ``Cancelled``,
+        ``StaleEpoch`` (or ``AlreadyCommitted``) otherwise. A commit whose answer was lost is
+        sent again with the same digest: the gateway answers the recorded commit.
+        """
+        digest = result_digest or _result_digest(result)
+        body: dict[str, Any] = {
+            "attemptId": self.attempt_id,
+            "claimGeneration": self.claim_generation,
+            "schedulerEpoch": self.scheduler_epoch,
+            "cancelGeneration": self.cancel_generation,
+            "inputDigest": self.input_digest,
+            "resultDigest": digest,
+        }
+        if store_result and result is not None:
+            body["result"] = result
+        path = self._client.task_path(self.task_id, "commit")
+        self._committing += 1
+        try:
+            for attempt in range(3):
+                try:
+                    _, answer = await self._client.call("POST", path, body)
+                    break
+                except (GatewayUnreachable, StoreUnavailable):
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(0.1 * 2**attempt)
+                except ProblemError as exc:
+                    self._refused(exc, "commit")
+                    raise
+        finally:
+            self._committing -= 1
+        self._commit = Commit(str(answer["commitId"]), digest, str(answer["outcome"]))
+        self._lost = None  # lost meanwhile (it ran out locally) but committed: it won
+        self._stop_keeper_soon()
+        return self._commit
+
+    # --- proxied calls ----------------------------------------------------------------------
+
+    async def request(
+        self,
+        downstream: str,
+        method: str,
+        path: str,
+        *,
+        slot: str | None = None,
+        node: str | None = None,
+        json: Any = _NO_JSON,
+        data: bytes | str | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+        wait_in_flight: float = 0.0,
+        timeout_s: float | None = None,
+    ) -> ProxyResponse:
+        """Send one call to ``downstream`` through the gateway, under this lease.
+
+        ``slot`` names the side effect (required for anything but GET/HEAD/OPTIONS): the same
+        task, revision, node and slot is the same effect, sent at most once. Returns the
+        downstream's answer (or the ledger's replay of it: ``replayed``), whatever its status.
+        Raises the gateway's refusals as typed errors: ``Fenced`` / ``LeaseExpired`` /
+        ``StaleEpoch`` / ``Cancelled`` (nothing was forwarded), ``PayloadConflict``,
+        ``EffectUnknown``, ``EffectInFlight`` (``retry_after``), ``ApprovalRequired``,
+        ``DownstreamTimeout`` (the effect is now UNKNOWN), ``DownstreamUnreachable``...
+        With ``wait_in_flight`` > 0, ``EffectInFlight`` is waited out for up to that many
+        seconds (``wait_out_in_flight``). ``timeout_s`` bounds the call (default: the
+        client's timeout; keep it above the downstream's ``timeout_ms``).
+        """
+        verb = method.upper()
+        if slot is None and verb not in SAFE_METHODS:
+            raise ValueError(f"{verb} changes something: name its side effect with slot=...")
+        if json is not _NO_JSON and data is not None:
+            raise ValueError("pass json= or data=, not both")
+        all_headers = dict(headers or {})
+        body: bytes | None
+        if json is not _NO_JSON:
+            body = canonical_json(json)
+            all_headers.setdefault("Content-Type", "application/json")
+        else:
+            body = data.encode() if isinstance(data, str) else data
+        all_headers.update(self.fence_headers(slot=slot, node=node))
+        target = (
+            "/proxy/"
+            + quote(downstream, safe="")
+            + quote(path if path.startswith("/") else "/" + path, safe=_PATH_SAFE)
+        )
+        if params:
+            target += ("&" if "?" in target else "?") + urlencode(params)
+
+        async def once() -> ProxyResponse:
+            self._guard()
+            answer = await self._client.send(
+                verb, target, body=body, headers=all_headers, timeout_s=timeout_s
+            )
+            problem = gateway_problem(answer)
+            if problem is not None:
+                self._refused(problem, f"{verb} {downstream}")
+                raise problem
+            return ProxyResponse(
+                status=answer.status,
+                headers=answer.headers,
+                body=answer.body,
+                effect_id=answer.headers.get("Fence-Effect-Id"),
+                effect_state=answer.headers.get("Fence-Effect-State", "NONE"),
+                replayed=answer.headers.get("Fence-Replayed") == "true",
+            )
+
+        if wait_in_flight > 0:
+            return await wait_out_in_flight(once, max_wait_s=wait_in_flight)
+        return await once()
+
+    # --- the guarded form -------------------------------------------------------------------
+
+    def _enter(self) -> None:
+        owner = asyncio.current_task()
+        if owner is None:
+            raise RuntimeError("a guarded lease needs a running asyncio task")
+        self._owner = owner
+        self._cancelling = owner.cancelling()
+        self._in_body = True
+        self._keeper = asyncio.create_task(
+            self._keep_alive(), name=f"fencegate-renew:{self.task_id}"
+        )
+
+    async def _keep_alive(self) -> None:
+        period = self.renew_interval
+        failures = 0
+        while self._lost is None and self._commit is None and not self._released:
+            if failures:
+                delay = period / 4 * random.uniform(0.5, 1.0)
+            else:
+                delay = period * random.uniform(0.75, 1.0)
+            # Wake no later than the moment the lease would run out.
+            await asyncio.sleep(max(min(delay, self.expires_in + 0.001), 0))
+            if self._lost is not None or self._commit is not None or self._released:
+                return
+            left = self.expires_in
+            if left <= 0:
+                self._lose("the lease ran out before a renewal got through")
+                return
+            try:
+                async with asyncio.timeout(left):
+                    await self.renew()
+                failures = 0
+            except ProblemError as exc:
+                if exc.code in LEASE_ENDING_CODES:
+                    return  # renew() marked the lease lost and cancelled the body
+                if exc.status < 500:
+                    self._lose(f"renew refused: {exc.code}", exc)
+                    return
+                failures += 1  # STORE_UNAVAILABLE and friends: try again while time is left
+            except (GatewayUnreachable, TimeoutError):
+                failures += 1
+            except FencegateError:
+                return  # LeaseLost from the guard: already lost
+            except Exception as exc:  # a bug must not leave the body running unrenewed
+                self._lose(f"renewal failed: {exc!r}")
+                return
+
+    def _stop_keeper_soon(self) -> None:
+        keeper = self._keeper
+        if keeper is not None and keeper is not asyncio.current_task() and not keeper.done():
+            keeper.cancel()
+
+    async def _stop_keeper(self) -> None:
+        keeper = self._keeper
+        if keeper is None:
+            return
+        self._stop_keeper_soon()
+        if keeper is not asyncio.current_task():
+            await asyncio.wait([keeper])
+
+    async def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None) -> bool:
+        self._in_body = False
+        ours = False
+        if self._cancel_requested and self._owner is not None:
+            self._cancel_requested = False
+            remaining = self._owner.uncancel()
+            ours = remaining <= self._cancelling and exc_type is asyncio.CancelledError
+        await self._stop_keeper()
+        lost = self._lost
+        if self._commit is None and lost is not None and not self._released:
+            ending = isinstance(exc, LeaseLost) or (
+                isinstance(exc, ProblemError) and exc.code in LEASE_ENDING_CODES
+            )
+            if exc is None or ours or ending:
+                raise LeaseLost(self.task_id, lost.reason, lost.cause) from lost.cause
+            return False  # an unrelated error of the body goes on as it is
+        if ours:
+            return True  # the body caught our cancellation and still committed
+        if self._commit is None and not self._released and lost is None:
+            with contextlib.suppress(FencegateError):  # else it runs out on its own
+                await self.release()
+        return False
+
+
+class ClaimScope:
+    """``async with client.claim(...) as lease:`` (see ``Client.claim``)."""
+
+    def __init__(
+        self,
+        client: Client,
+        task_id: str,
+        *,
+        owner: str,
+        ttl_ms: int,
+        scheduler_epoch: int | None,
+        expected_revision: int | None,
+    ) -> None:
+        self._client = client
+        self._task_id = task_id
+        self._owner = owner
+        self._ttl_ms = ttl_ms
+        self._scheduler_epoch = scheduler_epoch
+        self._expected_revision = expected_revision
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        lease = await self._client.acquire(
+            self._task_id,
+            owner=self._owner,
+            ttl_ms=self._ttl_ms,
+            scheduler_epoch=self._scheduler_epoch,
+            expected_revision=self._expected_revision,
+            guarded=True,
+        )
+        lease._enter()
+        self._lease = lease
+        return lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        assert self._lease is not None
+        return await self._lease._exit(exc_type, exc)

@@ -1,0 +1,696 @@
+"""The agent SDK (``fencegate``) against a real gateway and a real downstream, on both stores.
+
+No mocks: every typed exception is raised from a real answer of the gateway (in-process over
+loopback HTTP, as in ``tests/test_proxy.py``), the downstream is ``tests/downstream.py``, and
+the paused worker is a real process (``tests/sdk_worker.py``) frozen with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+import fencegate
+from fencegate import Client, Lease, LeaseLost
+from fencegate.errors import ERRORS_BY_CODE, ProblemError
+from gateway.app import create_app
+from gateway.config import Config
+from ledger.effects import effect_id
+from ledger.errors import ERRORS_BY_CODE as GATEWAY_CODES
+from ledger.store import Store
+from tests.conftest import build_test_store, make_config
+from tests.downstream import Downstream
+from tests.servers import free_port
+
+TIMEOUT_MS = 400
+SDK_WORKER = Path(__file__).with_name("sdk_worker.py")
+SDK_DOC = Path(__file__).parent.parent / "docs" / "sdk.md"
+
+
+@dataclass
+class Env:
+    client: Client
+    store: Store
+    downstream: Downstream
+    store_url: str
+    url: str
+
+    def advance(self, ms: int) -> None:
+        """Move the store's clock (only the store's: the worker's clock does not move)."""
+        self.store.clock_offset_ms += ms
+
+    def sent_keys(self) -> list[str]:
+        return [r.headers.get("Idempotency-Key", "") for r in self.downstream.received]
+
+
+def gateway_config(store_url: str, key_prefix: str, downstream: Downstream) -> Config:
+    return make_config(
+        store_url,
+        key_prefix,
+        downstreams=[
+            {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
+            {"name": "dead", "url": f"http://127.0.0.1:{free_port()}", "timeout_ms": TIMEOUT_MS},
+            {"name": "small", "url": downstream.url, "max_body_bytes": 1024},
+            {"name": "bank", "url": downstream.url, "adapter": "manual", "require_approval": True},
+        ],
+        proxy={"prepared_margin_ms": 500},
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(config: Config) -> AsyncIterator[tuple[str, Store, TestServer]]:
+    store = build_test_store(config)
+    server = TestServer(create_app(config, store=store), host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/"), store, server
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def downstream() -> AsyncIterator[Downstream]:
+    server = await Downstream().start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def env(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Env]:
+    async with (
+        running_gateway(gateway_config(store_url, key_prefix, downstream)) as (url, store, _),
+        Client(url, timeout=10) as client,
+    ):
+        yield Env(client, store, downstream, store_url, url)
+
+
+async def new_task(env: Env, task_id: str = "t1", **extra: Any) -> str:
+    await env.client.put_task(task_id, "in-1", **extra)
+    return task_id
+
+
+async def pay(lease: Lease, slot: str = "s1", path: str = "/ok/pay", **body: Any) -> Any:
+    return await lease.request("api", "POST", path, slot=slot, json={"slot": slot, **body})
+
+
+# --- every problem code, from a real gateway ----------------------------------------------------
+
+
+Scenario = Callable[[Env], Awaitable[object]]
+
+
+async def bad_request(env: Env) -> object:
+    await new_task(env)
+    return await env.client.acquire("t1", owner="w1", ttl_ms=0)
+
+
+async def not_found(env: Env) -> object:
+    return await env.client.call("GET", "/v1/no-such-route")
+
+
+async def no_such_task(env: Env) -> object:
+    return await env.client.acquire("nobody", owner="w1", ttl_ms=1000)
+
+
+async def no_such_effect(env: Env) -> object:
+    return await env.client.get_effect("0" * 64)
+
+
+async def no_such_downstream(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await lease.request("nowhere", "POST", "/x", slot="s1", json={})
+
+
+async def fenced(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=1000)
+    env.advance(1000)
+    await env.client.acquire("t1", owner="w2", ttl_ms=10_000)
+    return await pay(lease)
+
+
+async def lease_expired(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=1000)
+    env.advance(1000)
+    return await lease.renew()
+
+
+async def stale_epoch(env: Env) -> object:
+    await new_task(env)
+    old = (await env.client.get_epoch()).scheduler_epoch
+    await env.client.bump_epoch()
+    return await env.client.acquire("t1", owner="w1", ttl_ms=1000, scheduler_epoch=old)
+
+
+async def cancelled(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    await env.client.cancel_task("t1")
+    return await lease.renew()
+
+
+async def stale_input(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    await env.client.put_task("t1", "in-2")
+    return await lease.commit({"stale": True})
+
+
+async def runtime_exceeded(env: Env) -> object:
+    await new_task(env, max_runtime_ms=1000)
+    lease = await env.client.acquire("t1", owner="w1", ttl_ms=5000)  # granted 1000: the cap
+    return await lease.renew()
+
+
+async def claimed(env: Env) -> object:
+    await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await env.client.acquire("t1", owner="w2", ttl_ms=10_000)
+
+
+async def already_committed(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    await lease.commit({"n": 1})
+    return await env.client.acquire("t1", owner="w2", ttl_ms=10_000)
+
+
+async def effect_in_flight(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    first = asyncio.create_task(pay(lease, path="/slow/300/pay"))
+    await env.downstream.arrived.wait()
+    try:
+        return await pay(lease, path="/slow/300/pay")
+    finally:
+        assert (await first).status == 200
+
+
+async def effect_unknown(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    with pytest.raises(fencegate.DownstreamTimeout):
+        await pay(lease, path=f"/slow/{TIMEOUT_MS * 2}/pay")
+    return await pay(lease, path=f"/slow/{TIMEOUT_MS * 2}/pay")
+
+
+async def effect_settled(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    answer = await pay(lease)
+    return await env.client.resolve_effect(answer.effect_id, "NOT_APPLIED", "too late")
+
+
+async def payload_too_large(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await lease.request("small", "POST", "/ok/big", slot="s1", data=b"x" * 2048)
+
+
+async def payload_conflict(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    await pay(lease, amount=1)
+    return await pay(lease, amount=2)
+
+
+async def downstream_unreachable(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await lease.request("dead", "POST", "/pay", slot="s1", json={})
+
+
+async def claims_paused(env: Env) -> object:
+    await new_task(env)
+    await env.client.pause_claims()
+    return await env.client.acquire("t1", owner="w1", ttl_ms=1000)
+
+
+async def store_unavailable(env: Env) -> object:
+    if env.store_url.startswith("sqlite:///"):
+        locker = sqlite3.connect(env.store_url.removeprefix("sqlite:///"), isolation_level=None)
+        try:
+            locker.execute("BEGIN EXCLUSIVE")  # a backup tool, an operator's shell...
+            return await env.client.put_task("t1", "in-1")
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+    # Redis: a gateway whose Redis is down.
+    dead = make_config(f"redis://127.0.0.1:{free_port()}/0", "x")
+    async with running_gateway(dead) as (url, _, _), Client(url) as client:
+        return await client.put_task("t1", "in-1")
+
+
+async def approval_required(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await lease.request("bank", "POST", "/ok/wire", slot="wire", json={"eur": 9})
+
+
+async def downstream_timeout(env: Env) -> object:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    return await pay(lease, path=f"/slow/{TIMEOUT_MS * 2}/pay")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "BAD_REQUEST": bad_request,
+    "NOT_FOUND": not_found,
+    "NO_SUCH_TASK": no_such_task,
+    "NO_SUCH_EFFECT": no_such_effect,
+    "NO_SUCH_DOWNSTREAM": no_such_downstream,
+    "FENCED": fenced,
+    "LEASE_EXPIRED": lease_expired,
+    "STALE_EPOCH": stale_epoch,
+    "CANCELLED": cancelled,
+    "STALE_INPUT": stale_input,
+    "RUNTIME_EXCEEDED": runtime_exceeded,
+    "CLAIMED": claimed,
+    "ALREADY_COMMITTED": already_committed,
+    "EFFECT_IN_FLIGHT": effect_in_flight,
+    "EFFECT_UNKNOWN": effect_unknown,
+    "EFFECT_SETTLED": effect_settled,
+    "PAYLOAD_TOO_LARGE": payload_too_large,
+    "PAYLOAD_CONFLICT": payload_conflict,
+    "DOWNSTREAM_UNREACHABLE": downstream_unreachable,
+    "CLAIMS_PAUSED": claims_paused,
+    "STORE_UNAVAILABLE": store_unavailable,
+    "DOWNSTREAM_TIMEOUT": downstream_timeout,
+    "APPROVAL_REQUIRED": approval_required,
+}
+#: Codes this gateway has no way to answer yet (no authentication, no on-purpose 500).
+NOT_PRODUCIBLE = {"UNAUTHENTICATED", "FORBIDDEN", "INTERNAL"}
+
+
+def test_every_gateway_code_has_an_sdk_class_and_a_scenario() -> None:
+    assert set(GATEWAY_CODES) - {"INTERNAL"} <= set(ERRORS_BY_CODE)
+    assert set(SCENARIOS) | NOT_PRODUCIBLE == set(ERRORS_BY_CODE)
+    assert not set(SCENARIOS) & NOT_PRODUCIBLE
+    for code, cls in ERRORS_BY_CODE.items():
+        assert cls.code == code and issubclass(cls, ProblemError)
+        assert cls.__name__ in fencegate.__all__, cls
+
+
+@pytest.mark.parametrize("code", sorted(SCENARIOS))
+async def test_each_problem_code_raises_its_own_class(env: Env, code: str) -> None:
+    expected = ERRORS_BY_CODE[code]
+    with pytest.raises(ProblemError) as raised:
+        await SCENARIOS[code](env)
+    error = raised.value
+    assert type(error) is expected, (code, error)
+    assert error.code == code
+    assert error.status == error.problem["status"] and error.detail
+    if code == "EFFECT_IN_FLIGHT":
+        assert isinstance(error, fencegate.EffectInFlight)
+        assert error.retry_after is not None and 0 < error.retry_after <= 60
+        assert error.effect_state == "PREPARED"
+    if code in ("DOWNSTREAM_TIMEOUT", "EFFECT_UNKNOWN"):
+        assert error.effect_state == "UNKNOWN" and error.effect_id
+    if code in ("FENCED", "STALE_EPOCH", "PAYLOAD_TOO_LARGE", "NO_SUCH_DOWNSTREAM"):
+        assert not env.downstream.received
+
+
+async def test_operator_side_approve_reconcile_resolve_list(env: Env) -> None:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    wire = {"eur": 9}
+    with pytest.raises(fencegate.ApprovalRequired) as waiting:
+        await lease.request("bank", "POST", "/ok/wire", slot="wire", json=wire)
+    assert not env.downstream.received
+    wire_id = waiting.value.effect_id
+    assert wire_id is not None
+    record = await env.client.get_effect(wire_id)
+    approved = await env.client.approve_effect(
+        wire_id, "checked with the customer", payload_digest=record["payloadDigest"],
+        operator="ops-alice",
+    )  # fmt: skip
+    assert approved["approval"]["by"] == "ops-alice"
+    sent = await lease.request("bank", "POST", "/ok/wire", slot="wire", json=wire)
+    assert sent.status == 200 and not sent.replayed and len(env.downstream.received) == 1
+
+    with pytest.raises(fencegate.DownstreamTimeout) as timed_out:
+        await pay(lease, slot="refund", path=f"/slow/{TIMEOUT_MS * 2}/refund")
+    refund_id = timed_out.value.effect_id
+    assert refund_id is not None
+    with pytest.raises(fencegate.EffectUnknown):  # the plain http adapter has no probe
+        await env.client.reconcile_effect(refund_id)
+    unknown = await env.client.list_effects(state="UNKNOWN", task_id="t1")
+    assert [e["effectId"] for e in unknown] == [refund_id]
+    settled = await env.client.resolve_effect(
+        refund_id, "NOT_APPLIED", "not in the refunds console", operator="ops-bob"
+    )
+    assert settled["state"] == "NOT_APPLIED"
+    with pytest.raises(fencegate.EffectSettled):
+        await env.client.resolve_effect(refund_id, "COMMITTED", "changed my mind")
+    # NOT_APPLIED: the same payload may go again, under the same key.
+    again = await pay(lease, slot="refund", path="/ok/refund")
+    assert again.status == 200 and again.effect_id == refund_id
+    everything = await env.client.list_effects(task_id="t1", page_size=1)  # follows the cursor
+    assert {e["effectId"] for e in everything} == {wire_id, refund_id}
+
+
+# --- claims, commits, the scheduler side ----------------------------------------------------------
+
+
+async def test_scheduler_side_and_commit_verdicts(env: Env) -> None:
+    client = env.client
+    created = await client.put_task("job/1", "in-1")
+    assert created.created and created.state == "READY" and created.revision == 1
+    same = await client.put_task("job/1", "in-1")
+    assert not same.created and same.revision == 1
+    epoch = await client.get_epoch()
+    assert epoch == fencegate.Epoch(1, False)
+
+    lease = await client.acquire("job/1", owner="w1", ttl_ms=10_000)
+    assert (lease.task_id, lease.claim_generation, lease.scheduler_epoch) == ("job/1", 1, 1)
+    result = {"total": 42, "lines": ["a", "b"]}
+    done = await lease.commit(result)
+    assert done.outcome == "COMMITTED"
+    assert done.result_digest == fencegate.result_digest({"lines": ["a", "b"], "total": 42})
+    assert (await lease.commit(result)).commit_id == done.commit_id  # a lost answer, retried
+    with pytest.raises(fencegate.AlreadyCommitted):
+        await lease.commit({"total": 43})
+    record = await client.get_task("job/1")
+    assert record.state == "COMMITTED" and record.commit is not None
+    assert record.commit["resultDigest"] == done.result_digest
+    assert record.commit["result"] == result
+
+    # A revision makes it READY again; the old attempt's claim is over.
+    revised = await client.put_task("job/1", "in-2")
+    assert revised.revision == 2 and revised.state == "READY"
+    second = await client.acquire("job/1", owner="w2", ttl_ms=10_000, expected_revision=2)
+    assert second.claim_generation == 2 and second.input_digest == "in-2"
+    assert (await client.bump_epoch()).scheduler_epoch == 2
+    with pytest.raises(fencegate.StaleEpoch):
+        await second.commit("late")
+    paused = await client.pause_claims()
+    assert paused.claims_paused and (await client.resume_claims()).claims_paused is False
+    third = await client.acquire("job/1", owner="w3", ttl_ms=10_000)
+    assert third.scheduler_epoch == 2
+    assert await client.cancel_task("job/1") == 1
+    with pytest.raises(fencegate.Cancelled):
+        await third.commit("cancelled")
+
+
+async def test_requests_carry_the_fence_and_answer_replays(env: Env) -> None:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    first = await lease.request(
+        "api", "POST", "/ok/pay", slot="charge", node="billing", json={"b": 1, "a": 2}
+    )
+    expected = effect_id("t1", 1, "billing", "charge")
+    assert (first.status, first.effect_id, first.effect_state) == (200, expected, "COMMITTED")
+    assert not first.replayed and first.ok
+    (call,) = env.downstream.received
+    assert call.headers["Idempotency-Key"] == expected
+    assert call.headers["Fencing-Token"] == "1.1"
+    assert json.loads(call.body) == {"a": 2, "b": 1}
+    again = await lease.request(
+        "api", "POST", "/ok/pay", slot="charge", node="billing", json={"a": 2, "b": 1}
+    )
+    assert again.replayed and again.body == first.body and again.json() == first.json()
+    read = await lease.request("api", "GET", "/ok/balance", params={"currency": "eur"})
+    assert read.effect_state == "NONE" and read.effect_id is None
+    assert read.json()["path"] == "/ok/balance?currency=eur"
+    # A downstream's own error is an answer, not an exception.
+    refused = await lease.request("api", "POST", "/status/409", slot="s2", data="x")
+    assert refused.status == 409 and not refused.ok and refused.effect_state == "COMMITTED"
+    with pytest.raises(ValueError, match="slot"):
+        await lease.request("api", "POST", "/ok/pay", json={})
+    assert len(env.downstream.received) == 3
+
+
+async def test_wait_in_flight_gets_the_replay_and_is_bounded(env: Env) -> None:
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    first = asyncio.create_task(pay(lease, path="/slow/300/pay"))
+    await env.downstream.arrived.wait()
+    started = time.monotonic()
+    with pytest.raises(fencegate.EffectInFlight):
+        await lease.request(
+            "api", "POST", "/slow/300/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=0.1
+        )
+    assert time.monotonic() - started < 0.25
+    waited = await lease.request(
+        "api", "POST", "/slow/300/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=5
+    )
+    original = await first
+    assert waited.replayed and not original.replayed and waited.body == original.body
+    assert len(env.downstream.received) == 1
+
+
+# --- the renewal loop --------------------------------------------------------------------------
+
+
+async def test_guarded_lease_stays_alive_through_a_long_body(env: Env) -> None:
+    await new_task(env)
+    ttl_ms = 450
+    started = time.monotonic()
+    async with env.client.claim("t1", owner="w1", ttl_ms=ttl_ms) as lease:
+        assert lease.renew_interval == pytest.approx(0.15)
+        for i in range(16):  # 1.6 s: over three TTLs
+            await pay(lease, slot=f"s{i}")
+            await asyncio.sleep(0.1)
+        assert lease.expires_in > 0 and lease.lost is None
+        done = await lease.commit({"slots": 16})
+    assert time.monotonic() - started > 3 * ttl_ms / 1000
+    assert lease.committed == done
+    record = await env.client.get_task("t1")
+    assert record.state == "COMMITTED" and record.claim_generation == 1
+    assert len(env.downstream.received) == 16
+
+
+async def _takeover(env: Env) -> set[str]:
+    # The store's clock only: for the worker, its lease is alive. A renewal that lands between
+    # the jump and the takeover is LEASE_EXPIRED; any later, FENCED.
+    env.advance(60_000)
+    await env.client.acquire("t1", owner="w2", ttl_ms=60_000)
+    return {"FENCED", "LEASE_EXPIRED"}
+
+
+async def _bump(env: Env) -> set[str]:
+    await env.client.bump_epoch()
+    return {"STALE_EPOCH"}
+
+
+async def _cancel(env: Env) -> set[str]:
+    await env.client.cancel_task("t1")
+    return {"CANCELLED"}
+
+
+TRIGGERS = {"takeover": _takeover, "bump": _bump, "cancel": _cancel}
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["quiet-body", "busy-body"])
+@pytest.mark.parametrize("trigger", sorted(TRIGGERS))
+async def test_refused_renewal_cancels_the_body_within_one_period(
+    env: Env, trigger: str, busy: bool
+) -> None:
+    """A quiet body (asleep) is cancelled by the renewal loop; a busy one (an effect every
+    30 ms) by whichever refusal comes first. Nothing it starts after the refusal reaches the
+    downstream, and the lease refuses to send anything more."""
+    await new_task(env)
+    started_at: dict[str, float] = {}
+    # The refusal starts between these two instants (the trigger's first and last step).
+    changing_from = changed_by = 0.0
+    expected: set[str] = set()
+
+    async def operator() -> None:
+        nonlocal changing_from, changed_by, expected
+        await asyncio.sleep(0.25)
+        changing_from = time.monotonic()
+        expected = await TRIGGERS[trigger](env)
+        changed_by = time.monotonic()
+
+    acting: asyncio.Task[None] | None = None
+    with pytest.raises(LeaseLost) as lost:
+        async with env.client.claim("t1", owner="w1", ttl_ms=300) as lease:
+            acting = asyncio.create_task(operator())
+            for i in range(1000):
+                if busy:
+                    started_at[f"s{i}"] = time.monotonic()
+                    await pay(lease, slot=f"s{i}")
+                await asyncio.sleep(0.03 if busy else 30)
+    gone_at = time.monotonic()
+    assert acting is not None
+    await acting
+    assert lost.value.code in expected, lost.value
+    assert isinstance(lost.value.__cause__, ProblemError)
+    assert lease.lost is not None
+    assert changing_from > 0 and gone_at - changing_from <= lease.renew_interval + 0.3
+    late = {effect_id("t1", 1, "main", s) for s, at in started_at.items() if at > changed_by}
+    assert not late & set(env.sent_keys())
+    if busy:
+        assert len(env.sent_keys()) >= 3  # it was sending before
+    with pytest.raises(LeaseLost):
+        await pay(lease, slot="after")
+    assert effect_id("t1", 1, "main", "after") not in env.sent_keys()
+
+
+async def test_worker_that_stalls_past_its_lease_sends_nothing(env: Env) -> None:
+    await new_task(env)
+    with pytest.raises(LeaseLost) as lost:
+        async with env.client.claim("t1", owner="w1", ttl_ms=300) as lease:
+            await pay(lease, slot="before")
+            # A CPU-bound stall: the event loop (renewals included) stops for 0.4 s.
+            time.sleep(0.4)
+            await pay(lease, slot="after")
+    assert lost.value.cause is None and lost.value.code is None
+    assert lease.expires_in <= 0
+    assert env.sent_keys() == [effect_id("t1", 1, "main", "before")]
+
+
+async def test_lease_is_lost_when_no_renewal_gets_through(
+    store_url: str, key_prefix: str, downstream: Downstream
+) -> None:
+    config = gateway_config(store_url, key_prefix, downstream)
+    async with running_gateway(config) as (url, _, server), Client(url) as client:
+        await client.put_task("t1", "in-1")
+        with pytest.raises(LeaseLost) as lost:
+            async with client.claim("t1", owner="w1", ttl_ms=400) as lease:
+                await asyncio.sleep(0.15)
+                await server.close()  # the gateway is gone: every renewal fails
+                await asyncio.sleep(30)
+        lost_at_ms = time.time() * 1000
+    assert lost.value.cause is None
+    assert "ran out" in lost.value.reason
+    # The body stopped before the store would let anyone else in (the store's clock is this
+    # host's wall clock, on both stores), and not long before.
+    assert lease.lease_expires_at - 200 <= lost_at_ms <= lease.lease_expires_at
+
+
+async def test_body_without_commit_hands_the_task_back(env: Env) -> None:
+    await new_task(env)
+    async with env.client.claim("t1", owner="w1", ttl_ms=10_000) as lease:
+        assert (await env.client.get_task("t1")).state == "CLAIMED"
+    assert lease.lost is None and lease.committed is None
+    assert (await env.client.get_task("t1")).state == "READY"
+
+    with pytest.raises(RuntimeError, match="model call failed"):
+        async with env.client.claim("t1", owner="w1", ttl_ms=10_000):
+            raise RuntimeError("model call failed")
+    record = await env.client.get_task("t1")
+    assert record.state == "READY" and record.claim_generation == 2
+
+    async def body() -> None:
+        async with env.client.claim("t1", owner="w1", ttl_ms=10_000):
+            await asyncio.sleep(30)
+
+    running = asyncio.create_task(body())
+    await asyncio.sleep(0.1)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running  # someone else's cancellation is not a LeaseLost
+    assert (await env.client.get_task("t1")).state == "READY"
+
+
+# --- a worker process frozen with SIGSTOP ------------------------------------------------------
+
+
+class Worker:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def event(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout=10)
+        assert line, f"the worker exited with {await self.proc.wait()}"
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    async def do(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command.encode() + b"\n")
+        await self.proc.stdin.drain()
+        return await self.event()
+
+
+@pytest.mark.parametrize("mode", ["guarded", "bare"])
+async def test_worker_frozen_past_its_ttl_is_refused_and_the_takeover_commits(
+    env: Env, mode: str
+) -> None:
+    await new_task(env, "job-1")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(SDK_WORKER), env.url, "job-1", "worker-a", "600", mode,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    worker = Worker(proc)
+    try:
+        claim = await worker.event()
+        assert (claim["event"], claim["generation"]) == ("claim", 1), claim
+        sent = await worker.do("send s1")
+        assert sent["ok"] and sent["status"] == 200, sent
+
+        proc.send_signal(signal.SIGSTOP)  # a GC pause, a swapped-out VM, a stuck syscall...
+        deadline = time.monotonic() + 5
+        while True:  # wait out its lease, by the store's clock
+            try:
+                takeover = await env.client.acquire("job-1", owner="worker-b", ttl_ms=30_000)
+                break
+            except fencegate.Claimed:
+                assert time.monotonic() < deadline, "the frozen worker's lease never ran out"
+                await asyncio.sleep(0.05)
+        assert takeover.claim_generation == 2
+        proc.send_signal(signal.SIGCONT)
+
+        if mode == "guarded":  # it finds out by itself, at once: its lease ran out
+            lost = await worker.event()
+            assert lost["event"] == "lost" and lost["cause"] in (None, "FENCED"), lost
+        effect = await worker.do("send s2")
+        expected = "LEASE_LOST" if mode == "guarded" else "FENCED"  # locally, or by the gateway
+        assert (effect["ok"], effect["code"]) == (False, expected), effect
+        commit = await worker.do("commit")
+        assert (commit["ok"], commit["code"]) == (False, "FENCED"), commit
+        assert proc.stdin is not None
+        proc.stdin.write(b"exit\n")
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+            await proc.wait()
+
+    replay = await pay(takeover, slot="s1")
+    assert replay.replayed  # A's effect happened once; B gets its answer
+    done = await takeover.commit({"by": "worker-b"})
+    record = await env.client.get_task("job-1")
+    assert record.commit is not None and record.commit["commitId"] == done.commit_id
+    assert record.commit["claimGeneration"] == 2
+    assert env.sent_keys() == [effect_id("job-1", 1, "main", "s1")]
+
+
+# --- the documentation's example -----------------------------------------------------------------
+
+
+async def test_the_docs_runnable_example_runs(
+    tmp_path: Path, key_prefix: str, downstream: Downstream
+) -> None:
+    """docs/sdk.md's example, as a user runs it (as a script, twice) against a gateway."""
+    doc = SDK_DOC.read_text()
+    section = doc[doc.index("## A runnable example") :]
+    script = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert script is not None
+    (tmp_path / "worker.py").write_text(script.group(1))
+    payments_port = free_port()
+    config = make_config(
+        f"sqlite:///{tmp_path / 'fencegate.db'}",
+        key_prefix,
+        downstreams=[
+            {"name": "payments", "url": f"http://127.0.0.1:{payments_port}", "timeout_ms": 5000}
+        ],
+    )
+    outputs = []
+    async with running_gateway(config) as (url, _, _):
+        env = {**os.environ, "FENCEGATE_URL": url, "PAYMENTS_PORT": str(payments_port)}
+        for _ in range(2):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "worker.py", cwd=tmp_path, env=env,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+            assert proc.returncode == 0, err.decode()
+            outputs.append(out.decode())
+    first, second = outputs
+    assert "claimed generation 1" in first
+    assert "replayed: False" in first and "retried: replayed: True calls: 1" in first
+    assert "committed:" in first and "task: COMMITTED sha256:" in first
+    assert "invoice-42 already has its commit" in second
