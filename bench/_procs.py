@@ -1,0 +1,384 @@
+"""What the benchmarks share: child processes on loopback, a private redis-server, a gateway
+with a temporary config, CPU accounting, percentiles and plain-text tables.
+
+Every process is started by the benchmark itself, on ``127.0.0.1`` and a free port, in its own
+session (so Ctrl-C reaches the benchmark only, which then stops its children). Nothing here ever
+connects to a Redis or a gateway that it did not start: after start-up it checks that what
+answers on the port is the process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import redis
+
+__all__ = [
+    "HOST",
+    "REPO_ROOT",
+    "Proc",
+    "align",
+    "cpu_seconds",
+    "filesystem_of",
+    "fmt",
+    "free_port",
+    "gateway_env",
+    "gateway_origin",
+    "percentile",
+    "progress",
+    "scan_gateway_log",
+    "spawn",
+    "start_gateway",
+    "start_module_server",
+    "start_redis",
+    "terminable",
+    "wait_for_port",
+    "wait_ready",
+]
+
+T = TypeVar("T")
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listening on {HOST}:{port} after {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User+system CPU of a live process (all its threads), from /proc; None off Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    # fields[0] is field 3 (state) of proc(5): utime is field 14, stime field 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Proc:
+    """A child process we started, with its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu(self) -> float | None:
+        return cpu_seconds(self.popen.pid)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL after 10 s; the exit code (None if it had to be killed)."""
+        if self.popen.poll() is not None:
+            return self.popen.returncode
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            return None
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def spawn(
+    name: str, args: Sequence[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None
+) -> Proc:
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the children ourselves
+        )
+    return Proc(name, popen, log_path)
+
+
+def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, str, str]:
+    """A private redis-server on a free loopback port: (process, url, version)."""
+    directory.mkdir(parents=True)
+    port = free_port()
+    args = [
+        binary,
+        "--port", str(port),
+        "--bind", HOST,
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "yes",
+        "--appendfsync", appendfsync,
+        "--maxmemory-policy", "noeviction",
+        "--logfile", str(directory / "redis.log"),
+    ]  # fmt: skip
+    proc = spawn("redis-server", args, directory / "redis.stdout", directory)
+    try:
+        wait_for_port(port, proc.popen)
+        client = redis.Redis(host=HOST, port=port, decode_responses=True)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    info = client.info("server")
+                    break
+                except redis.exceptions.BusyLoadingError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+        # The port was free a moment ago; make sure what answers on it is the one we started.
+        if int(info["process_id"]) != proc.popen.pid:
+            raise RuntimeError(f"{HOST}:{port} is answered by another redis-server")
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
+
+
+def gateway_env(source: Path | None) -> dict[str, str] | None:
+    """The environment that makes ``python -m gateway.cli`` import from ``source``.
+
+    PYTHONPATH comes before the editable install's finder, so a snapshot of another revision
+    (``git archive``) runs instead of the working tree.
+    """
+    if source is None:
+        return None
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": str(source) + (os.pathsep + path if path else "")}
+
+
+def gateway_origin(source: Path | None) -> str:
+    """Where the gateway subprocesses import ``gateway`` from (checked, not assumed)."""
+    probe = "import importlib.util as u; print(u.find_spec('gateway.cli').origin)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=gateway_env(source),
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return str(Path(done.stdout.strip()).parent.parent)
+
+
+def start_gateway(
+    directory: Path,
+    store_url: str,
+    *,
+    log_level: str,
+    sqlite_synchronous: str,
+    source: Path | None,
+    store_timeout_ms: int | None,
+    extra_toml: str = "",
+    python_args: Sequence[str] = (),
+) -> tuple[Proc, str]:
+    """``fencegate serve`` with a temporary config: (process, base URL).
+
+    ``extra_toml`` is appended to the config (whole sections: ``[leases]``,
+    ``[[downstreams]]``...); ``python_args`` go between the interpreter and ``-m gateway.cli``
+    (e.g. ``-m cProfile -o FILE``).
+    """
+    directory.mkdir(parents=True)
+    port = free_port()
+    config = directory / "fencegate.toml"
+    lines = [
+        "[server]",
+        f'listen = "{HOST}:{port}"',
+        "[store]",
+        f"url = {json.dumps(store_url)}",
+        f'sqlite_synchronous = "{sqlite_synchronous}"',
+    ]
+    if store_timeout_ms is not None:
+        lines.append(f"timeout_ms = {store_timeout_ms}")
+    lines += ["[logging]", f'level = "{log_level}"']
+    config.write_text("\n".join(lines) + "\n" + extra_toml)
+    args = [sys.executable, *python_args, "-m", "gateway.cli", "serve", "--config", str(config)]
+    proc = spawn("gateway", args, directory / "gateway.log", directory, gateway_env(source))
+    base = f"http://{HOST}:{port}"
+    try:
+        wait_for_port(port, proc.popen)
+        wait_ready(base, proc)
+    except BaseException as exc:
+        proc.stop()
+        raise RuntimeError(f"gateway did not start ({exc}):\n{proc.log_tail()}") from None
+    return proc, base
+
+
+def start_module_server(
+    name: str, module: str, flag: str, directory: Path, extra_args: Sequence[str] = ()
+) -> tuple[Proc, str]:
+    """``python -m MODULE FLAG HOST:PORT [extra_args]`` from the repository root, in its own
+    process, answering ``GET /readyz``: (process, base URL)."""
+    directory.mkdir(parents=True)
+    port = free_port()
+    args = [sys.executable, "-m", module, flag, f"{HOST}:{port}", *extra_args]
+    proc = spawn(name, args, directory / f"{name}.log", REPO_ROOT)
+    base = f"http://{HOST}:{port}"
+    try:
+        wait_for_port(port, proc.popen)
+        wait_ready(base, proc)
+    except BaseException as exc:
+        proc.stop()
+        raise RuntimeError(f"{name} server did not start ({exc}):\n{proc.log_tail()}") from None
+    return proc, base
+
+
+def wait_ready(base: str, proc: Proc) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+        except OSError:
+            pass
+        if not proc.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{base}/readyz never answered 200")
+        time.sleep(0.05)
+    if not proc.alive():  # someone else answered on our port
+        raise RuntimeError(f"{proc.name} exited; {base} is answered by another process")
+
+
+def filesystem_of(path: Path) -> str:
+    """``fstype (device)`` of the mount holding ``path`` (tmpfs would make fsync free)."""
+    best, found = "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return found
+    resolved = str(path.resolve())
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        device, point, fstype = parts[0], parts[1], parts[2]
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, found = point, f"{fstype} ({device})"
+    return found
+
+
+def scan_gateway_log(path: Path) -> tuple[dict[str, int], list[str]]:
+    """Counts of warning/error events (and of non-JSON lines, e.g. tracebacks) in a log."""
+    counts: Counter[str] = Counter()
+    odd: list[str] = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return {}, []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            counts["(non-JSON line)"] += 1
+            if len(odd) < 5:
+                odd.append(line[:300])
+            continue
+        if not isinstance(event, dict):
+            continue
+        level = str(event.get("level", "?"))
+        name = str(event.get("event", "?"))
+        if level not in ("debug", "info"):
+            counts[f"{level} {name}"] += 1
+            if len(odd) < 5 and level in ("error", "critical"):
+                odd.append(line[:300])
+        elif name.endswith(".rejected"):
+            counts[f"{level} {name} {event.get('code', '?')}"] += 1
+    return dict(counts), odd
+
+
+async def terminable(work: Awaitable[T]) -> T:
+    """Run ``work``; SIGTERM cancels it (and surfaces as KeyboardInterrupt, like Ctrl-C)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+# --- figures ---------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], pct: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def align(rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: the first row is the header, the first column left-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
