@@ -159,19 +159,12 @@ class Reconciler:
         returns how many records it changed."""
         store = self.app[STORE]
         budget = self.app[CONFIG].reconciler.max_effects_per_sweep
-        changed = 0
-        cursor = None
         now = await store.now_ms()
-        while budget > 0:
-            page, cursor = await store.list_effects(
-                state=EffectState.UNKNOWN, task_id=None, downstream=None,
-                limit=min(budget, 100), cursor=cursor,
-            )  # fmt: skip
-            budget -= max(len(page), 1)
-            for effect in page:
-                changed += await self._settle(effect, now)
-            if cursor is None:
-                break
+        changed = 0
+        # The store's own indexes name the unsettled effects: the sweep's cost follows the
+        # backlog, not the size of the ledger.
+        for effect in await store.unsettled_effects(budget):
+            changed += await self._settle(effect, now)
         return changed
 
     async def _settle(self, effect: Effect, now: int) -> int:

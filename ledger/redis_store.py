@@ -512,6 +512,27 @@ class RedisStore(Store):
         more = len(matching) > limit
         return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
 
+    async def unsettled_effects(self, limit: int) -> list[Effect]:
+        async def ids() -> Any:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.srandmember(self._keys.unknown, limit)
+                pipe.time()
+                return await pipe.execute()
+
+        unknown, (sec, usec) = await self._call(ids)
+        now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+        overdue: Any = await self._call(
+            functools.partial(
+                self._redis.zrangebyscore, self._keys.prepared, "-inf", now, start=0, num=limit
+            )
+        )
+        wanted = list(dict.fromkeys([*unknown, *overdue]))[:limit]
+        if not wanted:
+            return []
+        task_ids: Any = await self._call(lambda: self._redis.hmget(self._keys.effect_tasks, wanted))
+        refs = [(t, e) for t, e in zip(task_ids, wanted, strict=True) if t is not None]
+        return [e for e in await self._read_effects(refs) if e is not None]
+
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         raws: Any = await self._call(lambda: self._redis.hvals(self._keys.effects(task_id)))
         for raw in raws:

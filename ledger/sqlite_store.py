@@ -448,6 +448,20 @@ class SQLiteStore(Store):
 
         return await self._run(step, "list_effects")
 
+    async def unsettled_effects(self, limit: int) -> list[Effect]:
+        def step(conn: sqlite3.Connection, now: int) -> list[Effect]:
+            rows = conn.execute(
+                "SELECT fields FROM effects WHERE state = 'UNKNOWN' "
+                "UNION ALL SELECT fields FROM effects WHERE state = 'PREPARED' "
+                "AND deadline_at <= ? LIMIT ?",
+                (now, limit),
+            ).fetchall()
+            return [
+                effects.effective(effects.effect_from_fields(json.loads(r[0])), now) for r in rows
+            ]
+
+        return await self._run(step, "unsettled_effects")
+
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         def step(conn: sqlite3.Connection, now: int) -> str | None:
             rows = conn.execute(

@@ -206,6 +206,11 @@ class Store(abc.ABC):
         bounds how much it scans per call); keep following the cursor."""
 
     @abc.abstractmethod
+    async def unsettled_effects(self, limit: int) -> list[Effect]:
+        """Up to ``limit`` effects that are UNKNOWN or PREPARED past their deadline, from the
+        store's own indexes (never a scan of the whole ledger): the reconciler's work list."""
+
+    @abc.abstractmethod
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         """The effectId whose last forward is ``forward_id``, if the store has it."""
 

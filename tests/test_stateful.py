@@ -558,6 +558,10 @@ class LeaseMachine(RuleBasedStateMachine):
             ),
         )
         assert self.run(self.store.gauges()) == expected
+        unsettled = self.run(self.store.unsettled_effects(1000))
+        assert sorted(e.effect_id for e in unsettled) == sorted(
+            e.effect_id for e in views if e.state is EffectState.UNKNOWN
+        )
 
     @invariant()
     def ledgers_agree(self) -> None:
