@@ -132,27 +132,34 @@ class Reconciler:
     def __init__(self, app: web.Application) -> None:
         self.app = app
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self.actor = f"reconciler:{new_id()[:8]}"
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop between sweeps, or cancel a sweep in progress; never hang the shutdown (a
+        driver that swallows a cancellation must not keep the gateway from exiting)."""
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._task
 
     async def _run(self) -> None:
         interval = self.app[CONFIG].reconciler.interval_ms / 1000
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.sweep()
             except FencegateError as exc:
                 log.warning("reconciler.sweep_failed", code=exc.code, reason=exc.detail)
             except Exception:
                 log.exception("reconciler.sweep_crashed")
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._stopping.wait()
 
     async def sweep(self) -> int:
         """Expire overdue PREPARED records and probe the UNKNOWN effects that are due;

@@ -172,6 +172,10 @@ class RedisStore(Store):
         except ResponseError as exc:
             raise StoreUnavailable(f"Redis refused the operation: {exc}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # The driver turned our cancellation into an error: give it back.
+                raise asyncio.CancelledError from exc
             # A reply that never came may belong to a step Redis did apply: say so.
             raise StoreUnavailable(
                 f"Redis did not answer ({type(exc).__name__}: {exc}); the step may or may "
