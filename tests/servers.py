@@ -52,7 +52,42 @@ def wait_for_port(
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
-class RedisServer:
+class _Child:
+    """A child process a test can SIGKILL, freeze (SIGSTOP), thaw and stop."""
+
+    proc: subprocess.Popen[bytes] | None = None
+    #: How long ``stop`` waits for a clean exit before SIGKILL.
+    stop_timeout_s: float = 10.0
+
+    def kill(self) -> None:
+        """SIGKILL (after SIGCONT, so a frozen process dies too): no shutdown at all."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+class RedisServer(_Child):
     def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -101,34 +136,8 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True)
 
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no final fsync beyond what appendfsync already did."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-
-
-class GatewayProcess:
+class GatewayProcess(_Child):
     """``fencegate serve`` as a real process, as an operator would run it."""
 
     def __init__(
@@ -176,32 +185,6 @@ class GatewayProcess:
                 f"gateway did not start: {self.log_path.read_text()[-2000:]}"
             ) from None
         return self
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
 
     def log_events(self) -> list[dict[str, object]]:
         import json
