@@ -69,6 +69,7 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
             timeout_ms=p.timeout_ms,
             interval_ms=p.interval_ms,
             max_interval_ms=p.max_interval_ms,
+            settle_ms=p.settle_ms,
         )
         return make(ProbeAdapter, probe=spec)
     if downstream.adapter == "conditional":

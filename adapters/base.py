@@ -9,6 +9,7 @@ by itself, for how long; does every forward need an operator's approval). Everyt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from ledger.effects import Effect, EffectState
@@ -22,10 +23,10 @@ class Adapter(Protocol):
         """The ``adapter`` config value that selects this kind."""
         ...
 
-    @property
-    def resend_window_ms(self) -> int | None:
+    def resend_window_ms(self, preconditions: Sequence[tuple[str, str]]) -> int | None:
         """How long after its first forward an UNKNOWN effect with the same payload may be
-        forwarded again under its original key by itself (None: never)."""
+        forwarded again under its original key by itself (None: never). ``preconditions``
+        are the request's values of ``digest_headers``: a re-send may depend on them."""
         ...
 
     @property

@@ -9,7 +9,7 @@ over these defaults.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ledger.effects import Effect, EffectState
@@ -33,8 +33,7 @@ class HttpAdapter:
     def kind(self) -> str:
         return "http"
 
-    @property
-    def resend_window_ms(self) -> int | None:
+    def resend_window_ms(self, preconditions: Sequence[tuple[str, str]]) -> int | None:
         return None
 
     @property

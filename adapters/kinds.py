@@ -7,7 +7,8 @@
 * ``probe``: UNKNOWN effects are settled by asking the downstream (``ProbeAdapter.verdict``);
   see ``gateway/reconcile.py``.
 * ``conditional``: the request's preconditions (``If-Match``, ``If-None-Match``) are part of
-  the payload, so re-sending the same payload after UNKNOWN cannot apply it twice; a 412 to a
+  the payload, so re-sending the same payload after UNKNOWN cannot apply it twice (only
+  requests that carry one are ever re-sent; without one it is a plain ``http`` effect); a 412 to a
   forward that follows an UNKNOWN attempt means the earlier attempt landed, and is recorded as
   COMMITTED. A 412 to a first forward is the downstream's real answer (also COMMITTED, and
   replayed). See docs/adapters.md for exactly which 412s mean what.
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +47,7 @@ class IdempotentAdapter(HttpAdapter):
     def kind(self) -> str:
         return "idempotent"
 
-    @property
-    def resend_window_ms(self) -> int | None:
+    def resend_window_ms(self, preconditions: Sequence[tuple[str, str]]) -> int | None:
         return self.dedupe_window_ms
 
 
@@ -62,6 +63,7 @@ class ProbeSpec:
     timeout_ms: int
     interval_ms: int
     max_interval_ms: int
+    settle_ms: int = 60_000
 
 
 def _field(body: Any, dotted: str) -> Any:
@@ -122,9 +124,10 @@ class ConditionalAdapter(HttpAdapter):
     def kind(self) -> str:
         return "conditional"
 
-    @property
-    def resend_window_ms(self) -> int | None:
-        return ALWAYS_MS
+    def resend_window_ms(self, preconditions: Sequence[tuple[str, str]]) -> int | None:
+        # Only a precondition makes a second delivery harmless (the downstream refuses it
+        # with 412); a request without one is re-sent never.
+        return ALWAYS_MS if preconditions else None
 
     @property
     def digest_headers(self) -> tuple[str, ...]:

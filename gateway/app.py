@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import aiohttp
 import structlog
 from aiohttp import web
 
 from adapters import build_adapter
 from gateway import coordination, ledger_api, operations
 from gateway.config import Config
+from gateway.http_client import new_client_session
 from gateway.metrics import CONTENT_TYPE, Metrics
 from gateway.problems import error_middleware
 from gateway.proxy import proxy_handler
@@ -98,16 +98,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         await the_store.close()
 
     async def client_ctx(app: web.Application) -> AsyncIterator[None]:
-        # One pool for every forward. No cookie jar (the gateway must not carry one agent's
-        # session into another's call), no proxy settings from the environment, and bodies
-        # passed through as they are (no transparent decompression).
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=config.proxy.max_connections),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            trust_env=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        )
+        session = new_client_session(config.proxy.max_connections)
         app[HTTP_CLIENT] = session
         yield
         await session.close()

@@ -118,13 +118,35 @@ class LeasesConfig(_Section):
 class ProxyConfig(_Section):
     #: A PREPARED record's deadline is the downstream's timeout_ms plus this margin; past it
     #: the forward cannot still be running and the effect reads as UNKNOWN.
-    prepared_margin_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 5_000
+    prepared_margin_ms: Annotated[int, Field(ge=2, le=10 * _MINUTE_MS)] = 5_000
+    #: The longest time from sending a prepare to the store to the forward's first byte
+    #: (store answer, pool wait, connect). Past it nothing is sent: the prepare is aborted
+    #: and the agent gets 503. It bounds how late a forward can start after a bump or cancel
+    #: was acknowledged. Default: half the margin, at most 1000. Must be below the margin
+    #: (docs/decisions.md, "At most once").
+    forward_start_limit_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] | None = None
     #: Most pooled connections to all downstreams together.
     max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
     #: enforce: refusals are answered. shadow: every check runs and is recorded (log and
     #: fencegate_shadow_rejections_total), but the call is forwarded anyway. Per downstream
     #: too (``enforcement`` in its table).
     enforcement: Literal["enforce", "shadow"] = "enforce"
+
+    @property
+    def start_limit_ms(self) -> int:
+        if self.forward_start_limit_ms is not None:
+            return self.forward_start_limit_ms
+        return min(1_000, self.prepared_margin_ms // 2)
+
+    @model_validator(mode="after")
+    def _start_within_margin(self) -> ProxyConfig:
+        if self.start_limit_ms >= self.prepared_margin_ms:
+            raise ValueError(
+                f"forward_start_limit_ms ({self.start_limit_ms}) must be below "
+                f"prepared_margin_ms ({self.prepared_margin_ms}): a forward that starts later "
+                "could outlive its PREPARED deadline"
+            )
+        return self
 
 
 class ReconcilerConfig(_Section):
@@ -186,6 +208,9 @@ class ProbeConfig(_Section):
     #: Backoff between background probes of one effect: doubles from interval to max.
     interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5_000
     max_interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5 * _MINUTE_MS
+    #: How long after the gateway stopped waiting for a forward the downstream may still
+    #: apply it (its queue, its retries). Until then a probe's "absent" is inconclusive.
+    settle_ms: Annotated[int, Field(ge=0, le=7 * _DAY_MS)] = _MINUTE_MS
 
     @field_validator("path")
     @classmethod

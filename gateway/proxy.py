@@ -33,6 +33,7 @@ from yarl import URL
 from adapters import Adapter, ProbeAdapter
 from gateway import failpoints
 from gateway.config import DownstreamConfig
+from gateway.http_client import ResendRefused, send_once
 from gateway.http_rules import (
     SAFE_METHODS,
     canonical_body,
@@ -268,13 +269,20 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         payload_digest=digest,
         forward_id=new_id(),
     )
-    deadline_ms = call.downstream.timeout_ms + request.app[CONFIG].proxy.prepared_margin_ms
+    proxy_config = request.app[CONFIG].proxy
+    deadline_ms = call.downstream.timeout_ms + proxy_config.prepared_margin_ms
+    resend_window_ms = call.adapter.resend_window_ms(preconditions or ())
+    #: The gateway's clock just before the prepare that opened the forward was sent: the
+    #: store applied it later, so every bound measured from here is conservative.
+    sent_at = 0.0
 
     async def prepare() -> PrepareOutcome:
+        nonlocal sent_at
+        sent_at = time.monotonic()
         return await store.prepare_effect(
             effect_request,
             deadline_ms,
-            resend_window_ms=call.adapter.resend_window_ms,
+            resend_window_ms=resend_window_ms,
             require_approval=call.adapter.require_approval,
         )
 
@@ -322,8 +330,80 @@ async def _handle(request: web.Request) -> web.StreamResponse:
             return await _shadow(request, call, "REPLAY", effect, fields)
         return _replay(effect)
     log.info("effect.prepared", seq=outcome.seq, **fields)
-    failpoints.hit("after_prepare")
-    return await _forward_effect(request, call, effect, outcome.seq, fields)
+    await failpoints.hit("after_prepare")
+    window = _ForwardWindow(sent_at, proxy_config.start_limit_ms, deadline_ms)
+    if window.start_left_ms() <= 0:
+        return await _too_late(request, call, effect, effect_request, deadline_ms, window, fields)
+    return await _forward_effect(request, call, effect, outcome.seq, fields, window)
+
+
+@dataclass(frozen=True, slots=True)
+class _ForwardWindow:
+    """When a prepared forward may still start, and how long it may run (docs/decisions.md,
+    "At most once"): its first byte must leave within ``start_limit_ms`` of ``sent_at`` and
+    it must end by ``sent_at + deadline_ms``, which is never later than the PREPARED
+    deadline the store recorded (its clock read the prepare after ``sent_at``)."""
+
+    sent_at: float
+    start_limit_ms: int
+    deadline_ms: int
+
+    def elapsed_ms(self) -> float:
+        return (time.monotonic() - self.sent_at) * 1000
+
+    def start_left_ms(self) -> float:
+        return self.start_limit_ms - self.elapsed_ms()
+
+    def timeout(self, downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
+        """The downstream's timeouts, cut to what the window leaves: ``connect`` (pool wait
+        plus connect) to the start limit, ``total`` to the deadline."""
+        elapsed = self.elapsed_ms()
+        start_left = max(self.start_limit_ms - elapsed, 1.0)
+        run_left = max(self.deadline_ms - elapsed, 1.0)
+        return aiohttp.ClientTimeout(
+            total=min(downstream.timeout_ms, run_left) / 1000,
+            connect=min(downstream.connect_timeout, start_left) / 1000,
+            sock_connect=downstream.connect_timeout / 1000,
+            sock_read=downstream.read_timeout / 1000,
+        )
+
+
+async def _too_late(
+    request: web.Request,
+    call: _Call,
+    effect: Effect,
+    effect_request: EffectRequest,
+    deadline_ms: int,
+    window: _ForwardWindow,
+    fields: dict[str, Any],
+) -> web.StreamResponse:
+    """The prepare was answered (or the gateway stalled) past the start limit: a bump or a
+    cancel may have been acknowledged meanwhile, so nothing is sent. The forward is aborted
+    by its id (certainly not sent), now or, when the store does not answer, in the
+    background."""
+    elapsed = round(window.elapsed_ms())
+    log.warning("effect.start_too_late", elapsed_ms=elapsed,
+                limit_ms=window.start_limit_ms, **fields)  # fmt: skip
+    assert effect_request.forward_id is not None
+    forward_id = effect_request.forward_id
+    state = EffectState.NOT_APPLIED
+    try:
+        aborted = await request.app[STORE].update_effect(
+            effect.effect_id, lambda record, now: effects.abort(record, forward_id, now)
+        )
+        state = aborted.state
+        log.info("effect.aborted", effect_id=effect.effect_id, state=state.value, **fields)
+    except StoreUnavailable:
+        _abort_later(request.app, effect_request, deadline_ms)
+        state = EffectState.PREPARED
+    except FencegateError as exc:  # settled meanwhile (an operator): nothing to abort
+        log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
+    error = StoreUnavailable(
+        f"the forward could not start within proxy.forward_start_limit_ms "
+        f"({window.start_limit_ms} ms; {elapsed} ms had passed since the prepare was sent); "
+        "nothing was forwarded, retry the call"
+    )
+    return _refusal(_with_effect(error, effect, state))
 
 
 #: Pause between attempts to find and abort a prepare the store did not answer.
@@ -441,6 +521,7 @@ async def _forward_plain(
             data=call.body or None,
             allow_redirects=False,
             timeout=_client_timeout(call.downstream),
+            middlewares=send_once(),
         ) as resp:
             live = upstream_response_headers(resp.headers.items())
             live.update(_fence_headers(None, None, False))
@@ -454,7 +535,7 @@ async def _forward_plain(
             return web.Response(status=resp.status, body=body, headers=live)
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         raise DownstreamTimeout(f"{call.downstream.name}: {type(exc).__name__}") from exc
 
 
@@ -493,7 +574,12 @@ def _replay(effect: Effect) -> web.Response:
 
 
 async def _forward_effect(
-    request: web.Request, call: _Call, effect: Effect, seq: int, fields: dict[str, Any]
+    request: web.Request,
+    call: _Call,
+    effect: Effect,
+    seq: int,
+    fields: dict[str, Any],
+    window: _ForwardWindow,
 ) -> web.StreamResponse:
     token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
     headers = downstream_request_headers(
@@ -511,14 +597,15 @@ async def _forward_effect(
             headers=headers,
             data=call.body,
             allow_redirects=False,
-            timeout=_client_timeout(call.downstream),
+            timeout=window.timeout(call.downstream),
+            middlewares=send_once(),
         ) as resp:
             status = resp.status
             body, whole = await _read_up_to(resp.content, replay_max)
             request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
                 time.monotonic() - started
             )
-            failpoints.hit("after_response")
+            await failpoints.hit("after_response")
             outcome, reason = call.adapter.classify(status, effect)
             record = _response_record(
                 status, stored_response_headers(resp.headers.items()), body, whole, replay_max
@@ -533,10 +620,14 @@ async def _forward_effect(
             return web.Response(status=status, body=body, headers=live)
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         reason = f"connect failed: {type(exc).__name__}"
-        await _record(request, call, effect, seq, EffectState.NOT_APPLIED, reason, None, fields)
-        raise _with_effect(DownstreamUnreachable(f"{call.downstream.name}: {exc}"), effect,
-                           EffectState.NOT_APPLIED) from exc  # fmt: skip
-    except (TimeoutError, aiohttp.ClientError) as exc:
+        recorded = await _record(
+            request, call, effect, seq, EffectState.NOT_APPLIED, reason, None, fields
+        )
+        detail = f"{call.downstream.name}: {exc}"
+        if recorded.state is EffectState.UNKNOWN:
+            detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
+        raise _with_effect(DownstreamUnreachable(detail), effect, recorded.state) from exc
+    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
         reason = f"{what}: {type(exc).__name__}"
         if status is not None:

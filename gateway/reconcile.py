@@ -3,7 +3,9 @@
 ``reconcile`` is the one path: it takes the effect's probe lease in the store (so two
 gateways never probe one effect at once), sends the downstream's probe, and records what the
 answer means (found -> COMMITTED with the probe's answer stored for replay; absent ->
-NOT_APPLIED, so the same payload may go again under the same key; anything else -> still
+NOT_APPLIED, so the same payload may go again under the same key, but only once no earlier
+forward can still land: before the downstream's ``probe.settle_ms`` has passed since the
+gateway stopped waiting for it, "absent" counts as inconclusive; anything else -> still
 UNKNOWN, probed again later with backoff). The API's ``/reconcile``, the proxy (when an agent
 retries an UNKNOWN effect of a probe downstream) and the background ``Reconciler`` call it.
 
@@ -26,6 +28,7 @@ from aiohttp import web
 from yarl import URL
 
 from adapters import ProbeAdapter
+from gateway.http_client import ResendRefused, send_once
 from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from ledger import effects
 from ledger.effects import Effect, EffectState, ProbeVerdict
@@ -56,11 +59,12 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
             headers=adapter.outbound_headers(effect.effect_id, None),
             allow_redirects=False,
             timeout=aiohttp.ClientTimeout(total=spec.timeout_ms / 1000),
+            middlewares=send_once(),
         ) as resp:
             raw = await resp.content.read(_PROBE_BODY_LIMIT)
             status = resp.status
             headers = [[k, v] for k, v in resp.headers.items() if k.lower() != "set-cookie"]
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"
     body: Any = None
     with contextlib.suppress(ValueError):
@@ -96,6 +100,7 @@ async def reconcile(app: web.Application, effect_id: str, actor: str) -> Effect:
         )
     holder = f"{actor}:{new_id()[:12]}"
     lease_ms = adapter.probe.timeout_ms + _LEASE_SLACK_MS
+    settle_ms = adapter.probe.settle_ms
     effect = await store.update_effect(
         effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
     )
@@ -110,6 +115,7 @@ async def reconcile(app: web.Application, effect_id: str, actor: str) -> Effect:
             adapter.retry_in_ms(record.probe_count if record else 0),
             actor,
             now,
+            settle_ms,
         ),
     )
     log.info(
@@ -170,7 +176,11 @@ class Reconciler:
         changed = 0
         # The store's own indexes name the unsettled effects: the sweep's cost follows the
         # backlog, not the size of the ledger.
-        for effect in await store.unsettled_effects(budget):
+        probe_downstreams = frozenset(
+            name for name, adapter in self.app[ADAPTERS].items()
+            if isinstance(adapter, ProbeAdapter)
+        )  # fmt: skip
+        for effect in await store.unsettled_effects(budget, probe_downstreams):
             changed += await self._settle(effect, now)
         return changed
 

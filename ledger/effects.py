@@ -70,6 +70,8 @@ __all__ = [
     "effective",
     "expire",
     "finish_probe",
+    "landing_until",
+    "may_have_executed",
     "payload_digest",
     "prepare",
     "resolve",
@@ -191,6 +193,9 @@ class Effect:
     probe_until: int | None = None
     probe_count: int = 0
     next_probe_at: int | None = None
+    #: Attempts before this index were settled NOT_APPLIED by an operator or a probe; a
+    #: later attempt's failure is judged only against the attempts after it.
+    settled_attempts: int = 0
     #: Operator and reconciler actions, oldest first (JSON list; the last ``MAX_ACTIONS``).
     actions_json: str | None = None
 
@@ -361,6 +366,29 @@ def prepare(
     return PrepareOutcome(Action.REJECT, current, write=changed, error=_rejection(error, current))
 
 
+#: Why an effect stays UNKNOWN although its last attempt certainly did not execute.
+EARLIER_UNKNOWN = "an earlier attempt may have executed"
+
+
+def may_have_executed(effect: Effect, before: int) -> bool:
+    """Did any attempt before index ``before``, since the last operator or probe settled the
+    effect NOT_APPLIED, end UNKNOWN (it may have executed at the downstream)?"""
+    return any(
+        a.outcome == EffectState.UNKNOWN.value
+        for a in effect.attempts[effect.settled_attempts : before]
+    )
+
+
+def _state_after(effect: Effect, seq: int, outcome: EffectState) -> EffectState:
+    """The effect's state once attempt ``seq`` ended with ``outcome``. The at-most-once rule:
+    once any attempt may have executed, a later attempt's NOT_APPLIED cannot make the effect
+    NOT_APPLIED (that would let the same effect go out again); it stays UNKNOWN until it
+    commits, or an operator or a probe settles it."""
+    if outcome is EffectState.NOT_APPLIED and may_have_executed(effect, seq):
+        return EffectState.UNKNOWN
+    return outcome
+
+
 def complete(
     effect: Effect,
     seq: int,
@@ -389,7 +417,7 @@ def complete(
     ended = replace(last, ended_at=now, outcome=outcome.value, reason=reason)
     done = replace(
         effect,
-        state=outcome,
+        state=_state_after(effect, seq, outcome),
         deadline_at=None,
         attempts=(*effect.attempts[:-1], ended),
         response_json=response_json if response_json is not None else effect.response_json,
@@ -445,10 +473,12 @@ def resolve(
         kept = response_json if response_json is not None else current.response_json
     else:
         kept = None
+    settled = len(current.attempts) if outcome is EffectState.NOT_APPLIED else None
     return replace(
         current,
         state=outcome,
         response_json=kept,
+        settled_attempts=current.settled_attempts if settled is None else settled,
         probe_holder=None,
         probe_until=None,
         actions_json=_with_action(
@@ -528,7 +558,7 @@ def abort(effect: Effect | None, forward_id: str, now: int) -> Effect:
     ended = replace(last, ended_at=now, outcome=EffectState.NOT_APPLIED.value, reason=ABORT_REASON)
     return replace(
         current,
-        state=EffectState.NOT_APPLIED,
+        state=_state_after(current, len(current.attempts) - 1, EffectState.NOT_APPLIED),
         deadline_at=None,
         attempts=(*current.attempts[:-1], ended),
         updated_at=now,
@@ -573,6 +603,18 @@ class ProbeVerdict(StrEnum):
     INCONCLUSIVE = "inconclusive"
 
 
+def landing_until(effect: Effect, settle_ms: int) -> int | None:
+    """Until when may an earlier forward of this effect still land at the downstream? Each
+    attempt that may have executed (UNKNOWN since the last settlement) can, until
+    ``settle_ms`` after the gateway stopped waiting for it; None when none may have."""
+    ends = [
+        (a.ended_at if a.ended_at is not None else a.started_at) + settle_ms
+        for a in effect.attempts[effect.settled_attempts :]
+        if a.outcome in (EffectState.UNKNOWN.value, None)
+    ]
+    return max(ends) if ends else None
+
+
 def finish_probe(
     effect: Effect | None,
     holder: str,
@@ -581,9 +623,14 @@ def finish_probe(
     retry_in_ms: int,
     actor: str,
     now: int,
+    settle_ms: int = 0,
 ) -> Effect:
     """Record what a probe found: COMMITTED (with the probe's answer), NOT_APPLIED, or, when
-    the probe said nothing certain, UNKNOWN again with the next probe ``retry_in_ms`` away."""
+    the probe said nothing certain, UNKNOWN again with the next probe ``retry_in_ms`` away.
+
+    "Absent" is only believed once no earlier forward can still land (``landing_until``): a
+    forward that timed out may sit in the downstream's queue and apply later, so an absent
+    answer before then is inconclusive and the next probe waits for that instant."""
     if effect is None:
         raise NoSuchEffect()
     current = effective(effect, now)
@@ -592,21 +639,31 @@ def finish_probe(
     if current.probe_holder != holder:
         raise _rejection(EffectInFlight("the probe lease was lost to another reconciler"), current)
     released = replace(current, probe_holder=None, probe_until=None, updated_at=now)
-    action = {"action": "reconcile", "by": actor, "at": now, "verdict": verdict.value}
+    action: dict[str, Any] = {"action": "reconcile", "by": actor, "at": now,
+                              "verdict": verdict.value}  # fmt: skip
+    next_at = now + retry_in_ms
+    if verdict is ProbeVerdict.ABSENT:
+        until = landing_until(current, settle_ms)
+        if until is not None and now < until:
+            verdict = ProbeVerdict.INCONCLUSIVE
+            action["waitUntil"] = until
+            next_at = max(next_at, until)
     if verdict is ProbeVerdict.INCONCLUSIVE:
         return replace(
             released,
             probe_count=current.probe_count + 1,
-            next_probe_at=now + retry_in_ms,
+            next_probe_at=next_at,
             actions_json=_with_action(current, action),
         )
-    outcome = EffectState.COMMITTED if verdict is ProbeVerdict.FOUND else EffectState.NOT_APPLIED
+    found = verdict is ProbeVerdict.FOUND
+    outcome = EffectState.COMMITTED if found else EffectState.NOT_APPLIED
     return replace(
         released,
         state=outcome,
-        response_json=response_json if outcome is EffectState.COMMITTED else None,
+        response_json=response_json if found else None,
         probe_count=current.probe_count + 1,
         next_probe_at=None,
+        settled_attempts=current.settled_attempts if found else len(current.attempts),
         actions_json=_with_action(current, {**action, "outcome": outcome.value}),
     )
 
@@ -616,7 +673,8 @@ def finish_probe(
 _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
         "payload_digest", "approval_digest", "approval_by", "probe_holder")  # fmt: skip
 _INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
-        "approval_expires_at", "probe_until", "probe_count", "next_probe_at")  # fmt: skip
+        "approval_expires_at", "probe_until", "probe_count", "next_probe_at",
+        "settled_attempts")  # fmt: skip
 _ATTEMPT_STR = ("attempt_id", "outcome", "reason", "approved_by", "forward_id")
 _ATTEMPT_INT = ("claim_generation", "started_at", "ended_at")
 
@@ -646,6 +704,7 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         raw = fields.get(name)
         values[name] = int(raw) if raw is not None else None
     values["probe_count"] = values["probe_count"] or 0
+    values["settled_attempts"] = values["settled_attempts"] or 0
     attempts = []
     for i in range(int(fields["attempt_count"])):
         item: dict[str, Any] = {name: fields.get(f"a{i}_{name}") for name in _ATTEMPT_STR}

@@ -49,6 +49,13 @@ class Keys:
         return f"{self.prefix}:effects:unknown"
 
     @property
+    def probe_due(self) -> str:
+        """Sorted set: every UNKNOWN effectId scored by when it is next due for a probe (its
+        ``next_probe_at``, 0 for never probed). The reconciler takes the due ones in that
+        order and parks those of downstreams without a probe, so none starves another."""
+        return f"{self.prefix}:effects:probe-due"
+
+    @property
     def awaiting(self) -> str:
         """Set of effectIds waiting for an operator's approval."""
         return f"{self.prefix}:effects:awaiting"

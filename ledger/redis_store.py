@@ -69,12 +69,16 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "complete": ("effect_lib",),
     "cas_effect": ("effect_lib",),
     "gauges": (),
+    "probe_due_init": (),
 }
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
 _CAS_ATTEMPTS = 8
 #: Most index entries one list call scans before answering with what it found and a cursor.
 _LIST_SCAN = 2000
 _LIST_BATCH = 200
+#: How long the reconciler parks an UNKNOWN effect of a downstream without a probe (it waits
+#: for an operator) before looking at it again.
+_PARK_MS = 60_000
 
 
 def load_script_source(name: str) -> str:
@@ -138,8 +142,13 @@ class RedisStore(Store):
         self._timeout_s = timeout_ms / 1000
         self._keys = keys.Keys(key_prefix)
         self._durability_checked = False
-        self._effect_indexes = [self._keys.prepared, self._keys.unknown, self._keys.awaiting]
-        self._effect_indexes = [self._keys.prepared, self._keys.unknown, self._keys.awaiting]
+        self._effect_indexes = [
+            self._keys.prepared,
+            self._keys.unknown,
+            self._keys.awaiting,
+            self._keys.probe_due,
+        ]
+        self._probe_due_ready = False
         # A bounded pool that waits (up to the store timeout) for a free connection instead of
         # failing, and no client-side retries: a retried script after a lost reply would run
         # twice, and only the gateway knows whether that is safe.
@@ -516,25 +525,65 @@ class RedisStore(Store):
         more = len(matching) > limit
         return page, encode_cursor(page[-1].created_at, page[-1].effect_id) if more else None
 
-    async def unsettled_effects(self, limit: int) -> list[Effect]:
-        async def ids() -> Any:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.srandmember(self._keys.unknown, limit)
-                pipe.time()
-                return await pipe.execute()
+    async def unsettled_effects(
+        self, limit: int, probe_downstreams: frozenset[str]
+    ) -> list[Effect]:
+        if not self._probe_due_ready:
+            await self._script("probe_due_init", [self._keys.unknown, self._keys.probe_due], [])
+            self._probe_due_ready = True
 
-        unknown, (sec, usec) = await self._call(ids)
-        now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+        now = await self.now_ms()
         overdue: Any = await self._call(
             functools.partial(
                 self._redis.zrangebyscore, self._keys.prepared, "-inf", now, start=0, num=limit
             )
         )
-        wanted = list(dict.fromkeys([*unknown, *overdue]))[:limit]
-        if not wanted:
+        found = await self._records(list(overdue))
+        # UNKNOWN effects in the order they fall due; those of downstreams without a probe
+        # wait for an operator and are parked, so they cannot crowd out the probe effects.
+        # (Anything else found there is parked too, never removed: only the scripts that
+        # change a record remove it from the index, so no race can drop a live entry.)
+        wanted: list[Effect] = []
+        for _ in range(4):
+            ids: Any = await self._call(
+                functools.partial(
+                    self._redis.zrangebyscore, self._keys.probe_due, "-inf", now, start=0,
+                    num=limit,
+                )
+            )  # fmt: skip
+            if not ids:
+                break
+            records = await self._records(list(ids))
+            by_id = {e.effect_id: e for e in records}
+            park = [
+                i for i in ids
+                if i not in by_id
+                or by_id[i].state is not EffectState.UNKNOWN
+                or by_id[i].downstream not in probe_downstreams
+            ]  # fmt: skip
+            if park:
+                await self._call(
+                    functools.partial(
+                        self._redis.zadd,
+                        self._keys.probe_due,
+                        dict.fromkeys(park, now + _PARK_MS),
+                        xx=True,
+                    )
+                )
+            wanted += [by_id[i] for i in ids if i not in park]
+            if len(wanted) >= limit or len(ids) < limit:
+                break
+        seen = {e.effect_id for e in found}
+        return found + [e for e in wanted[:limit] if e.effect_id not in seen]
+
+    async def _records(self, effect_ids: list[str]) -> list[Effect]:
+        """The current records of these effects (those that still exist)."""
+        if not effect_ids:
             return []
-        task_ids: Any = await self._call(lambda: self._redis.hmget(self._keys.effect_tasks, wanted))
-        refs = [(t, e) for t, e in zip(task_ids, wanted, strict=True) if t is not None]
+        task_ids: Any = await self._call(
+            lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
+        )
+        refs = [(t, e) for t, e in zip(task_ids, effect_ids, strict=True) if t is not None]
         return [e for e in await self._read_effects(refs) if e is not None]
 
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
@@ -546,7 +595,7 @@ class RedisStore(Store):
         return None
 
     async def gauges(self) -> Gauges:
-        keys_ = [self._keys.leases, *self._effect_indexes]
+        keys_ = [self._keys.leases, self._keys.prepared, self._keys.unknown, self._keys.awaiting]
         active, prepared, unknown, awaiting = await self._script("gauges", keys_, [])
         return Gauges(int(active), int(prepared), int(unknown), int(awaiting))
 

@@ -7,7 +7,8 @@ point leaves either the old record or the new one. The journal is WAL with
 ``NORMAL`` is offered for hosts that accept losing the last transactions on power loss (not on
 a process crash) in exchange for fewer fsyncs; see docs/stores.md.
 
-The store's clock is the gateway host's wall clock (there is one process, so one clock).
+The store's clock (``ledger.clock``) runs on the host's monotonic boot clock from a persisted
+high-water mark: it never runs backwards and ignores steps of the wall clock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from ledger import effects, tasks
+from ledger.clock import ClockMark, ClockSources, StoreClock
 from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
 from ledger.store import EffectTransition, Gauges, Store, decode_cursor, encode_cursor, new_id
@@ -65,6 +67,12 @@ CREATE TABLE IF NOT EXISTS effects (
 CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id);
+CREATE TABLE IF NOT EXISTS clock (
+    id        INTEGER PRIMARY KEY CHECK (id = 1),
+    now_ms    INTEGER NOT NULL,
+    boot_id   TEXT,
+    boot_ms   INTEGER NOT NULL
+);
 """
 
 
@@ -76,6 +84,7 @@ class SQLiteStore(Store):
         *,
         timeout_ms: int = 2000,
         synchronous: str = "FULL",
+        clock_sources: ClockSources | None = None,
     ) -> None:
         super().__init__(policy)
         if synchronous not in ("FULL", "NORMAL"):
@@ -87,6 +96,8 @@ class SQLiteStore(Store):
         # and one writer at a time is all SQLite offers anyway.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencegate-sqlite")
         self._conn: sqlite3.Connection | None = None
+        self._clock_sources = clock_sources
+        self._store_clock: StoreClock | None = None
 
     @property
     def kind(self) -> str:
@@ -101,10 +112,26 @@ class SQLiteStore(Store):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.executescript(_SCHEMA)
+        row = conn.execute("SELECT now_ms, boot_id, boot_ms FROM clock WHERE id = 1").fetchone()
+        mark = ClockMark(int(row[0]), row[1], int(row[2])) if row else None
+        self._store_clock = StoreClock(mark, self._clock_sources)
         self._conn = conn
+        self._save_clock(conn)
 
     def _clock(self) -> int:
-        return time.time_ns() // 1_000_000 + self.clock_offset_ms
+        assert self._store_clock is not None
+        return self._store_clock.now_ms() + self.clock_offset_ms
+
+    def _save_clock(self, conn: sqlite3.Connection) -> None:
+        """Persist the clock's high-water mark (inside the caller's transaction, if any)."""
+        assert self._store_clock is not None
+        mark = self._store_clock.mark()
+        conn.execute(
+            "INSERT INTO clock (id, now_ms, boot_id, boot_ms) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET now_ms = excluded.now_ms, "
+            "boot_id = excluded.boot_id, boot_ms = excluded.boot_ms",
+            (mark.now_ms, mark.boot_id, mark.boot_ms),
+        )
 
     def _transaction(self, fn: Callable[[sqlite3.Connection, int], T], deadline: float) -> T:
         conn = self._conn
@@ -118,7 +145,11 @@ class SQLiteStore(Store):
             )
         conn.execute("BEGIN IMMEDIATE")
         try:
+            changes = conn.total_changes
             result = fn(conn, self._clock())
+            if conn.total_changes != changes:
+                # Every write carries the clock's mark, so no answered instant is lost.
+                self._save_clock(conn)
         except BaseException:
             conn.execute("ROLLBACK")
             raise
@@ -448,14 +479,25 @@ class SQLiteStore(Store):
 
         return await self._run(step, "list_effects")
 
-    async def unsettled_effects(self, limit: int) -> list[Effect]:
+    async def unsettled_effects(
+        self, limit: int, probe_downstreams: frozenset[str]
+    ) -> list[Effect]:
+        names = sorted(probe_downstreams)
+
         def step(conn: sqlite3.Connection, now: int) -> list[Effect]:
             rows = conn.execute(
-                "SELECT fields FROM effects WHERE state = 'UNKNOWN' "
-                "UNION ALL SELECT fields FROM effects WHERE state = 'PREPARED' "
-                "AND deadline_at <= ? LIMIT ?",
+                "SELECT fields FROM effects WHERE state = 'PREPARED' AND deadline_at <= ? "
+                "ORDER BY deadline_at LIMIT ?",
                 (now, limit),
             ).fetchall()
+            if names:
+                due = "COALESCE(json_extract(fields, '$.next_probe_at') + 0, 0)"
+                rows += conn.execute(
+                    f"SELECT fields FROM effects WHERE state = 'UNKNOWN' "
+                    f"AND downstream IN ({','.join('?' * len(names))}) AND {due} <= ? "
+                    f"ORDER BY {due}, created_at, effect_id LIMIT ?",
+                    (*names, now, limit),
+                ).fetchall()
             return [
                 effects.effective(effects.effect_from_fields(json.loads(r[0])), now) for r in rows
             ]

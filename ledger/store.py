@@ -206,9 +206,14 @@ class Store(abc.ABC):
         bounds how much it scans per call); keep following the cursor."""
 
     @abc.abstractmethod
-    async def unsettled_effects(self, limit: int) -> list[Effect]:
-        """Up to ``limit`` effects that are UNKNOWN or PREPARED past their deadline, from the
-        store's own indexes (never a scan of the whole ledger): the reconciler's work list."""
+    async def unsettled_effects(
+        self, limit: int, probe_downstreams: frozenset[str]
+    ) -> list[Effect]:
+        """The reconciler's work list, from the store's own indexes (never a scan of the
+        whole ledger): up to ``limit`` PREPARED effects past their deadline, and up to
+        ``limit`` UNKNOWN effects of ``probe_downstreams`` whose next probe is due, in the
+        order they fall due, so every probe effect makes progress however many UNKNOWN
+        effects wait for an operator."""
 
     @abc.abstractmethod
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:

@@ -558,7 +558,7 @@ class LeaseMachine(RuleBasedStateMachine):
             ),
         )
         assert self.run(self.store.gauges()) == expected
-        unsettled = self.run(self.store.unsettled_effects(1000))
+        unsettled = self.run(self.store.unsettled_effects(1000, frozenset({"api"})))
         assert sorted(e.effect_id for e in unsettled) == sorted(
             e.effect_id for e in views if e.state is EffectState.UNKNOWN
         )

@@ -21,8 +21,18 @@ local function expire_effect(e, now)
   return false
 end
 
--- The gauge indexes (prepared zset, unknown set, awaiting set); each effect script sets
--- EFFECT_INDEX from its KEYS before saving anything.
+-- Mirror of ledger.effects._state_after: once an attempt since the last settlement
+-- (settled_attempts) ended UNKNOWN, a later attempt's NOT_APPLIED leaves the effect UNKNOWN.
+local function state_after(e, seq, outcome)
+  if outcome ~= 'NOT_APPLIED' then return outcome end
+  for i = tonumber(e.settled_attempts or '0'), seq - 1 do
+    if e['a' .. s(i) .. '_outcome'] == 'UNKNOWN' then return 'UNKNOWN' end
+  end
+  return outcome
+end
+
+-- The effect indexes (prepared zset, unknown set, awaiting set, probe-due zset); each effect
+-- script sets EFFECT_INDEX from its KEYS before saving anything.
 local EFFECT_INDEX = nil
 
 local function index_effect(e)
@@ -34,8 +44,15 @@ local function index_effect(e)
   end
   if e.state == 'UNKNOWN' then
     redis.call('SADD', EFFECT_INDEX.unknown, id)
+    if e.next_probe_at then
+      redis.call('ZADD', EFFECT_INDEX.probe_due, tonumber(e.next_probe_at), id)
+    else
+      -- NX: a reconciler may have parked it (a downstream without a probe).
+      redis.call('ZADD', EFFECT_INDEX.probe_due, 'NX', 0, id)
+    end
   else
     redis.call('SREM', EFFECT_INDEX.unknown, id)
+    redis.call('ZREM', EFFECT_INDEX.probe_due, id)
   end
   if e.state == 'NOT_APPLIED' and e.attempt_count == '0' then
     redis.call('SADD', EFFECT_INDEX.awaiting, id)

@@ -2,7 +2,8 @@
 -- read the effect record and decide, in one atomic step.
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
--- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index
+-- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
+-- KEYS[9] probe-due index
 -- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
 -- ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot, ARGV[8] downstream, ARGV[9] method,
 -- ARGV[10] path, ARGV[11] payloadDigest, ARGV[12] forward deadline ms,
@@ -12,7 +13,8 @@
 -- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
 -- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
 local now = now_ms(ARGV[1])
-EFFECT_INDEX = {prepared = KEYS[6], unknown = KEYS[7], awaiting = KEYS[8]}
+EFFECT_INDEX = {prepared = KEYS[6], unknown = KEYS[7], awaiting = KEYS[8],
+  probe_due = KEYS[9]}
 local epoch = scheduler(KEYS[2])
 local t = load_hash(KEYS[1])
 local bad = check_holder(t, ARGV[2], tonumber(ARGV[3]), nil, tonumber(ARGV[5]), true, epoch,
