@@ -119,6 +119,11 @@ class LeaseMachine(RuleBasedStateMachine):
         self.model_effects: dict[str, Effect] = {}
         #: Forwards that were prepared and not yet completed: (effectId, seq, handle).
         self.pending: list[tuple[str, int, Handle]] = []
+        #: The test's own account of every forward, independent of the model: per effect,
+        #: each attempt's [deadline, outcome or None], and how many an operator settled.
+        self.history: dict[str, list[list[Any]]] = {}
+        self.settled: dict[str, int] = {}
+        self.forwards = 0
         self.attempts = 0
         self.commits = 0
 
@@ -408,7 +413,7 @@ class LeaseMachine(RuleBasedStateMachine):
         slot=st.sampled_from(["s1", "s2"]),
         payload=st.sampled_from(["p1", "p2"]),
         deadline=st.sampled_from([STEP_MS, 3 * STEP_MS]),
-        resend=st.sampled_from([None, None, 2 * STEP_MS]),
+        resend=st.sampled_from([None, 2 * STEP_MS, 2 * STEP_MS]),
         approval=st.sampled_from([False, False, True]),
         tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel"]),
     )
@@ -440,7 +445,9 @@ class LeaseMachine(RuleBasedStateMachine):
                 ident.scheduler_epoch,
                 ident.cancel_generation,
             )
-            return EffectRequest(fence, "main", slot, "api", "POST", "/pay", payload)
+            return EffectRequest(
+                fence, "main", slot, "api", "POST", "/pay", payload, f"fwd-{self.forwards}"
+            )
 
         task = self.model_tasks[name]
         existing = None
@@ -481,6 +488,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.same_effect(model.effect, stored.effect)
         if model.action is effects.Action.FORWARD:
             self.pending.append((model.effect.effect_id, model.seq, handle))
+            self.history.setdefault(model.effect.effect_id, []).append([self.now + deadline, None])
+            assert len(self.history[model.effect.effect_id]) == model.seq + 1
+        self.forwards += 1
 
     @precondition(lambda self: self.pending)
     @rule(
@@ -503,8 +513,28 @@ class LeaseMachine(RuleBasedStateMachine):
         )
         assert applied == stored_applied
         event(f"complete {outcome.value} applied={applied}")
+        if applied:
+            self.history[eid][seq][1] = outcome.value
         self.model_effects[eid] = model
         self.same_effect(model, stored)
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        """The gateway lost the store's answer to a prepare and aborts that forward."""
+        index = data.draw(st.integers(0, len(self.pending) - 1))
+        eid, seq, _ = self.pending.pop(index)
+        forward_id = self.model_effects[eid].attempts[seq].forward_id
+        assert forward_id is not None
+        code, model, stored = self.both(
+            lambda: effects.abort(self.model_effects[eid], forward_id, self.now),
+            self.store.update_effect(eid, lambda e, now: effects.abort(e, forward_id, now)),
+        )
+        event(f"abort {code}")
+        if code == "ok":
+            self.history[eid][seq][1] = EffectState.NOT_APPLIED.value
+            self.model_effects[eid] = model
+            self.same_effect(model, stored)
 
     @precondition(lambda self: self.model_effects)
     @rule(data=st.data(), outcome=st.sampled_from([EffectState.COMMITTED, EffectState.NOT_APPLIED]))
@@ -517,6 +547,8 @@ class LeaseMachine(RuleBasedStateMachine):
             ),
         )
         if code == "ok":
+            if outcome is EffectState.NOT_APPLIED:
+                self.settled[eid] = len(self.history.get(eid, []))
             self.model_effects[eid] = model
             self.same_effect(model, stored)
 
@@ -562,6 +594,21 @@ class LeaseMachine(RuleBasedStateMachine):
         assert sorted(e.effect_id for e in unsettled) == sorted(
             e.effect_id for e in views if e.state is EffectState.UNKNOWN
         )
+
+    @invariant()
+    def unknown_is_never_erased(self) -> None:
+        """The at-most-once rule, judged from the test's own history of forwards: once an
+        attempt may have executed (it ended UNKNOWN, or its deadline passed with no outcome),
+        the effect is never NOT_APPLIED again until an operator settles it."""
+        for eid, attempts in self.history.items():
+            since = attempts[self.settled.get(eid, 0) :]
+            risky = any(
+                outcome == EffectState.UNKNOWN.value or (outcome is None and self.now >= deadline)
+                for deadline, outcome in since
+            )
+            if risky:
+                stored = self.run(self.store.get_effect(eid))
+                assert stored.state is not EffectState.NOT_APPLIED, (eid, attempts, stored)
 
     @invariant()
     def ledgers_agree(self) -> None:

@@ -1,0 +1,155 @@
+"""Item 6 of the at-most-once issue: the embedded store's time never runs backwards and does
+not follow steps of the wall clock.
+
+The clock's sources (wall clock, boot clock, boot id) are injected, so a "step" is exact and
+the tests never wait for real time beyond a few milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ledger import effects
+from ledger.clock import ClockMark, ClockSources, StoreClock
+from ledger.effects import EffectRequest, EffectState, Fence
+from ledger.sqlite_store import SQLiteStore
+from ledger.tasks import ClaimRequest, LeasePolicy
+
+POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
+HOUR_MS = 3_600_000
+
+
+@dataclass
+class FakeHost:
+    """A host's clocks: the wall clock may be stepped; the boot clock only runs forward."""
+
+    wall: int = 1_800_000_000_000
+    boot: int = 50_000
+    boot_id: str | None = "boot-1"
+
+    def sources(self) -> ClockSources:
+        return ClockSources(
+            wall_ms=lambda: self.wall, boot_ms=lambda: self.boot, boot_id=lambda: self.boot_id
+        )
+
+    def run(self, ms: int) -> None:
+        self.wall += ms
+        self.boot += ms
+
+
+def test_steps_of_the_wall_clock_do_not_move_store_time() -> None:
+    host = FakeHost()
+    clock = StoreClock(None, host.sources())
+    start = clock.now_ms()
+    host.run(1_000)
+    host.wall -= HOUR_MS  # stepped back
+    assert clock.now_ms() == start + 1_000
+    host.wall += 2 * HOUR_MS  # stepped forward
+    host.run(500)
+    assert clock.now_ms() == start + 1_500
+
+
+def test_a_restart_on_the_same_boot_resumes_from_the_mark_plus_boot_time() -> None:
+    host = FakeHost()
+    clock = StoreClock(None, host.sources())
+    host.run(2_000)
+    mark = clock.mark()
+    host.run(3_000)  # down for 3 s, during which the wall clock is stepped back an hour
+    host.wall -= HOUR_MS
+    again = StoreClock(mark, host.sources())
+    assert again.now_ms() == mark.now_ms + 3_000
+
+
+def test_after_a_reboot_time_resumes_from_the_later_of_wall_clock_and_mark() -> None:
+    host = FakeHost()
+    clock = StoreClock(None, host.sources())
+    host.run(2_000)
+    mark = clock.mark()
+    rebooted = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
+    assert StoreClock(mark, rebooted.sources()).now_ms() == mark.now_ms
+    ahead = FakeHost(wall=host.wall + 5_000, boot=10, boot_id="boot-2")
+    assert StoreClock(mark, ahead.sources()).now_ms() == host.wall + 5_000
+    unknown_boot = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id=None)
+    assert StoreClock(ClockMark(mark.now_ms, None, 0), unknown_boot.sources()).now_ms() == (
+        mark.now_ms
+    )
+
+
+async def _claimed(store: SQLiteStore, task_id: str) -> Fence:
+    await store.put_task(task_id, "in-1", None)
+    task = await store.claim(task_id, ClaimRequest(owner="w", ttl_ms=600_000, scheduler_epoch=1))
+    assert task.attempt_id is not None
+    return Fence(task_id, task.attempt_id, task.claim_generation, 1, task.cancel_generation)
+
+
+async def test_a_closed_resend_window_stays_closed_when_the_wall_clock_steps_back(
+    tmp_path: Path,
+) -> None:
+    """The double charge of item 6: an idempotent effect went UNKNOWN, its downstream's
+    dedupe window closed, then the host clock stepped back. A restarted store must still
+    refuse to re-send it (EFFECT_UNKNOWN), on the same boot and after a reboot."""
+    host = FakeHost()
+    path = str(tmp_path / "clock.db")
+    store = SQLiteStore(path, POLICY, clock_sources=host.sources())
+    await store.open()
+    fence = await _claimed(store, "t1")
+    request = EffectRequest(fence, "main", "s1", "pay", "POST", "/charge", "digest-1")
+    window = 10_000
+    prepared = await store.prepare_effect(request, 5_000, resend_window_ms=window)
+    assert prepared.action is effects.Action.FORWARD
+    _, applied = await store.complete_effect(
+        "t1", prepared.effect.effect_id, 0, fence.attempt_id, EffectState.UNKNOWN, "timed out",
+        None,
+    )  # fmt: skip
+    assert applied
+    host.run(window + 1)
+    closed = await store.prepare_effect(request, 5_000, resend_window_ms=window)
+    assert closed.error is not None and closed.error.code == "EFFECT_UNKNOWN"
+    last = await store.now_ms()
+    await store.close()
+
+    for boot_id in ("boot-1", "boot-2"):  # restarted on the same boot, then after a reboot
+        host.wall -= HOUR_MS
+        host.boot_id = boot_id
+        host.run(10)
+        again = SQLiteStore(path, POLICY, clock_sources=host.sources())
+        await again.open()
+        assert await again.now_ms() >= last
+        refused = await again.prepare_effect(request, 5_000, resend_window_ms=window)
+        assert refused.action is effects.Action.REJECT
+        assert refused.error is not None and refused.error.code == "EFFECT_UNKNOWN"
+        last = await again.now_ms()
+        await again.close()
+
+
+async def test_a_forward_jump_of_the_wall_clock_does_not_expire_a_running_forward(
+    tmp_path: Path,
+) -> None:
+    host = FakeHost()
+    store = SQLiteStore(str(tmp_path / "jump.db"), POLICY, clock_sources=host.sources())
+    await store.open()
+    fence = await _claimed(store, "t1")
+    request = EffectRequest(fence, "main", "s1", "pay", "POST", "/charge", "digest-1")
+    prepared = await store.prepare_effect(request, 5_000)
+    host.wall += HOUR_MS
+    host.run(100)
+    record = await store.get_effect(prepared.effect.effect_id)
+    assert record.state is EffectState.PREPARED
+    # The lease is not cut short either.
+    fenced = await store.check_fence(fence)
+    assert fenced.lease_expires_at is not None
+    assert fenced.lease_expires_at - await store.now_ms() > 500_000
+    await store.close()
+
+
+async def test_the_real_clock_sources_run_forward(tmp_path: Path) -> None:
+    store = SQLiteStore(str(tmp_path / "real.db"), POLICY)
+    await store.open()
+    first = await store.now_ms()
+    await store.put_task("t1", "in", None)  # a write persists the mark
+    await store.close()
+    again = SQLiteStore(str(tmp_path / "real.db"), POLICY)
+    await again.open()
+    assert await again.now_ms() >= first
+    await again.close()
