@@ -96,8 +96,13 @@ RESTART_TIMEOUT_S = 30.0
 MAX_REQUESTS_PER_EFFECT = 2_000
 #: Answers that mean "this claim is not current": re-claim (new attempt), same slot.
 RECLAIM_CODES = frozenset({"FENCED", "LEASE_EXPIRED", "STALE_EPOCH", "CANCELLED"})
+#: Pause after an EFFECT_UNKNOWN of a probe downstream, doubling up to the maximum.
+UNKNOWN_PAUSE_S = 0.3
+UNKNOWN_PAUSE_MAX_S = 5.0
 #: Log lines kept per duplicated (or unsettled) effect in the report.
 LOG_LINES_PER_EFFECT = 40
+#: The effects that took longest to settle, kept in the JSON (and summed up in the report).
+SLOWEST = 3
 OPERATOR = "soak-kill"
 
 
@@ -322,7 +327,9 @@ class Effect:
     claims: int = 0
     reconciles: int = 0
     operator: str | None = None  # the outcome an operator resolved it to
-    cut: int = 0  # proxied requests that ended in a connection error
+    connection_errors: int = 0  # proxied requests that ended in a connection error
+    first_sent: float | None = None  # monotonic time of the first proxied request
+    settled_at: float | None = None
     answers: Counter[str] = field(default_factory=Counter)
     error: str | None = None
     wrong_effect_id: str | None = None
@@ -473,6 +480,8 @@ class Driver:
             "Fence-Slot": "effect",
         }
         effect.requests += 1
+        if effect.first_sent is None:
+            effect.first_sent = time.monotonic()
         self.in_flight_proxied += 1
         try:
             return await self._request(
@@ -522,13 +531,14 @@ class Driver:
         await self.create(effect)
         claim = await self.claim(effect)
         unknown_since: float | None = None
+        unknown_pause = UNKNOWN_PAUSE_S
         odd = 0
         while effect.requests < MAX_REQUESTS_PER_EFFECT:
             self._left()
             try:
                 answer = await self.send(effect, claim)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                effect.cut += 1
+                effect.connection_errors += 1
                 effect.answers[f"connection {type(exc).__name__}"] += 1
                 await self._wait_up()
                 continue
@@ -539,8 +549,10 @@ class Driver:
             code = answer.code
             if code != "EFFECT_UNKNOWN":
                 unknown_since = None
+                unknown_pause = UNKNOWN_PAUSE_S
             if 200 <= answer.status < 300:
                 effect.settled = True
+                effect.settled_at = time.monotonic()
                 effect.status = answer.status
                 effect.state = answer.headers.get("Fence-Effect-State")
                 effect.replayed = answer.headers.get("Fence-Replayed") == "true"
@@ -553,8 +565,13 @@ class Driver:
                 now = time.monotonic()
                 unknown_since = unknown_since or now
                 if effect.endpoint == ORDERS:
+                    # Ask the probe, then back off: the gateway may hold "absent" back until
+                    # an earlier forward can no longer land.
                     await self.reconcile(effect)
-                    await asyncio.sleep(0.3)
+                    if "Retry-After" in answer.headers:
+                        unknown_pause = max(unknown_pause, answer.retry_after())
+                    await asyncio.sleep(min(unknown_pause, UNKNOWN_PAUSE_MAX_S))
+                    unknown_pause *= 2
                 elif now - unknown_since >= self.args.operator_after:
                     await self.operator_resolve(effect)
                     unknown_since = None
@@ -822,6 +839,11 @@ def store_figures(
     for e in effects:
         answers.update(e.answers)
     settled = sum(e.settled for e in effects)
+    settle_s = sorted(
+        e.settled_at - e.first_sent
+        for e in effects
+        if e.settled_at is not None and e.first_sent is not None
+    )
     return {
         "store": store,
         "effects": len(effects),
@@ -836,7 +858,7 @@ def store_figures(
         "killDetails": killing["kills"],
         "unexpectedExits": killing["unexpectedExits"],
         "cutCalls": sum(k["proxiedInFlight"] for k in killing["kills"]),
-        "connectionErrors": sum(e.cut for e in effects),
+        "connectionErrors": sum(e.connection_errors for e in effects),
         "operatorResolved": sum(e.operator is not None for e in effects),
         "operatorResolvedTo": dict(Counter(e.operator for e in effects if e.operator)),
         "reconcileCalls": sum(e.reconciles for e in effects),
@@ -861,6 +883,13 @@ def store_figures(
         "wrongEffectIds": [e.effect_id for e in effects if e.wrong_effect_id],
         "downstreamSlowAnswers": stats.get("slowAnswers"),
         "downstreamStillInFlight": stats["inFlight"],
+        "settleSeconds": {
+            "p50": round(settle_s[len(settle_s) // 2], 3) if settle_s else None,
+            "p99": round(settle_s[max(0, -(-99 * len(settle_s) // 100) - 1)], 3)
+            if settle_s
+            else None,
+            "max": round(settle_s[-1], 3) if settle_s else None,
+        },
         "seconds": round(seconds, 2),
     }
 
@@ -912,6 +941,25 @@ def attach_details(
         )
     figures["problems"] = problems
 
+    def took(e: Effect) -> float:
+        end = e.settled_at if e.settled_at is not None else time.monotonic()
+        return end - e.first_sent if e.first_sent is not None else 0.0
+
+    slowest = sorted(effects, key=took, reverse=True)[:SLOWEST]
+    figures["slowest"] = [
+        {
+            "effectId": e.effect_id,
+            "taskId": e.task_id,
+            "endpoint": e.endpoint,
+            "seconds": round(took(e), 3),
+            "settled": e.settled,
+            "answers": dict(e.answers),
+            "record": records.get(e.effect_id),
+            "logLines": [ln for ln in lines if e.effect_id in ln][:LOG_LINES_PER_EFFECT],
+        }
+        for e in slowest
+    ]
+
 
 def failed(figures: dict[str, Any]) -> bool:
     return bool(figures["duplicates"] or figures["unsettled"] or figures["settledButNeverExecuted"])
@@ -924,7 +972,8 @@ def render_table(all_figures: Sequence[dict[str, Any]]) -> str:
     rows = [
         [
             "store", "effects", "settled", "executions", "dup pay", "dup orders",
-            "never executed", "kills", "cut calls", "operator_resolved", "seconds",
+            "never executed", "kills", "cut calls", "operator_resolved", "max settle s",
+            "seconds",
         ]
     ]  # fmt: skip
     for f in all_figures:
@@ -941,10 +990,15 @@ def render_table(all_figures: Sequence[dict[str, Any]]) -> str:
                 str(f["kills"]),
                 str(f["cutCalls"]),
                 str(f["operatorResolved"]),
+                "-" if f["settleSeconds"]["max"] is None else f"{f['settleSeconds']['max']:.1f}",
                 f"{f['seconds']:.1f}",
             ]
         )
     return align(rows)
+
+
+def _answers_brief(answers: dict[str, int]) -> str:
+    return "(" + ", ".join(f"{k} x{v}" for k, v in answers.items()) + ")"
 
 
 def _short(record: Any) -> Any:
@@ -966,7 +1020,8 @@ def print_report(
     print(
         "\nexecutions, dup, never executed: counted at the downstream (/_stats), per "
         "idempotency key; dup = executions beyond one per effect. cut calls: proxied requests "
-        "the driver had in flight at the moments of the kills.",
+        "the driver had in flight at the moments of the kills. max settle s: the longest time "
+        "from an effect's first proxied request to its settling answer.",
         file=out,
     )
     for f in all_figures:
@@ -982,6 +1037,17 @@ def print_report(
         )
         print(f"  settled by: {f['settledBy']}", file=out)
         print(f"  gateway ledger states: {f['ledgerStates']}", file=out)
+        settle = f["settleSeconds"]
+        print(
+            f"  seconds to settle: p50 {settle['p50']}, p99 {settle['p99']}, max "
+            f"{settle['max']}; slowest: "
+            + "; ".join(
+                f"{x['endpoint']} {x['effectId'][:12]} {x['seconds']:.1f}s "
+                f"{_answers_brief(x['answers'])}"
+                for x in f["slowest"]
+            ),
+            file=out,
+        )
         restarts = f["restartSeconds"]
         if restarts:
             print(

@@ -40,12 +40,18 @@ def send_once() -> tuple[aiohttp.ClientMiddlewareType, ...]:
     return (guard,)
 
 
+#: Idle pooled connections are closed after this long, below the idle timeouts common servers
+#: use (Node's 5 s), so a forward rarely meets a connection the downstream is closing: with
+#: re-sends refused, such a forward would read UNKNOWN although it never arrived.
+IDLE_CONNECTION_S = 4.0
+
+
 def new_client_session(max_connections: int) -> aiohttp.ClientSession:
     """One pool for every forward. No cookie jar (the gateway must not carry one agent's
     session into another's call), no proxy settings from the environment, and bodies passed
     through as they are (no transparent decompression)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections),
+        connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=IDLE_CONNECTION_S),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
         trust_env=False,

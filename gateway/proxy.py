@@ -293,10 +293,16 @@ async def _handle(request: web.Request) -> web.StreamResponse:
             and outcome.error.code == "EFFECT_UNKNOWN"
             and isinstance(call.adapter, ProbeAdapter)
         ):
-            # The downstream can tell: ask it, then decide again on what it said.
-            effect = await reconcile(request.app, outcome.effect.effect_id, "gateway:inline")
+            # The downstream can tell: ask it (when a probe is due), then decide again on
+            # what it said; still unknown: say when the next probe is due.
+            effect = await reconcile(
+                request.app, outcome.effect.effect_id, "gateway:inline", only_if_due=True
+            )
             if effect.state is not EffectState.UNKNOWN:
                 outcome = await prepare()
+            elif outcome.error is not None and effect.next_probe_at is not None:
+                wait_ms = effect.next_probe_at - await store.now_ms()
+                outcome.error.extra["retryAfterMs"] = max(wait_ms, 0)
     except FencegateError as exc:
         metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
         if isinstance(exc, StoreUnavailable):
@@ -389,10 +395,11 @@ async def _too_late(
     state = EffectState.NOT_APPLIED
     try:
         aborted = await request.app[STORE].update_effect(
-            effect.effect_id, lambda record, now: effects.abort(record, forward_id, now)
+            effect.effect_id,
+            lambda record, now: effects.abort(record, forward_id, now, effects.LATE_REASON),
         )
         state = aborted.state
-        log.info("effect.aborted", effect_id=effect.effect_id, state=state.value, **fields)
+        log.info("effect.aborted", state=state.value, **fields)
     except StoreUnavailable:
         _abort_later(request.app, effect_request, deadline_ms)
         state = EffectState.PREPARED

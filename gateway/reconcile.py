@@ -84,11 +84,18 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
     return verdict, answer, f"probe answered {status}"
 
 
-async def reconcile(app: web.Application, effect_id: str, actor: str) -> Effect:
-    """Probe one effect if it is UNKNOWN and its downstream can be asked; returns the record."""
+async def reconcile(
+    app: web.Application, effect_id: str, actor: str, *, only_if_due: bool = False
+) -> Effect:
+    """Probe one effect if it is UNKNOWN and its downstream can be asked; returns the record.
+    ``only_if_due`` (an agent's retry) leaves an effect alone until its next probe is due, so
+    a retrying agent cannot make the gateway hammer the downstream or grow the record."""
     store = app[STORE]
     effect = await store.get_effect(effect_id)
     if effect.state is not EffectState.UNKNOWN:
+        return effect
+    due_at = effect.next_probe_at
+    if only_if_due and due_at is not None and await store.now_ms() < due_at:
         return effect
     adapter = app[ADAPTERS].get(effect.downstream)
     if not isinstance(adapter, ProbeAdapter) or adapter.probe is None:

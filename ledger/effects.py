@@ -540,9 +540,11 @@ def approve(
 
 #: Reason recorded when a gateway aborts a forward it never sent.
 ABORT_REASON = "never forwarded: the gateway lost the store's answer to its prepare"
+#: Reason recorded when a forward could not start within proxy.forward_start_limit_ms.
+LATE_REASON = "never forwarded: it could not start within proxy.forward_start_limit_ms"
 
 
-def abort(effect: Effect | None, forward_id: str, now: int) -> Effect:
+def abort(effect: Effect | None, forward_id: str, now: int, reason: str = ABORT_REASON) -> Effect:
     """NOT_APPLIED for a PREPARED whose gateway got no answer from the store and so never
     forwarded it (also after its deadline made it read UNKNOWN). Refuses (EFFECT_SETTLED) when
     the record's last forward is another one or already has an outcome of its own."""
@@ -555,7 +557,7 @@ def abort(effect: Effect | None, forward_id: str, now: int) -> Effect:
     )
     if last is None or last.forward_id != forward_id or not waiting:
         raise _rejection(EffectSettled("no forward of this request is waiting"), current)
-    ended = replace(last, ended_at=now, outcome=EffectState.NOT_APPLIED.value, reason=ABORT_REASON)
+    ended = replace(last, ended_at=now, outcome=EffectState.NOT_APPLIED.value, reason=reason)
     return replace(
         current,
         state=_state_after(current, len(current.attempts) - 1, EffectState.NOT_APPLIED),
@@ -630,7 +632,8 @@ def finish_probe(
 
     "Absent" is only believed once no earlier forward can still land (``landing_until``): a
     forward that timed out may sit in the downstream's queue and apply later, so an absent
-    answer before then is inconclusive and the next probe waits for that instant."""
+    answer before then is inconclusive (recorded with ``waitUntil``), and probing goes on with
+    its usual backoff."""
     if effect is None:
         raise NoSuchEffect()
     current = effective(effect, now)
@@ -641,18 +644,17 @@ def finish_probe(
     released = replace(current, probe_holder=None, probe_until=None, updated_at=now)
     action: dict[str, Any] = {"action": "reconcile", "by": actor, "at": now,
                               "verdict": verdict.value}  # fmt: skip
-    next_at = now + retry_in_ms
     if verdict is ProbeVerdict.ABSENT:
         until = landing_until(current, settle_ms)
         if until is not None and now < until:
+            # Probing goes on with its backoff: "found" may still come and counts at once.
             verdict = ProbeVerdict.INCONCLUSIVE
             action["waitUntil"] = until
-            next_at = max(next_at, until)
     if verdict is ProbeVerdict.INCONCLUSIVE:
         return replace(
             released,
             probe_count=current.probe_count + 1,
-            next_probe_at=next_at,
+            next_probe_at=now + retry_in_ms,
             actions_json=_with_action(current, action),
         )
     found = verdict is ProbeVerdict.FOUND
