@@ -272,6 +272,10 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     proxy_config = request.app[CONFIG].proxy
     deadline_ms = call.downstream.timeout_ms + proxy_config.prepared_margin_ms
     resend_window_ms = call.adapter.resend_window_ms(preconditions or ())
+    if resend_window_ms is not None:
+        # A re-send admitted now may reach the downstream up to the start limit later, and
+        # must still reach it inside its window (counted from its first sight of the key).
+        resend_window_ms = max(resend_window_ms - proxy_config.start_limit_ms, 0)
     #: The gateway's clock just before the prepare that opened the forward was sent: the
     #: store applied it later, so every bound measured from here is conservative.
     sent_at = 0.0
@@ -343,6 +347,10 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     return await _forward_effect(request, call, effect, outcome.seq, fields, window)
 
 
+#: A ceil_threshold no timeout reaches: aiohttp then never rounds a deadline up.
+_NEVER_ROUND = float(2**31)
+
+
 @dataclass(frozen=True, slots=True)
 class _ForwardWindow:
     """When a prepared forward may still start, and how long it may run (docs/decisions.md,
@@ -371,6 +379,8 @@ class _ForwardWindow:
             connect=min(downstream.connect_timeout, start_left) / 1000,
             sock_connect=downstream.connect_timeout / 1000,
             sock_read=downstream.read_timeout / 1000,
+            # aiohttp rounds timeouts of 5 s and more up to a whole second; these are bounds.
+            ceil_threshold=_NEVER_ROUND,
         )
 
 

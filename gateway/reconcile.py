@@ -111,6 +111,7 @@ async def reconcile(
     effect = await store.update_effect(
         effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
     )
+    asked_at = effect.updated_at  # the store's instant when the probe lease was taken
     verdict, answer, reason = await _probe(app, adapter, effect)
     effect = await store.update_effect(
         effect_id,
@@ -123,6 +124,7 @@ async def reconcile(
             actor,
             now,
             settle_ms,
+            asked_at,
         ),
     )
     log.info(

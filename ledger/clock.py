@@ -7,15 +7,18 @@ downstream) and lengthen leases; a step forward would turn forwards still runnin
 early, and let a probe's "absent" count too soon.
 
 So store time is an anchor plus the time elapsed on the host's monotonic boot clock
-(``CLOCK_BOOTTIME``: it never steps, and it keeps counting through a suspend). The anchor is
-persisted with every write (a high-water mark with the boot id and boot-clock reading it was
-taken at):
+(``CLOCK_BOOTTIME``: it never steps, and it keeps counting through a suspend). The store
+persists a mark (the boot id, a boot-clock reading and the store time at it) and a ceiling
+``AHEAD_MS`` beyond it, before it hands out any instant past ``ceiling - HEADROOM_MS``, so no
+answered instant (a refusal's included) ever reaches the persisted ceiling:
 
 * restarted on the same boot: time resumes at the mark plus the boot-clock time since it was
   written, whatever the wall clock did meanwhile;
-* after a reboot (another boot id): time resumes at ``max(wall clock, mark)``, so it never
-  runs backwards; a wall clock that jumped forward while the host was down makes time jump
-  with it, once, while no forward of this gateway can be running.
+* after a reboot (another boot id): time resumes at ``max(wall clock, ceiling)``, so it never
+  runs backwards; it may jump forward (by up to ``AHEAD_MS``, or with a wall clock that
+  jumped while the host was down), once, while no forward of this gateway can be running.
+  When the wall clock reads earlier than the ceiling, the downtime cannot be counted, so
+  effects created before the reboot lose their re-send windows (``windows_from``).
 
 The wall clock is read once, at open, and only after a reboot.
 """
@@ -52,14 +55,25 @@ class ClockSources:
     boot_id: Callable[[], str | None] = _boot_id
 
 
+#: How far ahead of the time it hands out the clock's persisted ceiling runs: after a reboot
+#: store time resumes no earlier than the ceiling, so it may jump forward by up to this.
+AHEAD_MS = 120_000
+#: A new ceiling is persisted once time comes this close to the old one; more than the
+#: longest a transition can wait for SQLite's lock (store.timeout_ms is at most a minute).
+HEADROOM_MS = 70_000
+
+
 @dataclass(frozen=True, slots=True)
 class ClockMark:
-    """The persisted high-water mark: store time ``now_ms`` was handed out when the boot
-    clock of boot ``boot_id`` read ``boot_ms``."""
+    """The persisted state: store time ``now_ms`` was handed out when the boot clock of boot
+    ``boot_id`` read ``boot_ms``; no instant at or past ``ceiling_ms`` has been handed out;
+    effects created before ``windows_from`` get no re-send window (see ``StoreClock``)."""
 
     now_ms: int
     boot_id: str | None
     boot_ms: int
+    ceiling_ms: int
+    windows_from: int = 0
 
 
 class StoreClock:
@@ -67,15 +81,24 @@ class StoreClock:
         self._sources = sources or ClockSources()
         self._boot_id = self._sources.boot_id()
         boot = self._sources.boot_ms()
+        self.windows_from = mark.windows_from if mark is not None else 0
         if mark is not None and mark.boot_id is not None and mark.boot_id == self._boot_id:
             start = mark.now_ms + max(boot - mark.boot_ms, 0)
         elif mark is not None:
-            start = max(self._sources.wall_ms(), mark.now_ms)
+            wall = self._sources.wall_ms()
+            start = max(wall, mark.ceiling_ms)
+            if wall < mark.ceiling_ms:
+                # The wall clock reads earlier than time already handed out: how long the
+                # host was down is unknown, so store time cannot count it. A downstream's
+                # dedupe window counts it, so an effect created before now must not be
+                # re-sent inside a window this clock would think still open.
+                self.windows_from = start
         else:
             start = self._sources.wall_ms()
         self._start = start
         self._boot_at_start = boot
         self._last = start
+        self._ceiling = mark.ceiling_ms if mark is not None else start
 
     def _read(self) -> tuple[int, int]:
         boot = self._sources.boot_ms()
@@ -86,7 +109,12 @@ class StoreClock:
         """Store time now; never less than any earlier answer."""
         return self._read()[0]
 
+    def needs_mark(self, now: int) -> bool:
+        """Must a new ceiling be persisted before ``now`` may be handed out?"""
+        return now >= self._ceiling - HEADROOM_MS
+
     def mark(self) -> ClockMark:
-        """What to persist so that a restart resumes from here."""
+        """What to persist so that a restart resumes from here (raises the ceiling)."""
         now, boot = self._read()
-        return ClockMark(now, self._boot_id, boot)
+        self._ceiling = now + AHEAD_MS
+        return ClockMark(now, self._boot_id, boot, self._ceiling, self.windows_from)

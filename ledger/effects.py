@@ -626,6 +626,7 @@ def finish_probe(
     actor: str,
     now: int,
     settle_ms: int = 0,
+    asked_at: int | None = None,
 ) -> Effect:
     """Record what a probe found: COMMITTED (with the probe's answer), NOT_APPLIED, or, when
     the probe said nothing certain, UNKNOWN again with the next probe ``retry_in_ms`` away.
@@ -633,7 +634,8 @@ def finish_probe(
     "Absent" is only believed once no earlier forward can still land (``landing_until``): a
     forward that timed out may sit in the downstream's queue and apply later, so an absent
     answer before then is inconclusive (recorded with ``waitUntil``), and probing goes on with
-    its usual backoff."""
+    its usual backoff. It is judged by ``asked_at``, when the probe was sent (the lookup saw
+    the downstream at some instant after it), not by when its answer is recorded."""
     if effect is None:
         raise NoSuchEffect()
     current = effective(effect, now)
@@ -646,7 +648,7 @@ def finish_probe(
                               "verdict": verdict.value}  # fmt: skip
     if verdict is ProbeVerdict.ABSENT:
         until = landing_until(current, settle_ms)
-        if until is not None and now < until:
+        if until is not None and (now if asked_at is None else asked_at) < until:
             # Probing goes on with its backoff: "found" may still come and counts at once.
             verdict = ProbeVerdict.INCONCLUSIVE
             action["waitUntil"] = until

@@ -148,7 +148,6 @@ class RedisStore(Store):
             self._keys.awaiting,
             self._keys.probe_due,
         ]
-        self._probe_due_ready = False
         # A bounded pool that waits (up to the store timeout) for a free connection instead of
         # failing, and no client-side retries: a retried script after a lost reply would run
         # twice, and only the gateway knows whether that is safe.
@@ -528,9 +527,7 @@ class RedisStore(Store):
     async def unsettled_effects(
         self, limit: int, probe_downstreams: frozenset[str]
     ) -> list[Effect]:
-        if not self._probe_due_ready:
-            await self._script("probe_due_init", [self._keys.unknown, self._keys.probe_due], [])
-            self._probe_due_ready = True
+        await self._script("probe_due_init", [self._keys.unknown, self._keys.probe_due], [])
 
         now = await self.now_ms()
         overdue: Any = await self._call(

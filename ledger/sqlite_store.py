@@ -68,10 +68,12 @@ CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id);
 CREATE TABLE IF NOT EXISTS clock (
-    id        INTEGER PRIMARY KEY CHECK (id = 1),
-    now_ms    INTEGER NOT NULL,
-    boot_id   TEXT,
-    boot_ms   INTEGER NOT NULL
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    now_ms       INTEGER NOT NULL,
+    boot_id      TEXT,
+    boot_ms      INTEGER NOT NULL,
+    ceiling_ms   INTEGER NOT NULL,
+    windows_from INTEGER NOT NULL
 );
 """
 
@@ -112,25 +114,26 @@ class SQLiteStore(Store):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.executescript(_SCHEMA)
-        row = conn.execute("SELECT now_ms, boot_id, boot_ms FROM clock WHERE id = 1").fetchone()
-        mark = ClockMark(int(row[0]), row[1], int(row[2])) if row else None
+        row = conn.execute(
+            "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
+        ).fetchone()
+        mark = (
+            ClockMark(int(row[0]), row[1], int(row[2]), int(row[3]), int(row[4])) if row else None
+        )
         self._store_clock = StoreClock(mark, self._clock_sources)
         self._conn = conn
         self._save_clock(conn)
-
-    def _clock(self) -> int:
-        assert self._store_clock is not None
-        return self._store_clock.now_ms() + self.clock_offset_ms
 
     def _save_clock(self, conn: sqlite3.Connection) -> None:
         """Persist the clock's high-water mark (inside the caller's transaction, if any)."""
         assert self._store_clock is not None
         mark = self._store_clock.mark()
         conn.execute(
-            "INSERT INTO clock (id, now_ms, boot_id, boot_ms) VALUES (1, ?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET now_ms = excluded.now_ms, "
-            "boot_id = excluded.boot_id, boot_ms = excluded.boot_ms",
-            (mark.now_ms, mark.boot_id, mark.boot_ms),
+            "INSERT INTO clock (id, now_ms, boot_id, boot_ms, ceiling_ms, windows_from) "
+            "VALUES (1, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET now_ms = excluded.now_ms, "
+            "boot_id = excluded.boot_id, boot_ms = excluded.boot_ms, "
+            "ceiling_ms = excluded.ceiling_ms, windows_from = excluded.windows_from",
+            (mark.now_ms, mark.boot_id, mark.boot_ms, mark.ceiling_ms, mark.windows_from),
         )
 
     def _transaction(self, fn: Callable[[sqlite3.Connection, int], T], deadline: float) -> T:
@@ -144,14 +147,19 @@ class SQLiteStore(Store):
                 "SQLite store busy: waited longer than store.timeout_ms; nothing was applied"
             )
         conn.execute("BEGIN IMMEDIATE")
+        assert self._store_clock is not None
+        now = self._store_clock.now_ms()
+        # No instant is handed out (a refusal's included) unless the persisted ceiling is
+        # above it: store time then never runs back across a reboot (ledger/clock.py).
+        marked = self._store_clock.needs_mark(now)
         try:
-            changes = conn.total_changes
-            result = fn(conn, self._clock())
-            if conn.total_changes != changes:
-                # Every write carries the clock's mark, so no answered instant is lost.
+            if marked:
                 self._save_clock(conn)
+            result = fn(conn, now + self.clock_offset_ms)
         except BaseException:
             conn.execute("ROLLBACK")
+            if marked:
+                self._save_clock(conn)  # on its own: the step refused, its instant counts
             raise
         conn.execute("COMMIT")
         return result
@@ -204,7 +212,7 @@ class SQLiteStore(Store):
         await self._run(lambda conn, now: conn.execute("SELECT 1").fetchone(), "ping")
 
     async def now_ms(self) -> int:
-        return self._clock()
+        return await self._run(lambda conn, now: now, "now")
 
     # --- rows -------------------------------------------------------------------------------
 
@@ -387,6 +395,12 @@ class SQLiteStore(Store):
             if task is not None:
                 eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
                 existing = self._load_effect(conn, eid)
+            window = resend_window_ms
+            assert self._store_clock is not None
+            if existing is not None and existing.created_at < (
+                self._store_clock.windows_from + self.clock_offset_ms
+            ):
+                window = None  # created before a reboot whose downtime the clock lost
             outcome = effects.prepare(
                 task,
                 self._scheduler(conn),
@@ -394,7 +408,7 @@ class SQLiteStore(Store):
                 request,
                 now,
                 forward_deadline_ms,
-                resend_window_ms=resend_window_ms,
+                resend_window_ms=window,
                 require_approval=require_approval,
             )
             if outcome.write:

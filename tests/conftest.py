@@ -17,7 +17,8 @@ from gateway.app import create_app
 from gateway.config import Config
 from ledger.store import Store, open_store
 from ledger.tasks import LeasePolicy
-from tests.servers import RedisServer
+from tests.downstream import Downstream
+from tests.servers import Gateways, RedisServer
 
 #: Lease bounds the tests are written against (see the ``config`` fixture).
 MAX_TTL_MS = 60_000
@@ -46,6 +47,36 @@ def make_redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     yield make
     for server in started:
         server.stop()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def any_store_url(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    make_redis_server: Callable[..., RedisServer],
+) -> str:
+    """A store URL of each kind; the Redis one is a private server nobody else writes to."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fencegate.db'}"
+    return make_redis_server().url
+
+
+@pytest.fixture
+def gateways(tmp_path: Path) -> Iterator[Gateways]:
+    """Gateway processes a test starts; all are stopped when it ends."""
+    group = Gateways(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture
+async def downstream() -> AsyncIterator[Downstream]:
+    """A real HTTP downstream on loopback that counts calls per Idempotency-Key."""
+    server = await Downstream().start()
+    yield server
+    await server.stop()
 
 
 @pytest.fixture

@@ -24,15 +24,6 @@ from tests.servers import GatewayProcess, Gateways, RedisServer
 CONTENDERS = 50
 
 
-@pytest.fixture
-def gateways(tmp_path: Path) -> Iterator[Gateways]:
-    group = Gateways(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
 @pytest.fixture(scope="module")
 def redis_pair(
     tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer

@@ -15,12 +15,11 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
-import pytest
 
 from ledger.errors import StoreUnavailable
 from ledger.redis_store import RedisStore
@@ -42,27 +41,6 @@ NO_HANG_S = 5.0
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def gateways(tmp_path: Path) -> Iterator[Gateways]:
-    group = Gateways(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def any_store_url(
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    make_redis_server: Callable[..., RedisServer],
-) -> str:
-    """A store URL of each kind; the Redis one is a private server nobody else writes to."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'fencegate.db'}"
-    return make_redis_server().url
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,37 +65,9 @@ NEVER_FORWARDED = "never forwarded"
 
 
 @pytest.fixture
-def gateways(tmp_path: Path) -> Iterator[Gateways]:
-    group = Gateways(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
-@pytest.fixture
-async def downstream() -> AsyncIterator[Downstream]:
-    server = await Downstream().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as client:
         yield client
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def private_store_url(
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    make_redis_server: Callable[..., RedisServer],
-) -> str:
-    """A store of each kind that only this test writes to."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'window.db'}"
-    return make_redis_server().url
 
 
 def is_sqlite(store_url: str) -> bool:
@@ -186,12 +158,12 @@ async def sleep_until(instant: float) -> None:
 
 async def test_stall_after_prepare_past_the_start_limit_forwards_nothing_and_a_retry_goes_once(
     gateways: Gateways,
-    private_store_url: str,
+    any_store_url: str,
     downstream: Downstream,
     session: aiohttp.ClientSession,
 ) -> None:
-    stalled = gateway_config(gateways, "stalled", private_store_url, downstream, stall_ms=STALL_MS)
-    if is_sqlite(private_store_url):
+    stalled = gateway_config(gateways, "stalled", any_store_url, downstream, stall_ms=STALL_MS)
+    if is_sqlite(any_store_url):
         await start(stalled)  # SQLite is one process: the retry's gateway replaces this one
     else:
         healthy = twin_without_failpoint(stalled)
@@ -216,7 +188,7 @@ async def test_stall_after_prepare_past_the_start_limit_forwards_nothing_and_a_r
     (event,) = start_too_late_events(stalled)
     assert event["limit_ms"] == START_LIMIT_MS and int(str(event["elapsed_ms"])) >= STALL_MS
 
-    if is_sqlite(private_store_url):
+    if is_sqlite(any_store_url):
         await asyncio.to_thread(stalled.stop)
         stalled.env.pop("FENCEGATE_FAILPOINTS")
         await start(stalled)
@@ -243,14 +215,12 @@ async def test_stall_after_prepare_past_the_start_limit_forwards_nothing_and_a_r
 
 async def test_forward_stalled_across_an_acknowledged_bump_and_cancel_never_starts(
     gateways: Gateways,
-    private_store_url: str,
+    any_store_url: str,
     downstream: Downstream,
     session: aiohttp.ClientSession,
 ) -> None:
-    stalled = gateway_config(
-        gateways, "stalled", private_store_url, downstream, stall_ms=LONG_STALL_MS
-    )
-    if is_sqlite(private_store_url):
+    stalled = gateway_config(gateways, "stalled", any_store_url, downstream, stall_ms=LONG_STALL_MS)
+    if is_sqlite(any_store_url):
         # The failpoint sleeps only the proxied request's coroutine: the same process answers
         # the scheduler meanwhile.
         await start(stalled)

@@ -4,12 +4,10 @@ status and readiness, on both stores, after real traffic through HTTP."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
@@ -20,13 +18,6 @@ from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import RedisServer, write_gateway_config
 from tests.test_proxy import send
-
-
-@pytest.fixture
-async def downstream() -> AsyncIterator[Downstream]:
-    server = await Downstream().start()
-    yield server
-    await server.stop()
 
 
 async def gateway(store_url: str, key_prefix: str, downstream: Downstream, **proxy: Any) -> Any:

@@ -368,3 +368,18 @@ def test_after_a_probe_settles_only_later_attempts_count() -> None:
     assert effects.landing_until(lost, 1_000) == 4_300
     waiting = _finish(lost, ProbeVerdict.ABSENT, now=4_000, settle_ms=1_000)
     assert _last_action(waiting)["waitUntil"] == 4_300
+
+
+def test_a_slow_absent_answer_is_judged_by_when_the_probe_was_sent() -> None:
+    """The probe left before the settle instant and its answer came back after it: the
+    lookup saw the downstream before a late forward could have landed, so it proves nothing."""
+    effect = _unknown(_attempt(1_000, 1_300, "UNKNOWN"))
+    slow = effects.finish_probe(
+        effect, "p", ProbeVerdict.ABSENT, None, 50, "test", 2_400, 1_000, asked_at=2_250
+    )
+    assert slow.state is EffectState.UNKNOWN
+    assert _last_action(slow)["waitUntil"] == 2_300
+    sent_after = effects.finish_probe(
+        effect, "p", ProbeVerdict.ABSENT, None, 50, "test", 2_400, 1_000, asked_at=2_300
+    )
+    assert sent_after.state is EffectState.NOT_APPLIED

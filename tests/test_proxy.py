@@ -29,13 +29,6 @@ TIMEOUT_MS = 400
 
 
 @pytest.fixture
-async def downstream() -> AsyncIterator[Downstream]:
-    server = await Downstream().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Config:
     return make_config(
         store_url,

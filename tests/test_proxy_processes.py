@@ -58,22 +58,6 @@ STORE_TIMEOUT_MS = 5_000
 
 
 @pytest.fixture
-def gateways(tmp_path: Path) -> Iterator[Gateways]:
-    group = Gateways(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
-@pytest.fixture
-async def downstream() -> AsyncIterator[Downstream]:
-    server = await Downstream().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     """One client pool for proxied calls to any gateway (absolute URLs)."""
     connector = aiohttp.TCPConnector(limit=2 * CONTENDERS)

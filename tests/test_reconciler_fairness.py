@@ -18,9 +18,11 @@ from gateway.app import create_app
 from gateway.config import Config
 from ledger import effects
 from ledger.effects import EffectRequest, EffectState, Fence, ProbeVerdict
+from ledger.keys import Keys
 from ledger.store import Store
 from ledger.tasks import ClaimRequest
 from tests.conftest import build_test_store, make_config
+from tests.servers import RedisServer
 
 PROBED = frozenset({"orders"})
 
@@ -138,3 +140,22 @@ async def test_the_background_reconciler_settles_a_probe_effect_behind_many_manu
         # The manual effects still wait for an operator.
         for effect_id in waiting[:3]:
             assert (await store.get_effect(effect_id)).state is EffectState.UNKNOWN
+
+
+async def test_redis_fills_the_probe_index_with_unknown_effects_it_lacks(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    """A ledger written before the probe-due index existed (or by an older gateway on the
+    same Redis) has UNKNOWN effects the index lacks; the next sweep adds them."""
+    config = make_config(redis_server.url, key_prefix)
+    store = build_test_store(config)
+    await store.open()
+    try:
+        probed = await unknown_effects(store, "order-task", "orders", 3)
+        client = redis_server.client()
+        client.delete(Keys(key_prefix).probe_due)  # as an older version left it
+        client.close()
+        listed = {e.effect_id for e in await store.unsettled_effects(10, PROBED)}
+        assert listed == set(probed)
+    finally:
+        await store.close()

@@ -83,13 +83,6 @@ async def running_gateway(config: Config) -> AsyncIterator[tuple[str, Store, Tes
 
 
 @pytest.fixture
-async def downstream() -> AsyncIterator[Downstream]:
-    server = await Downstream().start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def env(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Env]:
     async with (
         running_gateway(gateway_config(store_url, key_prefix, downstream)) as (url, store, _),

@@ -10,9 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from ledger import effects
-from ledger.clock import ClockMark, ClockSources, StoreClock
+from ledger.clock import AHEAD_MS, HEADROOM_MS, ClockSources, StoreClock
 from ledger.effects import EffectRequest, EffectState, Fence
+from ledger.errors import FencegateError
 from ledger.sqlite_store import SQLiteStore
 from ledger.tasks import ClaimRequest, LeasePolicy
 
@@ -61,19 +64,33 @@ def test_a_restart_on_the_same_boot_resumes_from_the_mark_plus_boot_time() -> No
     assert again.now_ms() == mark.now_ms + 3_000
 
 
-def test_after_a_reboot_time_resumes_from_the_later_of_wall_clock_and_mark() -> None:
+def test_after_a_reboot_time_resumes_from_the_later_of_wall_clock_and_ceiling() -> None:
     host = FakeHost()
     clock = StoreClock(None, host.sources())
     host.run(2_000)
     mark = clock.mark()
-    rebooted = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
-    assert StoreClock(mark, rebooted.sources()).now_ms() == mark.now_ms
-    ahead = FakeHost(wall=host.wall + 5_000, boot=10, boot_id="boot-2")
-    assert StoreClock(mark, ahead.sources()).now_ms() == host.wall + 5_000
+    assert mark.ceiling_ms == mark.now_ms + AHEAD_MS
+    behind = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
+    resumed = StoreClock(mark, behind.sources())
+    assert resumed.now_ms() == mark.ceiling_ms
+    # The downtime is unknown: effects created before now lose their re-send windows.
+    assert resumed.windows_from == mark.ceiling_ms
+    ahead = FakeHost(wall=host.wall + 5 * AHEAD_MS, boot=10, boot_id="boot-2")
+    trusted = StoreClock(mark, ahead.sources())
+    assert trusted.now_ms() == ahead.wall and trusted.windows_from == 0
     unknown_boot = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id=None)
-    assert StoreClock(ClockMark(mark.now_ms, None, 0), unknown_boot.sources()).now_ms() == (
-        mark.now_ms
-    )
+    assert StoreClock(mark, unknown_boot.sources()).now_ms() == mark.ceiling_ms
+
+
+def test_a_new_ceiling_is_due_before_time_reaches_the_old_one() -> None:
+    host = FakeHost()
+    clock = StoreClock(None, host.sources())
+    assert clock.needs_mark(clock.now_ms())  # nothing persisted yet
+    mark = clock.mark()
+    assert not clock.needs_mark(clock.now_ms())
+    host.run(AHEAD_MS - HEADROOM_MS)
+    assert clock.needs_mark(clock.now_ms())
+    assert clock.now_ms() < mark.ceiling_ms
 
 
 async def _claimed(store: SQLiteStore, task_id: str) -> Fence:
@@ -153,3 +170,23 @@ async def test_the_real_clock_sources_run_forward(tmp_path: Path) -> None:
     await again.open()
     assert await again.now_ms() >= first
     await again.close()
+
+
+async def test_an_instant_a_refusal_answered_is_never_handed_out_again(tmp_path: Path) -> None:
+    """A step that writes nothing (here a refusal) still hands out its instant; a kill -9 and
+    a reboot with the wall clock behind must not bring store time back before it."""
+    host = FakeHost()
+    path = str(tmp_path / "refusal.db")
+    store = SQLiteStore(path, POLICY, clock_sources=host.sources())
+    await store.open()
+    host.run(AHEAD_MS)  # past the ceiling's headroom: the next step must persist a new one
+    with pytest.raises(FencegateError):
+        await store.check_fence(Fence("ghost", "a", 1, 1, 0))
+    refused_at = await store.now_ms()
+    # kill -9: no close. Reboot with the wall clock an hour behind.
+    rebooted = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
+    again = SQLiteStore(path, POLICY, clock_sources=rebooted.sources())
+    await again.open()
+    assert await again.now_ms() >= refused_at
+    await again.close()
+    await store.close()

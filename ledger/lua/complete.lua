@@ -1,7 +1,7 @@
 -- Step two of a proxied mutation (mirror of ledger.effects.complete): record forward `seq`'s
 -- outcome, only while the record still waits for that forward.
 -- KEYS[1] the task's effects hash, KEYS[2] prepared index, KEYS[3] unknown index,
--- KEYS[4] awaiting-approval index, KEYS[5] probe-due index, KEYS[5] probe-due index
+-- KEYS[4] awaiting-approval index, KEYS[5] probe-due index
 -- ARGV[1] clock offset ms, ARGV[2] effectId, ARGV[3] seq, ARGV[4] attemptId, ARGV[5] outcome,
 -- ARGV[6] reason, ARGV[7] response JSON or '' to keep the stored one
 -- Returns {'OK'|'STALE', effect fields...} or {'ERR', 'NO_SUCH_EFFECT', ''}
