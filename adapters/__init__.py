@@ -5,17 +5,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from adapters.base import Adapter
-from adapters.http import HttpAdapter
-from adapters.kinds import (
+from fencegate.adapters.base import Adapter
+from fencegate.adapters.http import HttpAdapter
+from fencegate.adapters.kinds import (
     ConditionalAdapter,
     IdempotentAdapter,
     ManualAdapter,
     ProbeAdapter,
     ProbeSpec,
 )
-from gateway.config import DownstreamConfig
-from ledger.effects import EffectState
+from fencegate.gateway.config import DownstreamConfig
+from fencegate.ledger.effects import EffectState
 
 __all__ = [
     "Adapter",

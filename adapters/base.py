@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ledger.effects import Effect, EffectState
+from fencegate.ledger.effects import Effect, EffectState
 
 __all__ = ["Adapter"]
 

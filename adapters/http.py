@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ledger.effects import Effect, EffectState
+from fencegate.ledger.effects import Effect, EffectState
 
 __all__ = ["UNKNOWN_STATUSES", "HttpAdapter"]
 

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.http import HttpAdapter
-from ledger.effects import Effect, EffectState, ProbeVerdict
+from fencegate.adapters.http import HttpAdapter
+from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
 
 __all__ = [
     "ALWAYS_MS",

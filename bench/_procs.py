@@ -33,6 +33,7 @@ __all__ = [
     "REPO_ROOT",
     "Proc",
     "align",
+    "cli_module",
     "cpu_seconds",
     "filesystem_of",
     "fmt",
@@ -184,8 +185,42 @@ def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, s
     return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
 
 
+#: The repository's folders and where they sit in the one import package.
+_LAYOUT = {"gateway": "gateway", "ledger": "ledger", "adapters": "adapters"}
+
+
+def stage_source(source: Path) -> Path:
+    """A directory whose ``fencegate`` package is ``source``'s tree as it installs: the SDK
+    folder with the layer folders linked in (package-dir, pyproject.toml), so a snapshot of
+    another revision imports without being installed. Trees from before the one namespace
+    (top-level ``gateway``...) are returned as they are."""
+    if not _uses_namespace(source):
+        return source
+    stage = Path(tempfile.mkdtemp(prefix="fencegate-src-"))
+    package = stage / "fencegate"
+    package.mkdir()
+    for item in (source / "fencegate").iterdir():
+        (package / item.name).symlink_to(item.resolve())
+    for name, folder in _LAYOUT.items():
+        (package / name).symlink_to((source / folder).resolve())
+    return stage
+
+
+def _uses_namespace(source: Path) -> bool:
+    pyproject = source / "pyproject.toml"
+    return pyproject.exists() and '"fencegate.gateway" = "gateway"' in pyproject.read_text()
+
+
+def cli_module(source: Path | None) -> str:
+    """The gateway's CLI module in ``source`` (revisions from before the one namespace had a
+    top-level ``gateway`` package)."""
+    if source is None or _uses_namespace(source) or not (source / "gateway").exists():
+        return "fencegate.gateway.cli"
+    return "gateway.cli"
+
+
 def gateway_env(source: Path | None) -> dict[str, str] | None:
-    """The environment that makes ``python -m gateway.cli`` import from ``source``.
+    """The environment that makes ``python -m fencegate.gateway.cli`` import from ``source``.
 
     PYTHONPATH comes before the editable install's finder, so a snapshot of another revision
     (``git archive``) runs instead of the working tree.
@@ -193,12 +228,13 @@ def gateway_env(source: Path | None) -> dict[str, str] | None:
     if source is None:
         return None
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(source) + (os.pathsep + path if path else "")}
+    staged = str(stage_source(source))
+    return {**os.environ, "PYTHONPATH": staged + (os.pathsep + path if path else "")}
 
 
 def gateway_origin(source: Path | None) -> str:
     """Where the gateway subprocesses import ``gateway`` from (checked, not assumed)."""
-    probe = "import importlib.util as u; print(u.find_spec('gateway.cli').origin)"
+    probe = f"import importlib.util as u; print(u.find_spec({cli_module(source)!r}).origin)"
     done = subprocess.run(
         [sys.executable, "-c", probe],
         env=gateway_env(source),
@@ -224,8 +260,8 @@ def start_gateway(
     """``fencegate serve`` with a temporary config: (process, base URL).
 
     ``extra_toml`` is appended to the config (whole sections: ``[leases]``,
-    ``[[downstreams]]``...); ``python_args`` go between the interpreter and ``-m gateway.cli``
-    (e.g. ``-m cProfile -o FILE``).
+    ``[[downstreams]]``...); ``python_args`` go between the interpreter and
+    ``-m fencegate.gateway.cli`` (e.g. ``-m cProfile -o FILE``).
     """
     directory.mkdir(parents=True)
     port = free_port()
@@ -241,7 +277,15 @@ def start_gateway(
         lines.append(f"timeout_ms = {store_timeout_ms}")
     lines += ["[logging]", f'level = "{log_level}"']
     config.write_text("\n".join(lines) + "\n" + extra_toml)
-    args = [sys.executable, *python_args, "-m", "gateway.cli", "serve", "--config", str(config)]
+    args = [
+        sys.executable,
+        *python_args,
+        "-m",
+        cli_module(source),
+        "serve",
+        "--config",
+        str(config),
+    ]
     proc = spawn("gateway", args, directory / "gateway.log", directory, gateway_env(source))
     base = f"http://{HOST}:{port}"
     try:

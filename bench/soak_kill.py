@@ -65,6 +65,7 @@ from bench._procs import (
     HOST,
     Proc,
     align,
+    cli_module,
     filesystem_of,
     gateway_env,
     gateway_origin,
@@ -267,7 +268,7 @@ class Gateway:
         self.source = source
         self.directory = proc.log_path.parent
         self.port = int(base.rsplit(":", 1)[1])
-        self.args = [sys.executable, "-m", "gateway.cli", "serve", "--config",
+        self.args = [sys.executable, "-m", cli_module(source), "serve", "--config",
                      str(self.directory / "fencegate.toml")]  # fmt: skip
         self.up = asyncio.Event()
         self.up.set()

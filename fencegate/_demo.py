@@ -672,8 +672,8 @@ async def summary(n: Narrator, client: Client, shop: Shop) -> None:
 
 @contextlib.asynccontextmanager
 async def _gateway(store_url: str, shop_url: str) -> AsyncIterator[str]:
-    from gateway.app import create_app
-    from gateway.config import Config
+    from fencegate.gateway.app import create_app
+    from fencegate.gateway.config import Config
 
     config = Config.model_validate(
         {

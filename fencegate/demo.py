@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``fencegate demo``: added to ``gateway.cli.COMMANDS``."""
+    """``fencegate demo``: added to ``fencegate.gateway.cli.COMMANDS``."""
     demo = sub.add_parser(
         "demo",
         help="play the fencing stories against a real gateway (exits 0 if all went as they should)",

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
-from ledger.errors import BadRequest
+from fencegate.ledger.errors import BadRequest
 
 __all__ = [
     "TASK_ID_PATTERN",

@@ -12,18 +12,18 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from adapters import build_adapter
-from gateway import coordination, ledger_api, operations
-from gateway.config import Config
-from gateway.http_client import new_client_session
-from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.problems import error_middleware
-from gateway.proxy import proxy_handler
-from gateway.reconcile import Reconciler
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
-from ledger.errors import StoreUnavailable
-from ledger.store import Store, open_store
-from ledger.tasks import LeasePolicy
+from fencegate.adapters import build_adapter
+from fencegate.gateway import coordination, ledger_api, operations
+from fencegate.gateway.config import Config
+from fencegate.gateway.http_client import new_client_session
+from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
+from fencegate.gateway.problems import error_middleware
+from fencegate.gateway.proxy import proxy_handler
+from fencegate.gateway.reconcile import Reconciler
+from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from fencegate.ledger.errors import StoreUnavailable
+from fencegate.ledger.store import Store, open_store
+from fencegate.ledger.tasks import LeasePolicy
 
 __all__ = ["build_store", "create_app"]
 

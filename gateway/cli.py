@@ -7,8 +7,8 @@ import sys
 from collections.abc import Callable
 
 from fencegate.demo import register as _add_demo
-from gateway.config import ConfigError, load_config, parse_listen
-from gateway.ops_cli import register as _add_ops
+from fencegate.gateway.config import ConfigError, load_config, parse_listen
+from fencegate.gateway.ops_cli import register as _add_ops
 
 __all__ = ["main"]
 
@@ -18,9 +18,9 @@ def _serve(args: argparse.Namespace) -> int:
     import structlog
     from aiohttp import web
 
-    from gateway.app import create_app
-    from gateway.logs import configure_logging
-    from ledger.errors import StoreUnavailable
+    from fencegate.gateway.app import create_app
+    from fencegate.gateway.logs import configure_logging
+    from fencegate.ledger.errors import StoreUnavailable
 
     try:
         config = load_config(args.config)

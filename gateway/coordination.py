@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import structlog
 from aiohttp import web
 
-from gateway.api_models import (
+from fencegate.gateway.api_models import (
     ClaimBody,
     CommitBody,
     IdentityBody,
@@ -23,9 +23,9 @@ from gateway.api_models import (
     check_task_id,
     parse_body,
 )
-from gateway.state import CONFIG, METRICS, STORE
-from ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
-from ledger.tasks import (
+from fencegate.gateway.state import CONFIG, METRICS, STORE
+from fencegate.ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,

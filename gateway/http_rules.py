@@ -11,7 +11,7 @@ from urllib.parse import unquote
 
 from multidict import CIMultiDict
 
-from ledger.errors import BadRequest
+from fencegate.ledger.errors import BadRequest
 
 __all__ = [
     "HOP_BY_HOP",

@@ -17,13 +17,13 @@ import structlog
 from aiohttp import web
 from pydantic import Field, StrictInt, StrictStr
 
-from adapters import ManualAdapter
-from gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
-from gateway.reconcile import reconcile
-from gateway.state import ADAPTERS, STORE
-from ledger import effects
-from ledger.effects import EffectState, effect_to_json
-from ledger.errors import BadRequest, NoSuchEffect
+from fencegate.adapters import ManualAdapter
+from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
+from fencegate.gateway.reconcile import reconcile
+from fencegate.gateway.state import ADAPTERS, STORE
+from fencegate.ledger import effects
+from fencegate.ledger.effects import EffectState, effect_to_json
+from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
 __all__ = ["routes"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ledger.store import Gauges
+from fencegate.ledger.store import Gauges
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.state import STORE
+from fencegate.gateway.state import STORE
 
 __all__ = ["routes"]
 

@@ -27,7 +27,7 @@ from urllib.error import HTTPError, URLError
 from urllib.parse import quote, urlencode, urlsplit
 from urllib.request import ProxyHandler, Request, build_opener
 
-from gateway.config import ConfigError, load_config, parse_listen
+from fencegate.gateway.config import ConfigError, load_config, parse_listen
 
 __all__ = ["DEFAULT_URL", "register"]
 

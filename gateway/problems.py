@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from ledger.errors import FencegateError, PayloadTooLarge
+from fencegate.ledger.errors import FencegateError, PayloadTooLarge
 
 __all__ = ["PROBLEM_TYPE_BASE", "error_middleware", "problem_response"]
 

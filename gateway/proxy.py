@@ -30,11 +30,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from adapters import Adapter, ProbeAdapter
-from gateway import failpoints
-from gateway.config import DownstreamConfig
-from gateway.http_client import ResendRefused, send_once
-from gateway.http_rules import (
+from fencegate.adapters import Adapter, ProbeAdapter
+from fencegate.gateway import failpoints
+from fencegate.gateway.config import DownstreamConfig
+from fencegate.gateway.http_client import ResendRefused, send_once
+from fencegate.gateway.http_rules import (
     SAFE_METHODS,
     canonical_body,
     downstream_request_headers,
@@ -42,11 +42,11 @@ from gateway.http_rules import (
     stored_response_headers,
     upstream_response_headers,
 )
-from gateway.problems import problem_response
-from gateway.reconcile import reconcile
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
-from ledger import effects
-from ledger.effects import (
+from fencegate.gateway.problems import problem_response
+from fencegate.gateway.reconcile import reconcile
+from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from fencegate.ledger import effects
+from fencegate.ledger.effects import (
     Action,
     Effect,
     EffectRequest,
@@ -55,7 +55,7 @@ from ledger.effects import (
     PrepareOutcome,
     payload_digest,
 )
-from ledger.errors import (
+from fencegate.ledger.errors import (
     BadRequest,
     DownstreamTimeout,
     DownstreamUnreachable,
@@ -64,7 +64,7 @@ from ledger.errors import (
     PayloadTooLarge,
     StoreUnavailable,
 )
-from ledger.store import new_id
+from fencegate.ledger.store import new_id
 
 __all__ = ["proxy_handler"]
 

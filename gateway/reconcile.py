@@ -27,13 +27,13 @@ import structlog
 from aiohttp import web
 from yarl import URL
 
-from adapters import ProbeAdapter
-from gateway.http_client import ResendRefused, send_once
-from gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
-from ledger import effects
-from ledger.effects import Effect, EffectState, ProbeVerdict
-from ledger.errors import EffectUnknown, FencegateError
-from ledger.store import new_id
+from fencegate.adapters import ProbeAdapter
+from fencegate.gateway.http_client import ResendRefused, send_once
+from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from fencegate.ledger import effects
+from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
+from fencegate.ledger.errors import EffectUnknown, FencegateError
+from fencegate.ledger.store import new_id
 
 __all__ = ["Reconciler", "reconcile"]
 

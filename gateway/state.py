@@ -8,10 +8,10 @@ from collections.abc import Mapping
 import aiohttp
 from aiohttp import web
 
-from adapters import Adapter
-from gateway.config import Config
-from gateway.metrics import Metrics
-from ledger.store import Store
+from fencegate.adapters import Adapter
+from fencegate.gateway.config import Config
+from fencegate.gateway.metrics import Metrics
+from fencegate.ledger.store import Store
 
 __all__ = ["ADAPTERS", "CONFIG", "HTTP_CLIENT", "METRICS", "PENDING_ABORTS", "STORE"]
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from ledger.errors import (
+from fencegate.ledger.errors import (
     AlreadyCommitted,
     ApprovalRequired,
     EffectInFlight,
@@ -47,7 +47,7 @@ from ledger.errors import (
     NoSuchEffect,
     PayloadConflict,
 )
-from ledger.tasks import Scheduler, Task, TaskState, check_holder
+from fencegate.ledger.tasks import Scheduler, Task, TaskState, check_holder
 
 __all__ = [
     "Action",

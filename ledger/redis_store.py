@@ -34,11 +34,25 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from ledger import effects, keys
-from ledger.effects import Action, Effect, EffectRequest, EffectState, Fence, PrepareOutcome
-from ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
-from ledger.store import EffectTransition, Gauges, Store, decode_cursor, encode_cursor, new_id
-from ledger.tasks import (
+from fencegate.ledger import effects, keys
+from fencegate.ledger.effects import (
+    Action,
+    Effect,
+    EffectRequest,
+    EffectState,
+    Fence,
+    PrepareOutcome,
+)
+from fencegate.ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
+from fencegate.ledger.store import (
+    EffectTransition,
+    Gauges,
+    Store,
+    decode_cursor,
+    encode_cursor,
+    new_id,
+)
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,
@@ -83,7 +97,7 @@ _PARK_MS = 60_000
 
 def load_script_source(name: str) -> str:
     """``common.lua``, the script's libraries, then the script, as sent to Redis."""
-    folder = resources.files("ledger") / "lua"
+    folder = resources.files("fencegate.ledger") / "lua"
     parts = ["common", *_SCRIPTS[name], name]
     return "\n".join((folder / f"{part}.lua").read_text(encoding="utf-8") for part in parts)
 

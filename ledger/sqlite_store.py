@@ -21,12 +21,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from ledger import effects, tasks
-from ledger.clock import ClockMark, ClockSources, StoreClock
-from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
-from ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
-from ledger.store import EffectTransition, Gauges, Store, decode_cursor, encode_cursor, new_id
-from ledger.tasks import (
+from fencegate.ledger import effects, tasks
+from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
+from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from fencegate.ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
+from fencegate.ledger.store import (
+    EffectTransition,
+    Gauges,
+    Store,
+    decode_cursor,
+    encode_cursor,
+    new_id,
+)
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
-from ledger.errors import BadRequest
-from ledger.tasks import (
+from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from fencegate.ledger.errors import BadRequest
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,
@@ -243,12 +243,12 @@ def open_store(
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db`` or ``redis://host:port/db`` (``rediss://`` for TLS)."""
     if url.startswith("sqlite:///"):
-        from ledger.sqlite_store import SQLiteStore
+        from fencegate.ledger.sqlite_store import SQLiteStore
 
         path = url[len("sqlite:///") :]  # relative to the working directory, or absolute
         return SQLiteStore(path, policy, timeout_ms=timeout_ms, synchronous=sqlite_synchronous)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        from ledger.redis_store import RedisStore
+        from fencegate.ledger.redis_store import RedisStore
 
         return RedisStore(
             url,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from ledger.errors import (
+from fencegate.ledger.errors import (
     AlreadyCommitted,
     Cancelled,
     Claimed,

@@ -7,8 +7,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from gateway.state import STORE
-from ledger.store import Store
+from fencegate.gateway.state import STORE
+from fencegate.ledger.store import Store
 
 __all__ = ["Answer", "Api", "Lease"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import Config
-from ledger.store import Store, open_store
-from ledger.tasks import LeasePolicy
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger.store import Store, open_store
+from fencegate.ledger.tasks import LeasePolicy
 from tests.downstream import Downstream
 from tests.servers import Gateways, RedisServer
 

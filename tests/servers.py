@@ -165,7 +165,7 @@ class GatewayProcess(_Child):
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "fencegate.gateway.cli",
                 "serve",
                 "--config",
                 str(self.config_path),

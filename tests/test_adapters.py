@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import Config
-from gateway.reconcile import Reconciler
-from ledger.effects import EffectRequest, Fence
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.gateway.reconcile import Reconciler
+from fencegate.ledger.effects import EffectRequest, Fence
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.kind_servers import KindServers
@@ -491,7 +491,7 @@ def test_config_errors_stop_start_up_naming_downstream_and_key(
     path = tmp_path / "bad.toml"
     path.write_text(f"[[downstreams]]\n{table}\n")
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "fencegate.gateway.cli", "serve", "--config", str(path)],
         capture_output=True, text=True, timeout=30, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 2
@@ -501,7 +501,7 @@ def test_config_errors_stop_start_up_naming_downstream_and_key(
 
 async def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
     """config.example.toml shows every kind, and a gateway serves on it unchanged."""
-    from gateway.config import load_config
+    from fencegate.gateway.config import load_config
 
     example = Path(__file__).resolve().parent.parent / "config.example.toml"
     kinds = {d.adapter for d in load_config(example).downstreams}

@@ -67,9 +67,10 @@ def check_narration(done: subprocess.CompletedProcess[str], tmp_path: Path) -> N
 
 
 def demo_command() -> list[str]:
-    """The console script a user runs (``python -m gateway.cli`` where it is not installed)."""
+    """The console script a user runs (``python -m fencegate.gateway.cli`` where it is not
+    installed)."""
     script = Path(sys.executable).with_name("fencegate")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "fencegate.gateway.cli"]
 
 
 def test_demo_runs_with_no_set_up_and_exits_0(tmp_path: Path) -> None:

@@ -21,9 +21,9 @@ from typing import Any, cast
 
 import aiohttp
 
-from ledger.errors import StoreUnavailable
-from ledger.redis_store import RedisStore
-from ledger.tasks import (
+from fencegate.ledger.errors import StoreUnavailable
+from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,

@@ -30,10 +30,10 @@ import pytest
 import redis
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import ConfigError, ProxyConfig, load_config
-from ledger.effects import effect_id
-from ledger.redis_store import _SCRIPTS, load_script_source
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import ConfigError, ProxyConfig, load_config
+from fencegate.ledger.effects import effect_id
+from fencegate.ledger.redis_store import _SCRIPTS, load_script_source
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -388,7 +388,7 @@ def test_serve_with_a_start_limit_not_below_the_margin_exits_with_the_message(
         tmp_path / "bad.toml", "prepared_margin_ms = 1000\nforward_start_limit_ms = 1000\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(bad),
+        [sys.executable, "-m", "fencegate.gateway.cli", "serve", "--config", str(bad),
          "--listen", f"127.0.0.1:{free_port()}"],
         cwd=tmp_path,
         capture_output=True,

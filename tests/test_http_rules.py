@@ -12,16 +12,16 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given
 
-from gateway.http_rules import (
+from fencegate.gateway.http_rules import (
     canonical_body,
     downstream_request_headers,
     split_proxy_path,
     stored_response_headers,
     upstream_response_headers,
 )
-from ledger.effects import effect_id, payload_digest
-from ledger.errors import BadRequest
-from ledger.redis_store import load_script_source
+from fencegate.ledger.effects import effect_id, payload_digest
+from fencegate.ledger.errors import BadRequest
+from fencegate.ledger.redis_store import load_script_source
 from tests.servers import RedisServer
 
 JSON_VALUES = st.recursive(

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from gateway.app import create_app
+from fencegate.gateway.app import create_app
 from tests.api import Api
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream

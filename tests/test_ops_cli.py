@@ -1,9 +1,9 @@
 """The operator CLI (``fencegate effects|tasks|epoch|claims``) against a real gateway.
 
 The gateway runs in-process on loopback (SQLite store, background reconciler off so only the
-CLI settles effects) in front of a real downstream; every command is ``gateway.cli.main``
+CLI settles effects) in front of a real downstream; every command is ``fencegate.gateway.cli.main``
 run in a worker thread, so it speaks HTTP to the gateway exactly as from a terminal. One test
-runs ``python -m gateway.cli`` as a process for the entry point and the exit codes.
+runs ``python -m fencegate.gateway.cli`` as a process for the entry point and the exit codes.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway import ops_cli
-from gateway.app import create_app
-from gateway.cli import main
-from ledger.effects import effect_id
+from fencegate.gateway import ops_cli
+from fencegate.gateway.app import create_app
+from fencegate.gateway.cli import main
+from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -506,11 +506,12 @@ async def test_bad_usage_exits_2(env: Env) -> None:
 
 
 async def test_the_installed_command_as_a_process(env: Env) -> None:
-    """``python -m gateway.cli`` for real: stdout, stderr and exit codes as a shell sees them."""
+    """``python -m fencegate.gateway.cli`` for real: stdout, stderr and exit codes as a shell
+    sees them."""
 
     async def run(*argv: str) -> Run:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway.cli", *argv,
+            sys.executable, "-m", "fencegate.gateway.cli", *argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         out, err = await proc.communicate()

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import Config
-from ledger import effects
-from ledger.effects import Effect, EffectAttempt, EffectState, ProbeVerdict
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger import effects
+from fencegate.ledger.effects import Effect, EffectAttempt, EffectState, ProbeVerdict
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.late_servers import LateServers

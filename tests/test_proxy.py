@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import Config
-from ledger.effects import EffectRequest, EffectState, Fence, effect_id, payload_digest
-from ledger.errors import FencegateError
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger.effects import EffectRequest, EffectState, Fence, effect_id, payload_digest
+from fencegate.ledger.errors import FencegateError
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -791,7 +791,7 @@ async def test_a_prepare_the_gateway_never_forwarded_is_aborted_by_its_forward_i
 ) -> None:
     """What the gateway does after a 503 at the first step (the store may have applied the
     prepare without answering): find the record by forward id and make it NOT_APPLIED."""
-    from ledger import effects
+    from fencegate.ledger import effects
 
     lease = await task_with_lease(api)
     fence = Fence("t1", lease.attempt_id, lease.claim_generation, 1, 0)

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from ledger.effects import effect_id
+from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, Gateways, RedisServer, free_port, write_gateway_config

@@ -14,13 +14,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.config import Config
-from ledger import effects
-from ledger.effects import EffectRequest, EffectState, Fence, ProbeVerdict
-from ledger.keys import Keys
-from ledger.store import Store
-from ledger.tasks import ClaimRequest
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger import effects
+from fencegate.ledger.effects import EffectRequest, EffectState, Fence, ProbeVerdict
+from fencegate.ledger.keys import Keys
+from fencegate.ledger.store import Store
+from fencegate.ledger.tasks import ClaimRequest
 from tests.conftest import build_test_store, make_config
 from tests.servers import RedisServer
 

@@ -27,11 +27,11 @@ from aiohttp.test_utils import TestServer
 import fencegate
 from fencegate import Client, Lease, LeaseLost
 from fencegate.errors import ERRORS_BY_CODE, ProblemError
-from gateway.app import create_app
-from gateway.config import Config
-from ledger.effects import effect_id
-from ledger.errors import ERRORS_BY_CODE as GATEWAY_CODES
-from ledger.store import Store
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger.effects import effect_id
+from fencegate.ledger.errors import ERRORS_BY_CODE as GATEWAY_CODES
+from fencegate.ledger.store import Store
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import free_port

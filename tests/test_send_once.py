@@ -35,8 +35,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import create_app
-from gateway.http_client import ResendRefused, new_client_session, send_once
+from fencegate.gateway.app import create_app
+from fencegate.gateway.http_client import ResendRefused, new_client_session, send_once
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import Sent, fence_headers

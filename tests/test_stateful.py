@@ -33,13 +33,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from ledger import effects, tasks
-from ledger.effects import Effect, EffectRequest, EffectState, Fence
-from ledger.errors import FencegateError
-from ledger.redis_store import RedisStore
-from ledger.sqlite_store import SQLiteStore
-from ledger.store import Gauges, Store
-from ledger.tasks import (
+from fencegate.ledger import effects, tasks
+from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence
+from fencegate.ledger.errors import FencegateError
+from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.sqlite_store import SQLiteStore
+from fencegate.ledger.store import Gauges, Store
+from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
     Identity,

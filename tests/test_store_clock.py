@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from ledger import effects
-from ledger.clock import AHEAD_MS, HEADROOM_MS, ClockSources, StoreClock
-from ledger.effects import EffectRequest, EffectState, Fence
-from ledger.errors import FencegateError
-from ledger.sqlite_store import SQLiteStore
-from ledger.tasks import ClaimRequest, LeasePolicy
+from fencegate.ledger import effects
+from fencegate.ledger.clock import AHEAD_MS, HEADROOM_MS, ClockSources, StoreClock
+from fencegate.ledger.effects import EffectRequest, EffectState, Fence
+from fencegate.ledger.errors import FencegateError
+from fencegate.ledger.sqlite_store import SQLiteStore
+from fencegate.ledger.tasks import ClaimRequest, LeasePolicy
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
 HOUR_MS = 3_600_000

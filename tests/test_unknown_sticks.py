@@ -24,13 +24,20 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway import failpoints
-from gateway.app import create_app
-from gateway.config import Config
-from ledger import effects
-from ledger.effects import Action, Effect, EffectAttempt, EffectRequest, EffectState, Fence
-from ledger.store import Store
-from ledger.tasks import ClaimRequest
+from fencegate.gateway import failpoints
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from fencegate.ledger import effects
+from fencegate.ledger.effects import (
+    Action,
+    Effect,
+    EffectAttempt,
+    EffectRequest,
+    EffectState,
+    Fence,
+)
+from fencegate.ledger.store import Store
+from fencegate.ledger.tasks import ClaimRequest
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.late_servers import LateServers
