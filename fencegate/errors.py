@@ -43,6 +43,8 @@ from typing import Any
 
 from multidict import CIMultiDict
 
+from fencegate.ledger.errors import CLAIM_REFUSED_CODES
+
 __all__ = [
     "ERRORS_BY_CODE",
     "LEASE_ENDING_CODES",
@@ -334,19 +336,9 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
     503: Unavailable,
     504: DownstreamTimeout,
 }
-#: Refusals after which a lease can no longer act: the SDK stops using it.
-LEASE_ENDING_CODES: frozenset[str] = frozenset(
-    {
-        "FENCED",
-        "LEASE_EXPIRED",
-        "STALE_EPOCH",
-        "CANCELLED",
-        "STALE_INPUT",
-        "RUNTIME_EXCEEDED",
-        "ALREADY_COMMITTED",
-        "NO_SUCH_TASK",
-    }
-)
+#: Refusals after which a lease can no longer act: the SDK stops using it (the gateway's
+#: ClaimRefused family, one list for both).
+LEASE_ENDING_CODES: frozenset[str] = CLAIM_REFUSED_CODES
 
 
 def error_from_problem(

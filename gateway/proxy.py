@@ -57,6 +57,7 @@ from fencegate.ledger.effects import (
 )
 from fencegate.ledger.errors import (
     BadRequest,
+    ClaimRefused,
     DownstreamTimeout,
     DownstreamUnreachable,
     FencegateError,
@@ -81,11 +82,6 @@ _EFFECT_REFUSALS = {
     "EFFECT_UNKNOWN": "unknown_refused",
     "APPROVAL_REQUIRED": "approval_required",
 }
-#: Claim-level refusals: the caller is not (or no longer) the task's current attempt.
-_FENCE_CODES = frozenset(
-    {"FENCED", "STALE_EPOCH", "CANCELLED", "LEASE_EXPIRED", "STALE_INPUT", "ALREADY_COMMITTED",
-     "NO_SUCH_TASK"}
-)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +228,8 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         try:
             await store.check_fence(call.fence)
         except FencegateError as exc:
-            metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
-            if exc.code not in _FENCE_CODES:
+            metrics.decision("proxy", exc.code, validated=isinstance(exc, ClaimRefused))
+            if not isinstance(exc, ClaimRefused):
                 raise
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **_log_fields(call))
             if call.shadow:
@@ -308,12 +304,12 @@ async def _handle(request: web.Request) -> web.StreamResponse:
                 wait_ms = effect.next_probe_at - await store.now_ms()
                 outcome.error.extra["retryAfterMs"] = max(wait_ms, 0)
     except FencegateError as exc:
-        metrics.decision("proxy", exc.code, validated=exc.code in _FENCE_CODES)
+        metrics.decision("proxy", exc.code, validated=isinstance(exc, ClaimRefused))
         if isinstance(exc, StoreUnavailable):
             # The store may still apply the prepare it did not answer; nothing was forwarded,
             # so find that record once the store answers again and make it NOT_APPLIED.
             _abort_later(request.app, effect_request, deadline_ms)
-        if exc.code in _FENCE_CODES:
+        if isinstance(exc, ClaimRefused):
             log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
             if call.shadow:
                 return await _shadow(request, call, exc.code, None, fields)

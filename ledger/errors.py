@@ -5,12 +5,13 @@ The tree::
     FencegateError                 (500 INTERNAL, never raised on purpose)
     ├── BadRequest                 400 BAD_REQUEST
     ├── NotFound                   404
-    │   ├── NoSuchTask             NO_SUCH_TASK
+    │   ├── NoSuchTask             NO_SUCH_TASK (also ClaimRefused)
     │   ├── NoSuchEffect           NO_SUCH_EFFECT
     │   └── NoSuchDownstream       NO_SUCH_DOWNSTREAM
     ├── Rejected                   409: the fence said no
-    │   ├── Claimed, Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
-    │   ├── AlreadyCommitted, RuntimeExceeded
+    │   ├── Claimed
+    │   ├── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput, AlreadyCommitted,
+    │   │   RuntimeExceeded        (also ClaimRefused: the claim is gone)
     │   └── EffectInFlight, EffectUnknown, EffectSettled, ApprovalRequired
     ├── PayloadConflict            422 PAYLOAD_CONFLICT
     ├── PayloadTooLarge            413 PAYLOAD_TOO_LARGE
@@ -29,11 +30,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "CLAIM_REFUSED_CODES",
     "ERRORS_BY_CODE",
     "AlreadyCommitted",
     "ApprovalRequired",
     "BadRequest",
     "Cancelled",
+    "ClaimRefused",
     "Claimed",
     "ClaimsPaused",
     "DownstreamTimeout",
@@ -78,11 +81,17 @@ class BadRequest(FencegateError):
     title = "Bad request"
 
 
+class ClaimRefused(FencegateError):
+    """The caller is not (or no longer) the task's current, live attempt: whatever it was
+    doing under that claim must stop. A family across statuses (404, 409): the proxy logs
+    these as ``effect.fenced``, and the SDK ends the lease on any of them."""
+
+
 class NotFound(FencegateError):
     status = 404
 
 
-class NoSuchTask(NotFound):
+class NoSuchTask(NotFound, ClaimRefused):
     code = "NO_SUCH_TASK"
     title = "No such task"
 
@@ -108,37 +117,37 @@ class Claimed(Rejected):
     title = "Another attempt holds an unexpired lease"
 
 
-class Fenced(Rejected):
+class Fenced(Rejected, ClaimRefused):
     code = "FENCED"
     title = "Not the task's current claim"
 
 
-class LeaseExpired(Rejected):
+class LeaseExpired(Rejected, ClaimRefused):
     code = "LEASE_EXPIRED"
     title = "The lease has expired"
 
 
-class StaleEpoch(Rejected):
+class StaleEpoch(Rejected, ClaimRefused):
     code = "STALE_EPOCH"
     title = "The scheduler epoch is not the current one"
 
 
-class Cancelled(Rejected):
+class Cancelled(Rejected, ClaimRefused):
     code = "CANCELLED"
     title = "The task was cancelled"
 
 
-class StaleInput(Rejected):
+class StaleInput(Rejected, ClaimRefused):
     code = "STALE_INPUT"
     title = "The task's input has a newer revision"
 
 
-class AlreadyCommitted(Rejected):
+class AlreadyCommitted(Rejected, ClaimRefused):
     code = "ALREADY_COMMITTED"
     title = "The task already has its canonical commit"
 
 
-class RuntimeExceeded(Rejected):
+class RuntimeExceeded(Rejected, ClaimRefused):
     code = "RUNTIME_EXCEEDED"
     title = "The attempt reached its maximum runtime"
 
@@ -214,3 +223,7 @@ def _codes() -> dict[str, type[FencegateError]]:
 
 #: code -> class, so a store (or a Lua script) can name an error by its code alone.
 ERRORS_BY_CODE: dict[str, type[FencegateError]] = _codes()
+#: The codes of the ClaimRefused family, for clients that only see a problem's code.
+CLAIM_REFUSED_CODES: frozenset[str] = frozenset(
+    code for code, cls in ERRORS_BY_CODE.items() if issubclass(cls, ClaimRefused)
+)
