@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import structlog
 from aiohttp import web
 
-from fencegate.adapters import build_adapter
 from fencegate.gateway import coordination, ledger_api, operations
 from fencegate.gateway.config import Config
+from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
 from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
 from fencegate.gateway.problems import error_middleware
