@@ -46,6 +46,7 @@ import aiohttp
 import redis
 from aiohttp import web
 
+from bench._args import add_run_options, add_store_options, check_run_options, parse_stores
 from bench._procs import (
     HOST,
     Proc,
@@ -691,6 +692,10 @@ def render_table(summaries: Sequence[dict[str, Any]]) -> str:
 # --- main ------------------------------------------------------------------------------------
 
 
+#: Stores measured by default, in phase order.
+STORES_DEFAULT = "sqlite,redis"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.claim_commit",
@@ -713,23 +718,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="repeat the store phases this many times (medians are printed too)",
     )
     parser.add_argument("--warmup", type=int, default=100, help="unmeasured cycles per phase")
-    parser.add_argument(
-        "--stores",
-        default="sqlite,redis",
-        help="comma-separated subset of sqlite,redis",
-    )
-    parser.add_argument(
-        "--appendfsync",
-        choices=("always", "everysec"),
-        default="always",
-        help="redis-server's appendfsync (always is the production advice)",
-    )
-    parser.add_argument(
-        "--sqlite-synchronous",
-        choices=("FULL", "NORMAL"),
-        default="FULL",
-        help="store.sqlite_synchronous of the sqlite gateway",
-    )
+    add_store_options(parser, stores=STORES_DEFAULT)
     parser.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
@@ -747,45 +736,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip reading every task back after the run",
     )
-    parser.add_argument(
-        "--json",
-        metavar="FILE",
-        help="also write the results as JSON to FILE ('-': stdout, the table then goes to stderr)",
-    )
-    parser.add_argument(
-        "--temp-dir",
-        metavar="DIR",
-        help="where the temporary directory goes (default: the system's; avoid tmpfs)",
-    )
-    parser.add_argument(
-        "--keep", action="store_true", help="keep the temporary directory (logs, data)"
-    )
-    parser.add_argument(
-        "--redis-server",
-        default=shutil.which("redis-server"),
-        help="redis-server binary (default: from PATH)",
-    )
-    parser.add_argument(
-        "--gateway-src",
-        metavar="DIR",
-        type=Path,
-        help="run the gateway from this source tree (e.g. a `git archive` of a commit) "
-        "instead of the installed checkout",
-    )
+    add_run_options(parser, report="the table then goes")
     parser.add_argument("--serve-baseline", metavar="HOST:PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_baseline:
         return args
-    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
-    if not stores or any(s not in ("sqlite", "redis") for s in stores):
-        parser.error("--stores: expected a comma-separated subset of sqlite,redis")
-    args.stores = stores
+    args.stores = parse_stores(parser, args.stores, STORES_DEFAULT)
     if min(args.tasks, args.concurrency, args.rounds) < 1 or args.warmup < 0:
         parser.error("--tasks, --concurrency and --rounds must be >= 1, --warmup >= 0")
     if args.max_seconds <= 0:
         parser.error("--max-seconds must be > 0")
-    if "redis" in stores and not args.redis_server:
-        parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
+    check_run_options(parser, args, args.stores)
     return args
 
 

@@ -60,6 +60,7 @@ import redis
 from aiohttp import web
 from multidict import CIMultiDict
 
+from bench._args import add_run_options, add_store_options, check_run_options, parse_stores
 from bench._procs import (
     HOST,
     Proc,
@@ -975,6 +976,10 @@ def render_figures(figures: Sequence[dict[str, Any]]) -> str:
 # --- main ------------------------------------------------------------------------------------
 
 
+#: Stores measured by default, in phase order.
+STORES_DEFAULT = "redis,sqlite"
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.proxy",
@@ -1015,9 +1020,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=30.0,
         help="time bound of each phase's measured part (and of its warm-up)",
     )
-    parser.add_argument(
-        "--stores", default="redis,sqlite", help="comma-separated subset of redis,sqlite"
-    )
+    add_store_options(parser, stores=STORES_DEFAULT)
     parser.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
@@ -1028,23 +1031,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-info",
         action="store_true",
         help="skip the one peak phase per store with logging.level = info (the default level)",
-    )
-    parser.add_argument(
-        "--appendfsync",
-        choices=("always", "everysec"),
-        default="always",
-        help="redis-server's appendfsync (always is the production advice)",
-    )
-    parser.add_argument(
-        "--sqlite-synchronous",
-        choices=("FULL", "NORMAL"),
-        default="FULL",
-        help="store.sqlite_synchronous of the sqlite gateway",
-    )
-    parser.add_argument(
-        "--json",
-        metavar="FILE",
-        help="also write the results as JSON to FILE ('-': stdout, the tables then go to stderr)",
     )
     parser.add_argument(
         "--gateway-toml",
@@ -1060,44 +1046,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run every gateway under cProfile, writing DIR/gateway-NAME.prof when it stops "
         "(slows the gateway: use for where the time goes, not for the figures)",
     )
-    parser.add_argument(
-        "--temp-dir",
-        metavar="DIR",
-        help="where the temporary directory goes (default: the system's; avoid tmpfs)",
-    )
-    parser.add_argument(
-        "--keep", action="store_true", help="keep the temporary directory (logs, data)"
-    )
-    parser.add_argument(
-        "--redis-server",
-        default=shutil.which("redis-server"),
-        help="redis-server binary (default: from PATH)",
-    )
-    parser.add_argument(
-        "--gateway-src",
-        metavar="DIR",
-        type=Path,
-        help="run the gateway from this source tree (e.g. a `git archive` of a commit) "
-        "instead of the installed checkout",
-    )
+    add_run_options(parser, report="the tables then go")
     parser.add_argument("--serve-downstream", metavar="HOST:PORT", help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", metavar="HOST:PORT", help=argparse.SUPPRESS)
     parser.add_argument("--downstream-url", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_downstream or args.serve_passthrough:
         return args
-    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
-    if not stores or any(s not in RATIO_TARGETS for s in stores) or len(set(stores)) != len(stores):
-        parser.error("--stores: expected a comma-separated subset of redis,sqlite")
-    args.stores = stores
+    args.stores = parse_stores(parser, args.stores, STORES_DEFAULT)
     if min(args.requests, args.concurrency, args.rounds, args.tasks, args.paced_rounds) < 1:
         parser.error("--requests, --concurrency, --rounds, --tasks, --paced-rounds must be >= 1")
     if args.warmup < 0 or args.max_in_flight < 1:
         parser.error("--warmup must be >= 0, --max-in-flight >= 1")
     if not 0 < args.paced_fraction <= 1 or args.paced_seconds <= 0 or args.max_seconds <= 0:
         parser.error("--paced-fraction must be in (0, 1], --paced-seconds and --max-seconds > 0")
-    if "redis" in stores and not args.redis_server:
-        parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
+    check_run_options(parser, args, args.stores)
     return args
 
 

@@ -61,6 +61,7 @@ import aiohttp
 import redis
 from aiohttp import web
 
+from bench._args import STORES, add_run_options, check_run_options
 from bench._procs import (
     HOST,
     Proc,
@@ -1095,7 +1096,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "executions at the downstream",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--store", choices=["sqlite", "redis", "both"], default="both")
+    parser.add_argument("--store", choices=[*STORES, "both"], default="both")
     parser.add_argument("--effects", type=int, default=200, help="tasks, one effect each")
     parser.add_argument("--concurrency", type=int, default=16, help="effects in flight")
     parser.add_argument("--kills", type=int, default=8, help="SIGKILLs of the gateway per store")
@@ -1146,18 +1147,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a line appended to the gateway config (it lands in [downstreams.probe] of "
         "orders unless it opens a table); repeatable",
     )
-    parser.add_argument(
-        "--gateway-src",
-        type=Path,
-        default=None,
-        help="run the gateway from this source tree (e.g. a `git archive` of a commit)",
-    )
-    parser.add_argument(
-        "--redis-server", default=shutil.which("redis-server"), help="redis-server binary"
-    )
-    parser.add_argument("--temp-dir", default=None, help="where the temporary directory goes")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the figures ('-')")
+    add_run_options(parser, report="the report then goes")
     parser.add_argument(
         "--verbose", action="store_true", help="print records and logs of unsettled effects too"
     )
@@ -1171,11 +1161,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--max-seconds must be > 0, --orders-fraction in [0, 1]")
     if not 0 <= args.slow_fraction <= 1 or args.ttl_ms < 100 or args.timeout_ms < 10:
         parser.error("--slow-fraction in [0, 1], --ttl-ms >= 100, --timeout-ms >= 10")
-    args.stores = ["sqlite", "redis"] if args.store == "both" else [args.store]
-    if "redis" in args.stores and not args.redis_server:
-        parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
-    if args.gateway_src is not None:
-        args.gateway_src = args.gateway_src.resolve()
+    args.stores = list(STORES) if args.store == "both" else [args.store]
+    check_run_options(parser, args, args.stores)
     return args
 
 
