@@ -1,10 +1,18 @@
 """The plain ``http`` adapter: the contract's default behaviour, and the base of the others.
 
-Every forward carries the effectId as its idempotency key and the fencing token; a response
-is COMMITTED, except 500, 502 and 504, which say nothing certain about whether the effect
-happened and so are UNKNOWN. An UNKNOWN effect is never re-sent by this adapter: only an
-operator (or a kind that can prove it safe) settles it. Status overrides from the config win
-over these defaults.
+Every forward carries the effectId as its idempotency key and the fencing token. What a
+response status means, unless the downstream's ``outcomes`` table says otherwise (it wins
+over these defaults, per status):
+
+* 500, 502, 503 and 504 are UNKNOWN: they say nothing certain about whether the effect
+  happened (a 503 may come from a downstream that had already started on the request).
+* 429 is NOT_APPLIED: the downstream refused the request before processing it (rate limit),
+  so the same payload may go again.
+* Every other status is COMMITTED and its response is replayed to duplicates.
+
+An UNKNOWN effect is never re-sent by this adapter: only an operator (or a kind that can
+prove it safe) settles it. A NOT_APPLIED answer after an earlier attempt that may have
+executed leaves the effect UNKNOWN (the ledger's rule, not the adapter's).
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ from dataclasses import dataclass, field
 
 from fencegate.ledger.effects import Effect, EffectState
 
-__all__ = ["UNKNOWN_STATUSES", "HttpAdapter"]
+__all__ = ["NOT_APPLIED_STATUSES", "UNKNOWN_STATUSES", "HttpAdapter"]
 
 #: Statuses after which the effect may or may not have happened.
-UNKNOWN_STATUSES = frozenset({500, 502, 504})
+UNKNOWN_STATUSES = frozenset({500, 502, 503, 504})
+#: Statuses that refuse the request before it was processed: nothing happened.
+NOT_APPLIED_STATUSES = frozenset({429})
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,8 @@ class HttpAdapter:
     def default_outcome(self, status: int, effect: Effect) -> tuple[EffectState, str]:
         if status in UNKNOWN_STATUSES:
             return EffectState.UNKNOWN, f"status {status}"
+        if status in NOT_APPLIED_STATUSES:
+            return EffectState.NOT_APPLIED, f"status {status}: refused before it was processed"
         return EffectState.COMMITTED, f"status {status}"
 
     def classify(self, status: int, effect: Effect) -> tuple[EffectState, str]:
