@@ -117,8 +117,8 @@ __all__ = [
     "wait_out_in_flight",
 ]
 
-#: Where each export lives. Imported on first use (PEP 562), so that ``import fencegate.demo``
-#: (the command line registering ``fencegate demo``) does not pay for aiohttp.
+#: Where each export lives. Imported on first use (PEP 562), so that importing a subpackage
+#: (``fencegate.ledger`` in the gateway) or ``fencegate.errors`` alone does not pay for aiohttp.
 _MODULES = ("fencegate.errors", "fencegate.lease", "fencegate.client")
 
 

@@ -1,25 +1,36 @@
-"""Reading the gateway's answers: its own problems versus whatever a downstream said."""
+"""The SDK's HTTP layer: reading the gateway's answers, and what a lease needs of a client.
+
+``RawAnswer`` is one answer as read; ``gateway_problem`` tells the gateway's own problems from
+whatever a downstream said; ``Transport`` is the part of ``fencegate.client.Client`` a lease
+uses, so that ``fencegate.lease`` never imports the client (the client imports the lease).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import quote
 
 from multidict import CIMultiDictProxy
 
 from fencegate.errors import PROBLEM_TYPE_PREFIX, ProblemError, error_from_problem
 
-__all__ = ["RawAnswer", "gateway_problem"]
+__all__ = ["RawAnswer", "Transport", "gateway_problem", "task_path"]
+
+#: Characters of the id grammar, left as they are in paths (``/`` included, as the contract says).
+_ID_SAFE = "/:@._-"
 
 
 @dataclass(frozen=True, slots=True)
 class RawAnswer:
-    """One HTTP answer as the SDK read it."""
+    """One HTTP answer as the SDK read it (``reason``: the status line's reason phrase)."""
 
     status: int
     headers: CIMultiDictProxy[str]
     body: bytes
+    reason: str = ""
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
@@ -39,3 +50,35 @@ def gateway_problem(answer: RawAnswer) -> ProblemError | None:
     if not isinstance(body, dict) or not str(body.get("type", "")).startswith(PROBLEM_TYPE_PREFIX):
         return None
     return error_from_problem(answer.status, body, answer.headers)
+
+
+def task_path(task_id: str, action: str = "") -> str:
+    """``/v1/tasks/{taskId}`` (or ``.../{action}``), the id percent-encoded as the contract says."""
+    return f"/v1/tasks/{quote(task_id, safe=_ID_SAFE)}" + (f"/{action}" if action else "")
+
+
+class Transport(Protocol):
+    """What a lease needs of the client that made it: one HTTP exchange, one JSON call."""
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> RawAnswer:
+        """One HTTP exchange with the gateway; ``path`` is sent as given (already encoded)."""
+        ...
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        """A JSON call of the coordination or ledger API: (status, decoded body), or raise."""
+        ...

@@ -4,8 +4,8 @@ Scheduler side: ``put_task`` (create or revise), ``get_task``, ``cancel_task``,
 ``get_epoch``, ``bump_epoch``, ``pause_claims``, ``resume_claims``.
 Worker side: ``claim`` (a guarded lease as an ``async with``: renewed in the background,
 the body cancelled when it is lost) and ``acquire`` (a bare lease you renew yourself).
-Operator side: ``list_effects``, ``get_effect``, ``resolve_effect``, ``approve_effect``,
-``reconcile_effect``.
+Operator side: ``list_effects`` / ``iter_effects``, ``get_effect``, ``resolve_effect``,
+``approve_effect``, ``reconcile_effect``, ``get_rollout``.
 
 Every refusal of the gateway is raised as its typed exception (``fencegate.errors``);
 a gateway that does not answer is ``GatewayUnreachable``.
@@ -13,37 +13,37 @@ a gateway that does not answer is ``GatewayUnreachable``.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 from urllib.parse import quote, urlencode
 
 import aiohttp
 from yarl import URL
 
-from fencegate._http import RawAnswer, gateway_problem
+from fencegate._http import RawAnswer, gateway_problem, task_path
 from fencegate.errors import GatewayUnreachable, ProblemError
 from fencegate.lease import ClaimScope, Lease
 
 __all__ = ["Client", "Epoch", "TaskRecord"]
 
-#: Characters of the id grammar, left as they are in paths (``/`` included, as the contract says).
-_ID_SAFE = "/:@._-"
-
 
 @dataclass(frozen=True, slots=True)
 class Epoch:
-    """``GET /v1/epoch``: the global scheduler epoch and whether claims are paused."""
+    """``GET /v1/epoch``: the global scheduler epoch and whether claims are paused.
+    ``raw`` is the whole answer (newer fields too)."""
 
     scheduler_epoch: int
     claims_paused: bool
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> Epoch:
-        return cls(int(body["schedulerEpoch"]), bool(body["claimsPaused"]))
+        return cls(int(body["schedulerEpoch"]), bool(body["claimsPaused"]), dict(body))
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ class Client:
         self._session = session
         self._own_session = session is None
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
@@ -151,10 +151,10 @@ class Client:
                 data=body,
                 headers=all_headers,
                 allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=timeout_s or self.timeout),
+                timeout=self._timeout(timeout_s or self.timeout),
             ) as resp:
                 raw = await resp.read()
-                return RawAnswer(resp.status, resp.headers, raw)
+                return RawAnswer(resp.status, resp.headers, raw, resp.reason or "")
         except (aiohttp.ClientError, TimeoutError) as exc:
             what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
             raise GatewayUnreachable(
@@ -175,6 +175,16 @@ class Client:
         if data is not None:
             all_headers["Content-Type"] = "application/json"
         answer = await self.send(method, path, body=data, headers=all_headers)
+        return answer.status, self._read_answer(method, path, answer)
+
+    def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
+        """The aiohttp timeout of one exchange: ``seconds`` for all of it."""
+        return aiohttp.ClientTimeout(total=seconds)
+
+    def _read_answer(self, method: str, path: str, answer: RawAnswer) -> Any:
+        """The decoded JSON of a ``call``'s answer, or raise: the gateway's problem as its
+        typed error, ``GatewayUnreachable`` for a 502/503/504 of something in between, a
+        ``ProblemError`` (code ``HTTP_<status>``) for any other error answer."""
         if answer.status >= 400:
             problem = gateway_problem(answer)
             if problem is not None:
@@ -188,11 +198,11 @@ class Client:
                 code=f"HTTP_{answer.status}",
                 headers=answer.headers,
             )
-        return answer.status, answer.json()
+        return answer.json()
 
     @staticmethod
     def task_path(task_id: str, action: str = "") -> str:
-        return f"/v1/tasks/{quote(task_id, safe=_ID_SAFE)}" + (f"/{action}" if action else "")
+        return task_path(task_id, action)
 
     def _operator_headers(self, operator: str | None) -> dict[str, str]:
         name = operator or self.operator
@@ -258,12 +268,15 @@ class Client:
         ``scheduler_epoch`` defaults to the current one (one ``GET /v1/epoch``).
         """
         return ClaimScope(
-            self,
-            task_id,
-            owner=owner,
-            ttl_ms=ttl_ms,
-            scheduler_epoch=scheduler_epoch,
-            expected_revision=expected_revision,
+            functools.partial(
+                self.acquire,
+                task_id,
+                owner=owner,
+                ttl_ms=ttl_ms,
+                scheduler_epoch=scheduler_epoch,
+                expected_revision=expected_revision,
+                guarded=True,
+            )
         )
 
     async def acquire(
@@ -303,18 +316,39 @@ class Client:
         page_size: int = 100,
     ) -> list[dict[str, Any]]:
         """Every matching effect record, following ``nextCursor`` to the end."""
+        found = self.iter_effects(
+            state=state, task_id=task_id, downstream=downstream, page_size=page_size
+        )
+        return [record async for record in found]
+
+    async def iter_effects(
+        self,
+        *,
+        state: str | None = None,
+        task_id: str | None = None,
+        downstream: str | None = None,
+        page_size: int = 100,
+        limit: int | None = None,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """Matching effect records in creation order, a page (``page_size``) at a time,
+        following ``nextCursor``; at most ``limit`` of them (None: to the end)."""
         query = {"state": state, "taskId": task_id, "downstream": downstream}
         params = {k: v for k, v in query.items() if v is not None}
-        params["limit"] = str(page_size)
-        found: list[dict[str, Any]] = []
+        left = limit
         cursor: str | None = None
-        while True:
-            page = dict(params, cursor=cursor) if cursor else params
+        while left is None or left > 0:
+            page = dict(params, limit=str(page_size if left is None else min(left, page_size)))
+            if cursor:
+                page["cursor"] = cursor
             _, answer = await self.call("GET", "/v1/effects?" + urlencode(page))
-            found.extend(answer["effects"])
+            found: list[dict[str, Any]] = answer["effects"]
+            for record in found if left is None else found[:left]:
+                yield dict(record)
+            if left is not None:
+                left -= len(found)
             cursor = answer.get("nextCursor")
             if not cursor:
-                return found
+                return
 
     async def resolve_effect(
         self,
@@ -369,4 +403,9 @@ class Client:
             f"/v1/effects/{quote(effect_id, safe='')}/reconcile",
             headers=self._operator_headers(operator),
         )
+        return dict(answer)
+
+    async def get_rollout(self) -> dict[str, Any]:
+        """``GET /v1/rollout``: the rollback checklist (``safeToSwitchPools`` and its counts)."""
+        _, answer = await self.call("GET", "/v1/rollout")
         return dict(answer)

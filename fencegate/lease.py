@@ -27,12 +27,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
 from multidict import CIMultiDictProxy
 
-from fencegate._http import gateway_problem
+from fencegate._http import Transport, gateway_problem, task_path
 from fencegate.errors import (
     LEASE_ENDING_CODES,
     EffectInFlight,
@@ -42,9 +42,6 @@ from fencegate.errors import (
     ProblemError,
     StoreUnavailable,
 )
-
-if TYPE_CHECKING:
-    from fencegate.client import Client
 
 __all__ = [
     "ClaimScope",
@@ -151,11 +148,12 @@ class Lease:
     """One claim of ``task_id``: its identity, and the calls made under it.
 
     Built by ``Client.acquire`` (bare) or ``Client.claim`` (guarded); see the module docstring.
+    ``client`` is the ``Client`` that claimed it (anything with its ``send`` and ``call``).
     """
 
     def __init__(
         self,
-        client: Client,
+        client: Transport,
         *,
         owner: str,
         ttl_ms: int,
@@ -297,7 +295,7 @@ class Lease:
         sent = time.monotonic()
         try:
             _, answer = await self._client.call(
-                "POST", self._client.task_path(self.task_id, "renew"),
+                "POST", task_path(self.task_id, "renew"),
                 {**self._identity(), "ttlMs": ttl},
             )  # fmt: skip
         except ProblemError as exc:
@@ -313,9 +311,7 @@ class Lease:
         """Hand the task back (READY again). The lease cannot be used afterwards."""
         self._released = True
         self._stop_keeper_soon()
-        await self._client.call(
-            "POST", self._client.task_path(self.task_id, "release"), self._identity()
-        )
+        await self._client.call("POST", task_path(self.task_id, "release"), self._identity())
 
     async def commit(
         self,
@@ -343,7 +339,7 @@ class Lease:
         }
         if store_result and result is not None:
             body["result"] = result
-        path = self._client.task_path(self.task_id, "commit")
+        path = task_path(self.task_id, "commit")
         self._committing += 1
         try:
             for attempt in range(3):
@@ -523,35 +519,17 @@ class Lease:
 
 
 class ClaimScope:
-    """``async with client.claim(...) as lease:`` (see ``Client.claim``)."""
+    """``async with client.claim(...) as lease:`` (see ``Client.claim``).
 
-    def __init__(
-        self,
-        client: Client,
-        task_id: str,
-        *,
-        owner: str,
-        ttl_ms: int,
-        scheduler_epoch: int | None,
-        expected_revision: int | None,
-    ) -> None:
-        self._client = client
-        self._task_id = task_id
-        self._owner = owner
-        self._ttl_ms = ttl_ms
-        self._scheduler_epoch = scheduler_epoch
-        self._expected_revision = expected_revision
+    ``acquire`` claims the task and answers the guarded lease; it runs on entry.
+    """
+
+    def __init__(self, acquire: Callable[[], Awaitable[Lease]]) -> None:
+        self._acquire = acquire
         self._lease: Lease | None = None
 
     async def __aenter__(self) -> Lease:
-        lease = await self._client.acquire(
-            self._task_id,
-            owner=self._owner,
-            ttl_ms=self._ttl_ms,
-            scheduler_epoch=self._scheduler_epoch,
-            expected_revision=self._expected_revision,
-            guarded=True,
-        )
+        lease = await self._acquire()
         lease._enter()
         self._lease = lease
         return lease

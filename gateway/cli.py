@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from fencegate.demo import register as _add_demo
 from fencegate.gateway.config import ConfigError, load_config, parse_listen
+from fencegate.gateway.demo import register as _add_demo
 from fencegate.gateway.ops_cli import register as _add_ops
 
 __all__ = ["main"]

@@ -21,7 +21,7 @@ import pytest
 import structlog
 from aiohttp.test_utils import TestClient, TestServer
 
-from fencegate.gateway import ops_cli
+from fencegate.gateway import ops_commands
 from fencegate.gateway.app import create_app
 from fencegate.gateway.cli import main
 from fencegate.ledger.effects import effect_id
@@ -240,7 +240,7 @@ async def test_list_follows_the_cursor_up_to_the_limit(
         status, eid = await env.send(lease, "api", f"/ok/{slot}", slot=slot)
         assert status == 200
         ids.append(eid)
-    monkeypatch.setattr(ops_cli, "_PAGE", 2)  # pages of two: five records take three calls
+    monkeypatch.setattr(ops_commands, "_PAGE", 2)  # pages of two: five records take three calls
     every = await env.cli("effects", "list", "--json")
     assert [r["effectId"] for r in every.json()] == ids
     some = await env.cli("effects", "list", "--json", "--limit", "3")

@@ -340,6 +340,11 @@ async def test_operator_side_approve_reconcile_resolve_list(env: Env) -> None:
     assert again.status == 200 and again.effect_id == refund_id
     everything = await env.client.list_effects(task_id="t1", page_size=1)  # follows the cursor
     assert {e["effectId"] for e in everything} == {wire_id, refund_id}
+    # At most ``limit`` records, in creation order, however the pages fall.
+    first = [e async for e in env.client.iter_effects(task_id="t1", page_size=1, limit=1)]
+    assert [e["effectId"] for e in first] == [everything[0]["effectId"]]
+    rollout = await env.client.get_rollout()
+    assert rollout["activeLeases"] == 1 and rollout["safeToSwitchPools"] is False
 
 
 # --- claims, commits, the scheduler side ----------------------------------------------------------
@@ -353,6 +358,7 @@ async def test_scheduler_side_and_commit_verdicts(env: Env) -> None:
     assert not same.created and same.revision == 1
     epoch = await client.get_epoch()
     assert epoch == fencegate.Epoch(1, False)
+    assert epoch.raw == {"schedulerEpoch": 1, "claimsPaused": False}  # the whole answer
 
     lease = await client.acquire("job/1", owner="w1", ttl_ms=10_000)
     assert (lease.task_id, lease.claim_generation, lease.scheduler_epoch) == ("job/1", 1, 1)

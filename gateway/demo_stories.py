@@ -1,5 +1,5 @@
-"""The stories ``fencegate demo`` plays (see ``fencegate.demo``), kept apart so that the
-command line registers ``demo`` without importing aiohttp or the gateway."""
+"""The stories ``fencegate demo`` plays (see ``fencegate.gateway.demo``), kept apart so that
+the command line registers ``demo`` without importing the gateway's server."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from aiohttp import web
 
 from fencegate.client import Client
 from fencegate.errors import FencegateError, LeaseLost, ProblemError
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
 from fencegate.lease import Commit, Lease, ProxyResponse
 
 __all__ = ["run_demo"]
@@ -672,9 +674,6 @@ async def summary(n: Narrator, client: Client, shop: Shop) -> None:
 
 @contextlib.asynccontextmanager
 async def _gateway(store_url: str, shop_url: str) -> AsyncIterator[str]:
-    from fencegate.gateway.app import create_app
-    from fencegate.gateway.config import Config
-
     config = Config.model_validate(
         {
             "store": {"url": store_url, "redis_key_prefix": f"demo{uuid.uuid4().hex[:8]}"},

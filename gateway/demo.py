@@ -29,7 +29,8 @@ __all__ = ["register"]
 def _run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from fencegate._demo import run_demo  # the SDK, aiohttp and the gateway: only when it runs
+    # The gateway's server, its stores and the SDK: only when the demo runs.
+    from fencegate.gateway.demo_stories import run_demo
 
     return asyncio.run(run_demo(store=args.store, keep=args.keep))
 

@@ -1,0 +1,310 @@
+"""What the operator commands print: tables and readable records, from the gateway's JSON.
+
+Pure functions from the records the ledger and coordination APIs answer (plain dicts, as
+``docs/PROTOCOL.md`` shapes them) to text: no I/O, no client. ``fencegate.gateway.ops_commands``
+calls them and prints what they return. Times are UTC.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+__all__ = [
+    "approved",
+    "cell",
+    "claims_paused",
+    "claims_resumed",
+    "effect",
+    "effects_table",
+    "epoch_bumped",
+    "fields",
+    "json_text",
+    "reconciled",
+    "resolved",
+    "rollout",
+    "scheduler_line",
+    "table",
+    "task",
+    "time_text",
+]
+
+#: A stored response body up to this size is shown as text (if it is printable UTF-8).
+SHOW_BODY_BYTES = 400
+EFFECTS_HEADERS = ("EFFECT", "STATE", "TASK", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED")
+
+
+# --- building blocks ----------------------------------------------------------------------------
+
+
+def time_text(ms: object, *, precise: bool = False) -> str:
+    """A store time (ms since the epoch) as UTC, to the second or (``precise``) the ms."""
+    if not isinstance(ms, int):
+        return "-"
+    moment = datetime.fromtimestamp(ms / 1000, UTC)
+    if precise:
+        return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def cell(value: object, width: int = 0) -> str:
+    """``value`` as a table cell: ``-`` when missing, cut with ``...`` past ``width``."""
+    text = "-" if value is None or value == "" else str(value)
+    if width and len(text) > width:
+        text = text[: width - 3] + "..."
+    return text
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [
+        "  ".join(text.ljust(width) for text, width in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def fields(pairs: Sequence[tuple[str, object]]) -> str:
+    """One ``name  value`` line per pair, the values aligned."""
+    width = max(len(name) for name, _ in pairs)
+    return "\n".join(f"{name.ljust(width)}  {cell(value)}" for name, value in pairs)
+
+
+def json_text(data: Any) -> str:
+    """What ``--json`` prints: the gateway's JSON, indented."""
+    return json.dumps(data, indent=2)
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+# --- effects ------------------------------------------------------------------------------------
+
+
+def effects_table(records: Sequence[Mapping[str, Any]]) -> str:
+    """``effects list``: one row per ledger record."""
+    if not records:
+        return "no effects"
+    rows = [
+        [
+            cell(r.get("effectId"))[:12],
+            cell(r.get("state")),
+            cell(r.get("taskId"), 32),
+            cell(r.get("downstream")),
+            cell(f"{r.get('method')} {r.get('path')}", 48),
+            str(len(r.get("attempts") or [])),
+            time_text(r.get("updatedAt")),
+        ]
+        for r in records
+    ]
+    return table(EFFECTS_HEADERS, rows)
+
+
+def _response_lines(response: Mapping[str, Any]) -> list[str]:
+    lines = [f"  status   {cell(response.get('status'))}"]
+    if response.get("source"):
+        lines.append(f"  source   {response['source']}")
+    headers = response.get("headers") or []
+    if headers:
+        lines.append(f"  headers  {len(headers)} stored")
+    if response.get("bodyOmitted"):
+        lines.append("  body     not stored (larger than the downstream's replay_max_bytes)")
+        return lines
+    size, digest = response.get("bodySize"), response.get("bodyDigest")
+    try:
+        raw = base64.b64decode(str(response.get("bodyBase64", "")), validate=True)
+        text = raw.decode("utf-8") if len(raw) <= SHOW_BODY_BYTES else None
+    except (binascii.Error, UnicodeDecodeError):
+        text = None
+    if text and text.isprintable():
+        lines.append(f"  body     {text}")
+    else:
+        lines.append(f"  body     {cell(size)} bytes, sha256 {cell(digest)}")
+    return lines
+
+
+def effect(r: Mapping[str, Any]) -> str:
+    """``effects show``: the record, its attempts, operator actions and stored response."""
+    pairs: list[tuple[str, object]] = [
+        ("effect", r.get("effectId")),
+        ("state", r.get("state")),
+        (
+            "task",
+            f"{r.get('taskId')} (revision {r.get('revision')}, node {r.get('node')}, "
+            f"slot {r.get('slot')})",
+        ),
+        ("downstream", r.get("downstream")),
+        ("request", f"{r.get('method')} {r.get('path')}"),
+        ("payloadDigest", r.get("payloadDigest")),
+        ("created", time_text(r.get("createdAt"), precise=True)),
+        ("updated", time_text(r.get("updatedAt"), precise=True)),
+    ]
+    if r.get("state") == "PREPARED":
+        pairs.append(("deadline", time_text(r.get("deadlineAt"), precise=True)))
+    approval = r.get("approval")
+    if isinstance(approval, dict):
+        pairs.append(
+            (
+                "approval",
+                f"payloadDigest {approval.get('payloadDigest')} by {approval.get('by')}, "
+                f"usable until {time_text(approval.get('expiresAt'))}",
+            )
+        )
+    probes = r.get("probes")
+    if isinstance(probes, dict) and probes.get("count"):
+        nxt = probes.get("nextAt")
+        pairs.append(
+            ("probes", f"{probes['count']}" + (f", next at {time_text(nxt)}" if nxt else ""))
+        )
+    out = [fields(pairs)]
+    attempts = r.get("attempts") or []
+    out.append(f"\nattempts ({len(attempts)}):")
+    if attempts:
+        rows = [
+            [
+                str(i),
+                cell(a.get("attemptId")),
+                cell(a.get("claimGeneration")),
+                time_text(a.get("startedAt"), precise=True),
+                time_text(a.get("endedAt"), precise=True),
+                cell(a.get("outcome")),
+                cell(a.get("reason"))
+                + (f" (approved by {a['approvedBy']})" if a.get("approvedBy") else ""),
+            ]
+            for i, a in enumerate(attempts, 1)
+        ]
+        headers = ["#", "ATTEMPT", "GEN", "STARTED", "ENDED", "OUTCOME", "REASON"]
+        out.append(_indent(table(headers, rows)))
+    actions = r.get("actions") or []
+    if actions:
+        out.append(f"\nactions ({len(actions)}):")
+        rows = [
+            [
+                time_text(a.get("at"), precise=True),
+                cell(a.get("action")),
+                cell(a.get("by")),
+                cell(a.get("outcome") or a.get("verdict")),
+                cell(a.get("note"), 60),
+            ]
+            for a in actions
+        ]
+        out.append(_indent(table(["AT", "ACTION", "BY", "RESULT", "NOTE"], rows)))
+    response = r.get("response")
+    out.append("\nresponse:" if isinstance(response, dict) else "\nresponse: none stored")
+    if isinstance(response, dict):
+        out.extend(_response_lines(response))
+    return "\n".join(out)
+
+
+def resolved(effect_id: str, r: Mapping[str, Any]) -> str:
+    """``effects resolve``: the outcome, and what it means for the next call."""
+    text = f"effect {effect_id} resolved as {r.get('state')}"
+    if r.get("state") == "NOT_APPLIED":
+        text += "\nthe same payload may now be sent again under the same key"
+    return text
+
+
+def approved(effect_id: str, r: Mapping[str, Any]) -> str:
+    """``effects approve``: which payload may go where, until when."""
+    approval = r.get("approval") or {}
+    return (
+        f"effect {effect_id} approved: the next forward of payloadDigest "
+        f"{approval.get('payloadDigest')} goes to {r.get('downstream')} once, "
+        f"until {time_text(approval.get('expiresAt'))}"
+    )
+
+
+def reconciled(effect_id: str, r: Mapping[str, Any]) -> str:
+    """``effects reconcile``: the state afterwards, and the probe's verdict."""
+    line = f"effect {effect_id} is {r.get('state')}"
+    actions = r.get("actions") or []
+    last = actions[-1] if actions else {}
+    if last.get("action") == "reconcile":
+        line += f" (last probe: {last.get('verdict')}, {time_text(last.get('at'))})"
+    return line
+
+
+# --- tasks, epoch, claims, rollout --------------------------------------------------------------
+
+
+def task(t: Mapping[str, Any]) -> str:
+    """``tasks show``: the task record, its current claim and its commit."""
+    pairs: list[tuple[str, object]] = [
+        ("task", t.get("taskId")),
+        ("state", t.get("state")),
+        ("revision", t.get("revision")),
+        ("inputDigest", t.get("inputDigest")),
+        ("claimGeneration", t.get("claimGeneration")),
+        ("attempt", t.get("attemptId")),
+        ("owner", t.get("owner")),
+        ("attemptStarted", time_text(t.get("attemptStartedAt"), precise=True)),
+        ("leaseExpires", time_text(t.get("leaseExpiresAt"), precise=True)),
+        ("maxRuntimeMs", t.get("maxRuntimeMs")),
+        ("cancelGeneration", t.get("cancelGeneration")),
+        ("schedulerEpoch", t.get("schedulerEpoch")),
+        ("created", time_text(t.get("createdAt"), precise=True)),
+        ("updated", time_text(t.get("updatedAt"), precise=True)),
+    ]
+    commit = t.get("commit")
+    if isinstance(commit, dict):
+        pairs += [
+            ("commit", commit.get("commitId")),
+            ("  by attempt", f"{commit.get('attemptId')} (gen {commit.get('claimGeneration')})"),
+            ("  resultDigest", commit.get("resultDigest")),
+            ("  committed", time_text(commit.get("committedAt"), precise=True)),
+        ]
+        if "result" in commit:
+            pairs.append(("  result", cell(json.dumps(commit["result"]), 200)))
+    else:
+        pairs.append(("commit", "none"))
+    return fields(pairs)
+
+
+def scheduler_line(scheduler: Mapping[str, Any]) -> str:
+    """``epoch show``: the epoch and whether claims are paused."""
+    paused = "paused" if scheduler.get("claimsPaused") else "open"
+    return f"scheduler epoch {scheduler.get('schedulerEpoch')}, claims {paused}"
+
+
+def epoch_bumped(scheduler: Mapping[str, Any]) -> str:
+    epoch = scheduler.get("schedulerEpoch")
+    return (
+        f"bumped the scheduler epoch to {epoch}: every claim granted under an earlier epoch "
+        f"is fenced; schedulers must claim with schedulerEpoch {epoch}"
+    )
+
+
+def claims_paused(scheduler: Mapping[str, Any]) -> str:
+    return (
+        f"claims paused ({scheduler_line(scheduler)}): new claims answer "
+        "503 CLAIMS_PAUSED until `fencegate claims resume`"
+    )
+
+
+def claims_resumed(scheduler: Mapping[str, Any]) -> str:
+    return f"claims resumed ({scheduler_line(scheduler)})"
+
+
+def rollout(status: Mapping[str, Any]) -> str:
+    """``rollout status``: the rollback checklist and its verdict."""
+    checklist = fields(
+        [
+            ("scheduler epoch", status.get("schedulerEpoch")),
+            ("claims paused", status.get("claimsPaused")),
+            ("active leases", status.get("activeLeases")),
+            ("PREPARED effects", status.get("preparedEffects")),
+            ("UNKNOWN effects", status.get("unknownEffects")),
+            ("awaiting approval", status.get("awaitingApproval")),
+        ]
+    )
+    if status.get("safeToSwitchPools"):
+        return checklist + "\nsafe to switch pools"
+    return (
+        checklist + "\nNOT safe to switch pools: wait for leases to expire and settle the effects"
+    )
