@@ -7,9 +7,6 @@ header and is recorded on the effect with the time and the note.
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import re
 from typing import Annotated, Literal
 
@@ -21,7 +18,7 @@ from fencegate.adapters import ManualAdapter
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, STORE
-from fencegate.ledger import effects
+from fencegate.ledger import effects, responses
 from fencegate.ledger.effects import EffectState, effect_to_json
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
@@ -114,15 +111,9 @@ async def resolve_effect(request: web.Request) -> web.Response:
     body = parse_body(await request.read(), ResolveBody)
     response_json = None
     if body.response is not None:
-        raw = body.response.body.encode()
-        response_json = json.dumps(
-            {
-                "status": body.response.status,
-                "headers": [[k, v] for k, v in body.response.headers.items()],
-                "bodySize": len(raw),
-                "bodyDigest": hashlib.sha256(raw).hexdigest(),
-                "bodyBase64": base64.b64encode(raw).decode(),
-            }
+        given = body.response
+        response_json = responses.response_json(
+            given.status, given.headers.items(), given.body.encode()
         )
     try:
         effect = await request.app[STORE].update_effect(

@@ -11,16 +11,21 @@ A replay or a refusal is one round trip. Safe methods (GET, HEAD, OPTIONS) are f
 in one round trip and forwarded without a ledger entry. Every answer carries
 ``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State`` and
 ``Fence-Replayed``.
+
+What to do with the store's answer (refuse, replay, forward, shadow-forward, and the log
+lines and metrics that go with it) is decided without I/O in ``gateway.proxy_decisions``;
+here ``_handle`` asks the store, ``_carry_out`` acts on the decision, and every forward goes
+through ``_forward``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +48,23 @@ from fencegate.gateway.http_rules import (
     upstream_response_headers,
 )
 from fencegate.gateway.problems import problem_response
+from fencegate.gateway.proxy_decisions import (
+    Decision,
+    Forward,
+    PassThrough,
+    Refuse,
+    Replay,
+    ShadowForward,
+    Subject,
+    Validation,
+    call_fields,
+    decide_effect,
+    decide_safe,
+)
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import (
-    Action,
     Effect,
     EffectRequest,
     EffectState,
@@ -57,7 +74,6 @@ from fencegate.ledger.effects import (
 )
 from fencegate.ledger.errors import (
     BadRequest,
-    ClaimRefused,
     DownstreamTimeout,
     DownstreamUnreachable,
     FencegateError,
@@ -65,6 +81,7 @@ from fencegate.ledger.errors import (
     PayloadTooLarge,
     StoreUnavailable,
 )
+from fencegate.ledger.responses import response_json
 from fencegate.ledger.store import new_id
 
 __all__ = ["proxy_handler"]
@@ -75,13 +92,6 @@ _ID = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
 _COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
 _MAX_COUNTER = 2**53 - 1
 _FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
-#: Refusal codes as the effects counter names them.
-_EFFECT_REFUSALS = {
-    "PAYLOAD_CONFLICT": "conflict",
-    "EFFECT_IN_FLIGHT": "in_flight",
-    "EFFECT_UNKNOWN": "unknown_refused",
-    "APPROVAL_REQUIRED": "approval_required",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,16 +210,8 @@ def _refusal(error: FencegateError) -> web.Response:
     return problem_response(error, headers=headers)
 
 
-def _log_fields(call: _Call, **extra: Any) -> dict[str, Any]:
-    return {
-        "task": call.fence.task_id,
-        "attempt": call.fence.attempt_id,
-        "generation": call.fence.claim_generation,
-        "epoch": call.fence.scheduler_epoch,
-        "downstream": call.downstream.name,
-        "method": call.method,
-        **extra,
-    }
+def _subject(call: _Call, fields: dict[str, Any]) -> Subject:
+    return Subject(call.downstream.name, fields, call.shadow)
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
@@ -221,23 +223,68 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def _handle(request: web.Request) -> web.StreamResponse:
+    """Ask the store, let ``proxy_decisions`` decide, carry the decision out."""
     call = await _parse(request)
     store = request.app[STORE]
-    metrics = request.app[METRICS]
+    fields = call_fields(call.fence, call.downstream.name, call.method)
     if call.method in SAFE_METHODS:
+        refusal = None
         try:
             await store.check_fence(call.fence)
         except FencegateError as exc:
-            metrics.decision("proxy", exc.code, validated=isinstance(exc, ClaimRefused))
-            if not isinstance(exc, ClaimRefused):
-                raise
-            log.info("effect.fenced", code=exc.code, reason=exc.detail, **_log_fields(call))
-            if call.shadow:
-                return await _shadow(request, call, exc.code, None, _log_fields(call))
-            return _refusal(exc)
-        metrics.decision("proxy", None, validated=True)
-        return await _forward_plain(request, call, call.adapter.outbound_headers(None, None))
+            refusal = exc
+        return await _carry_out(request, call, decide_safe(_subject(call, fields), refusal))
 
+    effect_request, resend_window_ms = _effect_request(request, call)
+    fields.update(node=call.node, slot=call.slot, payload_digest=effect_request.payload_digest)
+    proxy_config = request.app[CONFIG].proxy
+    deadline_ms = call.downstream.timeout_ms + proxy_config.prepared_margin_ms
+    #: The gateway's clock just before the prepare that opened the forward was sent: the
+    #: store applied it later, so every bound measured from here is conservative.
+    sent_at = 0.0
+
+    async def prepare() -> PrepareOutcome:
+        nonlocal sent_at
+        sent_at = time.monotonic()
+        return await store.prepare_effect(
+            effect_request,
+            deadline_ms,
+            resend_window_ms=resend_window_ms,
+            require_approval=call.adapter.require_approval,
+        )
+
+    prepared: PrepareOutcome | FencegateError
+    try:
+        prepared = outcome = await prepare()
+        if (
+            outcome.error is not None
+            and outcome.error.code == "EFFECT_UNKNOWN"
+            and isinstance(call.adapter, ProbeAdapter)
+        ):
+            # The downstream can tell: ask it (when a probe is due), then decide again on
+            # what it said; still unknown: say when the next probe is due.
+            effect = await reconcile(
+                request.app, outcome.effect.effect_id, "gateway:inline", only_if_due=True
+            )
+            if effect.state is not EffectState.UNKNOWN:
+                prepared = await prepare()
+            elif outcome.error is not None and effect.next_probe_at is not None:
+                wait_ms = effect.next_probe_at - await store.now_ms()
+                outcome.error.extra["retryAfterMs"] = max(wait_ms, 0)
+    except FencegateError as exc:
+        if isinstance(exc, StoreUnavailable):
+            # The store may still apply the prepare it did not answer; nothing was forwarded,
+            # so find that record once the store answers again and make it NOT_APPLIED.
+            _abort_later(request.app, effect_request, deadline_ms)
+        prepared = exc
+    window = _ForwardWindow(sent_at, proxy_config.start_limit_ms, deadline_ms)
+    decision = decide_effect(_subject(call, fields), prepared)
+    return await _carry_out(request, call, decision, _Prepared(effect_request, window))
+
+
+def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, int | None]:
+    """What the prepare asks for (the payload digest covers the adapter's precondition
+    headers), and how long after its first forward an UNKNOWN effect may be re-sent."""
     assert call.slot is not None
     path = call.tail or "/"
     preconditions = None
@@ -254,7 +301,6 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         canonical_body(call.body, request.headers.get("Content-Type", "")),
         preconditions,
     )
-    fields = _log_fields(call, node=call.node, slot=call.slot, payload_digest=digest)
     effect_request = EffectRequest(
         fence=call.fence,
         node=call.node,
@@ -265,82 +311,54 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         payload_digest=digest,
         forward_id=new_id(),
     )
-    proxy_config = request.app[CONFIG].proxy
-    deadline_ms = call.downstream.timeout_ms + proxy_config.prepared_margin_ms
     resend_window_ms = call.adapter.resend_window_ms(preconditions or ())
     if resend_window_ms is not None:
         # A re-send admitted now may reach the downstream up to the start limit later, and
         # must still reach it inside its window (counted from its first sight of the key).
-        resend_window_ms = max(resend_window_ms - proxy_config.start_limit_ms, 0)
-    #: The gateway's clock just before the prepare that opened the forward was sent: the
-    #: store applied it later, so every bound measured from here is conservative.
-    sent_at = 0.0
+        start_limit_ms = request.app[CONFIG].proxy.start_limit_ms
+        resend_window_ms = max(resend_window_ms - start_limit_ms, 0)
+    return effect_request, resend_window_ms
 
-    async def prepare() -> PrepareOutcome:
-        nonlocal sent_at
-        sent_at = time.monotonic()
-        return await store.prepare_effect(
-            effect_request,
-            deadline_ms,
-            resend_window_ms=resend_window_ms,
-            require_approval=call.adapter.require_approval,
-        )
 
-    try:
-        outcome = await prepare()
-        if (
-            outcome.error is not None
-            and outcome.error.code == "EFFECT_UNKNOWN"
-            and isinstance(call.adapter, ProbeAdapter)
-        ):
-            # The downstream can tell: ask it (when a probe is due), then decide again on
-            # what it said; still unknown: say when the next probe is due.
-            effect = await reconcile(
-                request.app, outcome.effect.effect_id, "gateway:inline", only_if_due=True
-            )
-            if effect.state is not EffectState.UNKNOWN:
-                outcome = await prepare()
-            elif outcome.error is not None and effect.next_probe_at is not None:
-                wait_ms = effect.next_probe_at - await store.now_ms()
-                outcome.error.extra["retryAfterMs"] = max(wait_ms, 0)
-    except FencegateError as exc:
-        metrics.decision("proxy", exc.code, validated=isinstance(exc, ClaimRefused))
-        if isinstance(exc, StoreUnavailable):
-            # The store may still apply the prepare it did not answer; nothing was forwarded,
-            # so find that record once the store answers again and make it NOT_APPLIED.
-            _abort_later(request.app, effect_request, deadline_ms)
-        if isinstance(exc, ClaimRefused):
-            log.info("effect.fenced", code=exc.code, reason=exc.detail, **fields)
-            if call.shadow:
-                return await _shadow(request, call, exc.code, None, fields)
-            return _refusal(exc)
-        raise
-    effect = outcome.effect
-    fields["effect_id"] = effect.effect_id
-    metrics.decision("proxy", outcome.error.code if outcome.error else None, validated=True)
-    if outcome.action is Action.REJECT:
-        assert outcome.error is not None
-        code = outcome.error.code
-        metrics.effects.labels(call.downstream.name, _EFFECT_REFUSALS.get(code, code)).inc()
-        log.info(
-            "effect.rejected", code=code, reason=outcome.error.detail, state=effect.state.value,
-            **fields,
-        )  # fmt: skip
-        if call.shadow:
-            return await _shadow(request, call, code, effect, fields)
-        return _refusal(outcome.error)
-    if outcome.action is Action.REPLAY:
-        metrics.effects.labels(call.downstream.name, "replayed").inc()
-        log.info("effect.replayed", **fields)
-        if call.shadow:
-            return await _shadow(request, call, "REPLAY", effect, fields)
-        return _replay(effect)
-    log.info("effect.prepared", seq=outcome.seq, **fields)
-    await failpoints.hit("after_prepare")
-    window = _ForwardWindow(sent_at, proxy_config.start_limit_ms, deadline_ms)
-    if window.start_left_ms() <= 0:
-        return await _too_late(request, call, effect, effect_request, deadline_ms, window, fields)
-    return await _forward_effect(request, call, effect, outcome.seq, fields, window)
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a recorded forward needs besides its decision: the request that prepared it and
+    the window it must run in."""
+
+    effect_request: EffectRequest
+    window: _ForwardWindow
+
+
+async def _carry_out(
+    request: web.Request, call: _Call, decision: Decision, prepared: _Prepared | None = None
+) -> web.StreamResponse:
+    """The decision's log lines and metrics, then its answer or its forward."""
+    metrics = request.app[METRICS]
+    counters = {"effects": metrics.effects, "shadow_rejections": metrics.shadow_rejections}
+    for metric in decision.metrics:
+        if isinstance(metric, Validation):
+            metrics.decision(metric.point, metric.code, validated=metric.validated)
+        else:
+            counters[metric.counter].labels(*metric.labels).inc()
+    for record in decision.logs:
+        emit = log.warning if record.level == "warning" else log.info
+        emit(record.event, **record.fields)
+    match decision.act:
+        case Refuse(error):
+            return _refusal(error)
+        case Replay(effect):
+            return _replay(effect)
+        case PassThrough():
+            return await _forward_plain(request, call, call.adapter.outbound_headers(None, None))
+        case ShadowForward(code, effect_id):
+            identity = call.adapter.outbound_headers(effect_id, _token(call))
+            return await _forward_plain(request, call, identity, {"Fence-Shadow-Rejected": code})
+        case Forward() as forward:
+            assert prepared is not None
+            await failpoints.hit("after_prepare")
+            if prepared.window.start_left_ms() <= 0:
+                return await _too_late(request, forward, prepared)
+            return await _forward_effect(request, call, forward, prepared.window)
 
 
 #: A ceil_threshold no timeout reaches: aiohttp then never rounds a deadline up.
@@ -381,18 +399,15 @@ class _ForwardWindow:
 
 
 async def _too_late(
-    request: web.Request,
-    call: _Call,
-    effect: Effect,
-    effect_request: EffectRequest,
-    deadline_ms: int,
-    window: _ForwardWindow,
-    fields: dict[str, Any],
+    request: web.Request, forward: Forward, prepared: _Prepared
 ) -> web.StreamResponse:
     """The prepare was answered (or the gateway stalled) past the start limit: a bump or a
     cancel may have been acknowledged meanwhile, so nothing is sent. The forward is aborted
     by its id (certainly not sent), now or, when the store does not answer, in the
     background."""
+    effect, fields = forward.effect, forward.fields
+    effect_request, window = prepared.effect_request, prepared.window
+    deadline_ms = window.deadline_ms
     elapsed = round(window.elapsed_ms())
     log.warning("effect.start_too_late", elapsed_ms=elapsed,
                 limit_ms=window.start_limit_ms, **fields)  # fmt: skip
@@ -501,69 +516,134 @@ async def _stream(
     return answer
 
 
-async def _shadow(
-    request: web.Request, call: _Call, code: str, effect: Effect | None, fields: dict[str, Any]
-) -> web.StreamResponse:
-    """Shadow mode: the refusal (or replay) is recorded, and the call goes through anyway,
-    unrecorded, so a fleet can adopt fencing and watch what it would refuse."""
-    request.app[METRICS].shadow_rejections.labels("proxy", code).inc()
-    log.warning("effect.shadow_rejected", code=code, **fields)
-    token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
-    identity = call.adapter.outbound_headers(effect.effect_id if effect else None, token)
-    return await _forward_plain(request, call, identity, {"Fence-Shadow-Rejected": code})
+def _token(call: _Call) -> str:
+    return f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
 
 
-async def _forward_plain(
+class _ForwardFailed(Exception):
+    """A forward broke before the agent had its answer. ``outcome``: NOT_APPLIED when it
+    certainly delivered nothing (the connect failed), UNKNOWN when the downstream may have
+    acted (a timeout, a reset or a refused re-send after sending, a body that broke off);
+    ``reason`` says which, for the ledger; ``cause`` is the client's exception."""
+
+    def __init__(self, outcome: EffectState, reason: str, cause: Exception) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+        self.cause = cause
+
+
+#: Called once the downstream's answer is read (up to ``replay_max_bytes``): the response,
+#: that much of its body, whether that was all of it; returns the Fence-* headers to add to
+#: the live answer.
+_OnAnswer = Callable[[aiohttp.ClientResponse, bytes, bool], Awaitable[Mapping[str, str]]]
+
+
+async def _forward(
     request: web.Request,
     call: _Call,
     identity: dict[str, str],
-    answer_headers: dict[str, str] | None = None,
+    data: bytes | None,
+    limits: aiohttp.ClientTimeout,
+    on_answer: _OnAnswer,
 ) -> web.StreamResponse:
-    """Forward without a ledger entry (safe methods, shadow mode); the answer passes through."""
+    """The one forward: send the call once (``send_once``: nothing below the ledger re-sends),
+    read its answer up to ``replay_max_bytes``, let ``on_answer`` act on it, and pass it to
+    the agent, streaming a larger body. A client failure raises ``_ForwardFailed``."""
     headers = downstream_request_headers(
         request.headers.items(),
         identity,
         forward_authorization=call.downstream.forward_authorization,
     )
+    status: int | None = None
     started = time.monotonic()
     try:
         async with request.app[HTTP_CLIENT].request(
             call.method,
             _target(call),
             headers=headers,
-            data=call.body or None,
+            data=data,
             allow_redirects=False,
-            timeout=_client_timeout(call.downstream),
+            timeout=limits,
             middlewares=send_once(),
         ) as resp:
-            live = upstream_response_headers(resp.headers.items())
-            live.update(_fence_headers(None, None, False))
-            live.update(answer_headers or {})
+            status = resp.status
             body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
             request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
                 time.monotonic() - started
             )
+            fence = await on_answer(resp, body, whole)
+            live = upstream_response_headers(resp.headers.items())
+            live.update(fence)
             if not whole:
                 return await _stream(request, resp, live, body)
-            return web.Response(status=resp.status, body=body, headers=live)
+            return web.Response(status=status, body=body, headers=live)
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
+        reason = f"connect failed: {type(exc).__name__}"
+        raise _ForwardFailed(EffectState.NOT_APPLIED, reason, exc) from exc
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
+        what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
+        reason = f"{what}: {type(exc).__name__}"
+        if status is not None:
+            reason = f"response {status}, then the body {what}: {type(exc).__name__}"
+        raise _ForwardFailed(EffectState.UNKNOWN, reason, exc) from exc
+
+
+async def _forward_plain(
+    request: web.Request,
+    call: _Call,
+    identity: dict[str, str],
+    answer_headers: Mapping[str, str] | None = None,
+) -> web.StreamResponse:
+    """Forward without a ledger entry (safe methods, shadow mode); the answer passes through."""
+
+    async def unrecorded(
+        resp: aiohttp.ClientResponse, body: bytes, whole: bool
+    ) -> Mapping[str, str]:
+        return {**_fence_headers(None, None, False), **(answer_headers or {})}
+
+    limits = _client_timeout(call.downstream)
+    try:
+        return await _forward(request, call, identity, call.body or None, limits, unrecorded)
+    except _ForwardFailed as failed:
+        exc = failed.cause
+        if failed.outcome is EffectState.NOT_APPLIED:
+            raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
         raise DownstreamTimeout(f"{call.downstream.name}: {type(exc).__name__}") from exc
 
 
-def _response_record(status: int, headers: list[list[str]], body: bytes, whole: bool,
-                     replay_max: int) -> dict[str, Any]:  # fmt: skip
-    record: dict[str, Any] = {"status": status, "headers": headers}
-    if whole and len(body) <= replay_max:
-        record.update(
-            bodySize=len(body),
-            bodyDigest=hashlib.sha256(body).hexdigest(),
-            bodyBase64=base64.b64encode(body).decode(),
+async def _forward_effect(
+    request: web.Request, call: _Call, forward: Forward, window: _ForwardWindow
+) -> web.StreamResponse:
+    """Forward a prepared attempt inside its window and record its outcome (step two)."""
+    effect, seq, fields = forward.effect, forward.seq, forward.fields
+    replay_max = call.downstream.replay_max_bytes
+
+    async def record(resp: aiohttp.ClientResponse, body: bytes, whole: bool) -> Mapping[str, str]:
+        await failpoints.hit("after_response")
+        outcome, reason = call.adapter.classify(resp.status, effect)
+        kept = body if whole and len(body) <= replay_max else None
+        answer = response_json(resp.status, stored_response_headers(resp.headers.items()), kept)
+        recorded = await _record(request, call, effect, seq, outcome, reason, answer, fields)
+        return _fence_headers(recorded, None, False)
+
+    identity = call.adapter.outbound_headers(effect.effect_id, _token(call))
+    try:
+        return await _forward(
+            request, call, identity, call.body, window.timeout(call.downstream), record
         )
-    else:
-        record["bodyOmitted"] = True
-    return record
+    except _ForwardFailed as failed:
+        exc = failed.cause
+        recorded = await _record(
+            request, call, effect, seq, failed.outcome, failed.reason, None, fields
+        )
+        if failed.outcome is EffectState.NOT_APPLIED:
+            detail = f"{call.downstream.name}: {exc}"
+            if recorded.state is EffectState.UNKNOWN:
+                detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
+            raise _with_effect(DownstreamUnreachable(detail), effect, recorded.state) from exc
+        raise _with_effect(DownstreamTimeout(f"{call.downstream.name}: {failed.reason}"),
+                           effect, EffectState.UNKNOWN) from exc  # fmt: skip
 
 
 def _replay(effect: Effect) -> web.Response:
@@ -586,70 +666,6 @@ def _replay(effect: Effect) -> web.Response:
     return web.Response(status=int(stored.get("status", 200)), body=body, headers=headers)
 
 
-async def _forward_effect(
-    request: web.Request,
-    call: _Call,
-    effect: Effect,
-    seq: int,
-    fields: dict[str, Any],
-    window: _ForwardWindow,
-) -> web.StreamResponse:
-    token = f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
-    headers = downstream_request_headers(
-        request.headers.items(),
-        call.adapter.outbound_headers(effect.effect_id, token),
-        forward_authorization=call.downstream.forward_authorization,
-    )
-    replay_max = call.downstream.replay_max_bytes
-    status: int | None = None
-    started = time.monotonic()
-    try:
-        async with request.app[HTTP_CLIENT].request(
-            call.method,
-            _target(call),
-            headers=headers,
-            data=call.body,
-            allow_redirects=False,
-            timeout=window.timeout(call.downstream),
-            middlewares=send_once(),
-        ) as resp:
-            status = resp.status
-            body, whole = await _read_up_to(resp.content, replay_max)
-            request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
-                time.monotonic() - started
-            )
-            await failpoints.hit("after_response")
-            outcome, reason = call.adapter.classify(status, effect)
-            record = _response_record(
-                status, stored_response_headers(resp.headers.items()), body, whole, replay_max
-            )
-            recorded = await _record(
-                request, call, effect, seq, outcome, reason, json.dumps(record), fields
-            )
-            live = upstream_response_headers(resp.headers.items())
-            live.update(_fence_headers(recorded, None, False))
-            if not whole:
-                return await _stream(request, resp, live, body)
-            return web.Response(status=status, body=body, headers=live)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        reason = f"connect failed: {type(exc).__name__}"
-        recorded = await _record(
-            request, call, effect, seq, EffectState.NOT_APPLIED, reason, None, fields
-        )
-        detail = f"{call.downstream.name}: {exc}"
-        if recorded.state is EffectState.UNKNOWN:
-            detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
-        raise _with_effect(DownstreamUnreachable(detail), effect, recorded.state) from exc
-    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
-        what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
-        reason = f"{what}: {type(exc).__name__}"
-        if status is not None:
-            reason = f"response {status}, then the body {what}: {type(exc).__name__}"
-        await _record(request, call, effect, seq, EffectState.UNKNOWN, reason, None, fields)
-        raise _with_effect(DownstreamTimeout(f"{call.downstream.name}: {reason}"), effect,
-                           EffectState.UNKNOWN) from exc  # fmt: skip
-
-
 def _with_effect(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:
     error.extra.update(effectId=effect.effect_id, effectState=state.value)
     return error
@@ -663,7 +679,7 @@ async def _record(
     outcome: EffectState,
     reason: str,
     response_json: str | None,
-    fields: dict[str, Any],
+    fields: Mapping[str, Any],
 ) -> Effect:
     """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
     deadline passes: never lost, never replayed as if it had not happened."""

@@ -16,9 +16,7 @@ the ledger's stored state catches up with what reads already show.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 import json
 from typing import Any
 
@@ -33,6 +31,7 @@ from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
 from fencegate.ledger.errors import EffectUnknown, FencegateError
+from fencegate.ledger.responses import response_json
 from fencegate.ledger.store import new_id
 
 __all__ = ["Reconciler", "reconcile"]
@@ -41,6 +40,8 @@ log = structlog.get_logger("fencegate.reconcile")
 
 #: The part of a probe answer kept (and replayed when the probe finds the effect).
 _PROBE_BODY_LIMIT = 64 * 1024
+#: Headers of a probe answer its replay does not repeat.
+_PROBE_HEADERS_DROPPED = frozenset({"set-cookie", "content-length", "transfer-encoding"})
 #: Slack on top of the probe's timeout for the probe lease.
 _LEASE_SLACK_MS = 5_000
 
@@ -63,24 +64,18 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
         ) as resp:
             raw = await resp.content.read(_PROBE_BODY_LIMIT)
             status = resp.status
-            headers = [[k, v] for k, v in resp.headers.items() if k.lower() != "set-cookie"]
+            headers = [
+                (name, value)
+                for name, value in resp.headers.items()
+                if name.lower() not in _PROBE_HEADERS_DROPPED
+            ]
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"
     body: Any = None
     with contextlib.suppress(ValueError):
         body = json.loads(raw) if raw else None
     verdict = adapter.verdict(status, body)
-    answer = json.dumps(
-        {
-            "status": status,
-            "headers": [h for h in headers if h[0].lower() not in ("content-length",
-                                                                    "transfer-encoding")],
-            "bodySize": len(raw),
-            "bodyDigest": hashlib.sha256(raw).hexdigest(),
-            "bodyBase64": base64.b64encode(raw).decode(),
-            "source": "probe",
-        }
-    )  # fmt: skip
+    answer = response_json(status, headers, raw, source="probe")
     return verdict, answer, f"probe answered {status}"
 
 

@@ -1,0 +1,63 @@
+"""The stored response record: what duplicates of a COMMITTED effect are answered with.
+
+Three writers store one (the proxy, from a forward's answer; the probe, when it finds the
+effect; an operator resolving COMMITTED with a response); this module is the one place the
+record is built. Each writer decides which headers a replay may repeat and whether the body
+is small enough to keep; the record's shape is decided here.
+
+The record, as JSON (``Effect.response_json``), in this key order::
+
+    status       the downstream's status code
+    headers      [[name, value], ...] as the writer kept them
+    bodySize     \\
+    bodyDigest    } the body kept for replay: its length, lowercase hex SHA-256, base64
+    bodyBase64   /
+    bodyOmitted  true instead of the three above when the body was too large to keep
+    source       who produced the answer, when not the forward itself ("probe")
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["response_json", "response_record"]
+
+
+def response_record(
+    status: int,
+    headers: Iterable[Sequence[str]],
+    body: bytes | None,
+    *,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """The record for one answer; ``body`` None: too large to keep (``bodyOmitted``)."""
+    record: dict[str, Any] = {
+        "status": status,
+        "headers": [[name, value] for name, value in headers],
+    }
+    if body is None:
+        record["bodyOmitted"] = True
+    else:
+        record.update(
+            bodySize=len(body),
+            bodyDigest=hashlib.sha256(body).hexdigest(),
+            bodyBase64=base64.b64encode(body).decode(),
+        )
+    if source is not None:
+        record["source"] = source
+    return record
+
+
+def response_json(
+    status: int,
+    headers: Iterable[Sequence[str]],
+    body: bytes | None,
+    *,
+    source: str | None = None,
+) -> str:
+    """``response_record`` as the JSON the stores keep in ``response_json``."""
+    return json.dumps(response_record(status, headers, body, source=source))
