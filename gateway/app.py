@@ -22,7 +22,8 @@ from fencegate.gateway.proxy import proxy_handler
 from fencegate.gateway.reconcile import Reconciler
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
 from fencegate.ledger.errors import StoreUnavailable
-from fencegate.ledger.store import Store, open_store
+from fencegate.ledger.registry import open_store
+from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
 
 __all__ = ["build_store", "create_app"]

@@ -70,6 +70,8 @@ __all__ = [
     "effective",
     "expire",
     "finish_probe",
+    "is_awaiting_approval",
+    "is_overdue",
     "landing_until",
     "may_have_executed",
     "payload_digest",
@@ -233,13 +235,33 @@ def check_fence(task: Task | None, scheduler: Scheduler, fence: Fence, now: int)
     return task
 
 
-def effective(effect: Effect, now: int) -> Effect:
-    """The record as it must be read at ``now``: a PREPARED past its deadline is UNKNOWN."""
-    if (
+def is_overdue(effect: Effect, now: int) -> bool:
+    """Is this a PREPARED record past its deadline (at or after ``deadline_at``)? Its forward
+    cannot still be running, so it reads as UNKNOWN (``effective``).
+
+    The one source of the rule. Mirrors: ``expire_effect`` in ``lua/effect_lib.lua`` (and the
+    prepared index it keeps, scored by the deadline), ``lua/gauges.lua``, the Redis store's
+    ``unsettled_effects``, and the SQLite store's ``_OVERDUE``/``_RUNNING`` conditions;
+    ``tests/test_stateful.py`` holds each to this function."""
+    return (
         effect.state is EffectState.PREPARED
         and effect.deadline_at is not None
         and now >= effect.deadline_at
-    ):
+    )
+
+
+def is_awaiting_approval(effect: Effect) -> bool:
+    """Does this effect wait for an operator's approval? It is NOT_APPLIED and no forward was
+    ever admitted (``prepare`` with ``require_approval`` wrote it down and refused).
+
+    The one source of the rule. Mirrors: the awaiting index of ``index_effect`` in
+    ``lua/effect_lib.lua`` and the SQLite store's ``_AWAITING`` condition."""
+    return effect.state is EffectState.NOT_APPLIED and not effect.attempts
+
+
+def effective(effect: Effect, now: int) -> Effect:
+    """The record as it must be read at ``now``: a PREPARED past its deadline is UNKNOWN."""
+    if is_overdue(effect, now):
         last = replace(
             effect.attempts[-1],
             ended_at=effect.deadline_at,

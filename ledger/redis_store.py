@@ -34,7 +34,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
-from fencegate.ledger import effects, keys
+from fencegate.ledger import effects, keys, queries
 from fencegate.ledger.effects import (
     Action,
     Effect,
@@ -44,10 +44,12 @@ from fencegate.ledger.effects import (
     PrepareOutcome,
 )
 from fencegate.ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
+from fencegate.ledger.queries import Gauges
 from fencegate.ledger.store import (
     EffectTransition,
-    Gauges,
     Store,
+    StoreKind,
+    StoreOptions,
     decode_cursor,
     encode_cursor,
     new_id,
@@ -64,7 +66,7 @@ from fencegate.ledger.tasks import (
     task_from_fields,
 )
 
-__all__ = ["RedisStore", "durability_warnings", "load_script_source"]
+__all__ = ["STORE_KIND", "RedisStore", "durability_warnings", "load_script_source"]
 
 log = structlog.get_logger("fencegate.store")
 T = TypeVar("T")
@@ -141,6 +143,11 @@ def _index_member_parts(member: str) -> tuple[int, str, str]:
 
 
 class RedisStore(Store):
+    #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
+    #: instead of following Redis's ``TIME``, in the scripts and in Python alike, so a test
+    #: controls the clock exactly. Production never sets it, and no config key reaches it.
+    clock_pinned_ms: int | None = None
+
     def __init__(
         self,
         url: str,
@@ -204,10 +211,24 @@ class RedisStore(Store):
                 "not have been applied"
             ) from exc
 
+    def _clock_arg(self) -> str:
+        """Every timed script's ARGV[1] (``now_ms`` in common.lua): the test clock offset
+        added to ``TIME``, or ``=<ms>``, the exact instant, while the clock is pinned."""
+        if self.clock_pinned_ms is not None:
+            return f"={self.clock_pinned_ms + self.clock_offset_ms}"
+        return str(self.clock_offset_ms)
+
+    def _store_time(self, sec: Any, usec: Any) -> int:
+        """Store time from a ``TIME`` reply, as ``now_ms`` in common.lua computes it."""
+        if self.clock_pinned_ms is not None:
+            return self.clock_pinned_ms + self.clock_offset_ms
+        return int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
         script = self._scripts[name]
         started = time.monotonic()
-        reply = await self._call(lambda: script(keys=keys_, args=[self.clock_offset_ms, *args]))
+        clock = self._clock_arg()
+        reply = await self._call(lambda: script(keys=keys_, args=[clock, *args]))
         self.observe(name, time.monotonic() - started)
         if not self._durability_checked:
             await self._check_durability()
@@ -252,7 +273,7 @@ class RedisStore(Store):
 
     async def now_ms(self) -> int:
         sec, usec = await self._call(self._redis.time)
-        return int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+        return self._store_time(sec, usec)
 
     # --- transitions ------------------------------------------------------------------------
 
@@ -449,7 +470,7 @@ class RedisStore(Store):
                 return await pipe.execute()
 
         *raws, (sec, usec) = await self._call(read)
-        now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+        now = self._store_time(sec, usec)
         return [
             None
             if raw is None
@@ -543,6 +564,10 @@ class RedisStore(Store):
     ) -> list[Effect]:
         await self._script("probe_due_init", [self._keys.unknown, self._keys.probe_due], [])
 
+        # Mirrors ledger.queries.unsettled_effects. The prepared index is scored by the
+        # deadline, so "score <= now" is ledger.effects.is_overdue; the probe-due index is
+        # scored by next_probe_at (0 for never probed): "score <= now" is part of
+        # ledger.queries.is_probe_due, whose state and downstream tests come below.
         now = await self.now_ms()
         overdue: Any = await self._call(
             functools.partial(
@@ -599,13 +624,11 @@ class RedisStore(Store):
 
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         raws: Any = await self._call(lambda: self._redis.hvals(self._keys.effects(task_id)))
-        for raw in raws:
-            effect = effects.effect_from_fields(json.loads(raw))
-            if effect.attempts and effect.attempts[-1].forward_id == forward_id:
-                return effect.effect_id
-        return None
+        records = (effects.effect_from_fields(json.loads(raw)) for raw in raws)
+        return queries.find_forward(records, forward_id)
 
     async def gauges(self) -> Gauges:
+        # gauges.lua mirrors ledger.queries.gauges.
         keys_ = [self._keys.leases, self._keys.prepared, self._keys.unknown, self._keys.awaiting]
         active, prepared, unknown, awaiting = await self._script("gauges", keys_, [])
         return Gauges(int(active), int(prepared), int(unknown), int(awaiting))
@@ -624,7 +647,7 @@ class RedisStore(Store):
                     return await pipe.execute()
 
             raw, (sec, usec) = await self._call(read)
-            now = int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
+            now = self._store_time(sec, usec)
             current = None if raw is None else effects.effect_from_fields(json.loads(raw))
             updated = transition(current, now)
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
@@ -636,3 +659,27 @@ class RedisStore(Store):
         raise StoreUnavailable(
             f"effect {effect_id} kept changing under {_CAS_ATTEMPTS} attempts; try again"
         )
+
+
+def _check_url(url: str) -> None:
+    """redis-py parses the rest (host, port, db, TLS) when the store is built."""
+
+
+def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
+    return RedisStore(
+        url,
+        policy,
+        timeout_ms=options.timeout_ms,
+        key_prefix=options.redis_key_prefix,
+        password=options.redis_password,
+        max_connections=options.redis_max_connections,
+    )
+
+
+#: ``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path.sock`` (ledger.registry).
+STORE_KIND = StoreKind(
+    schemes=("redis", "rediss", "unix"),
+    example="redis://HOST:PORT/DB",
+    check_url=_check_url,
+    create=_create,
+)

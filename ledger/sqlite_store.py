@@ -21,14 +21,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from fencegate.ledger import effects, tasks
+from fencegate.ledger import effects, queries, tasks
 from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
+from fencegate.ledger.queries import Gauges
 from fencegate.ledger.store import (
     EffectTransition,
-    Gauges,
     Store,
+    StoreKind,
+    StoreOptions,
     decode_cursor,
     encode_cursor,
     new_id,
@@ -44,9 +46,22 @@ from fencegate.ledger.tasks import (
     Task,
 )
 
-__all__ = ["SQLiteStore"]
+__all__ = ["STORE_KIND", "SQLiteStore"]
 
 T = TypeVar("T")
+
+# SQL mirrors of the pure rules (each names the function it mirrors; tests/test_stateful.py
+# holds the queries built from them to those functions).
+#: ``ledger.effects.is_overdue``: a PREPARED past its deadline (reads UNKNOWN). One ``?``: now.
+_OVERDUE = "(state = 'PREPARED' AND deadline_at <= ?)"
+#: The negation within PREPARED: still running (``not is_overdue``). One ``?``: now.
+_RUNNING = "(state = 'PREPARED' AND deadline_at > ?)"
+#: ``ledger.effects.is_awaiting_approval``: NOT_APPLIED with no attempts.
+_AWAITING = "(state = 'NOT_APPLIED' AND json_extract(fields, '$.attempt_count') = '0')"
+#: ``ledger.queries.is_lease_active``: CLAIMED with an unexpired lease. One ``?``: now.
+_ACTIVE_LEASE = "(state = 'CLAIMED' AND lease_expires_at > ?)"
+#: When an UNKNOWN effect is next due for a probe (``ledger.queries.is_probe_due``).
+_PROBE_DUE_AT = "COALESCE(json_extract(fields, '$.next_probe_at') + 0, 0)"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -477,10 +492,10 @@ class SQLiteStore(Store):
                 where.append("downstream = ?")
                 args.append(downstream)
             if state is EffectState.UNKNOWN:
-                where.append("(state = 'UNKNOWN' OR (state = 'PREPARED' AND deadline_at <= ?))")
+                where.append(f"(state = 'UNKNOWN' OR {_OVERDUE})")
                 args.append(now)
             elif state is EffectState.PREPARED:
-                where.append("state = 'PREPARED' AND deadline_at > ?")
+                where.append(_RUNNING)
                 args.append(now)
             elif state is not None:
                 where.append("state = ?")
@@ -506,17 +521,16 @@ class SQLiteStore(Store):
         names = sorted(probe_downstreams)
 
         def step(conn: sqlite3.Connection, now: int) -> list[Effect]:
+            # Mirrors ledger.queries.unsettled_effects.
             rows = conn.execute(
-                "SELECT fields FROM effects WHERE state = 'PREPARED' AND deadline_at <= ? "
-                "ORDER BY deadline_at LIMIT ?",
+                f"SELECT fields FROM effects WHERE {_OVERDUE} ORDER BY deadline_at LIMIT ?",
                 (now, limit),
             ).fetchall()
             if names:
-                due = "COALESCE(json_extract(fields, '$.next_probe_at') + 0, 0)"
                 rows += conn.execute(
                     f"SELECT fields FROM effects WHERE state = 'UNKNOWN' "
-                    f"AND downstream IN ({','.join('?' * len(names))}) AND {due} <= ? "
-                    f"ORDER BY {due}, created_at, effect_id LIMIT ?",
+                    f"AND downstream IN ({','.join('?' * len(names))}) AND {_PROBE_DUE_AT} <= ? "
+                    f"ORDER BY {_PROBE_DUE_AT}, created_at, effect_id LIMIT ?",
                     (*names, now, limit),
                 ).fetchall()
             return [
@@ -530,32 +544,26 @@ class SQLiteStore(Store):
             rows = conn.execute(
                 "SELECT fields FROM effects WHERE task_id = ?", (task_id,)
             ).fetchall()
-            for (raw,) in rows:
-                effect = effects.effect_from_fields(json.loads(raw))
-                if effect.attempts and effect.attempts[-1].forward_id == forward_id:
-                    return effect.effect_id
-            return None
+            records = (effects.effect_from_fields(json.loads(raw)) for (raw,) in rows)
+            return queries.find_forward(records, forward_id)
 
         return await self._run(step, "find_forward")
 
     async def gauges(self) -> Gauges:
         def step(conn: sqlite3.Connection, now: int) -> Gauges:
+            # Mirrors ledger.queries.gauges.
             (active,) = conn.execute(
-                "SELECT COUNT(*) FROM tasks WHERE state = 'CLAIMED' AND lease_expires_at > ?",
-                (now,),
+                f"SELECT COUNT(*) FROM tasks WHERE {_ACTIVE_LEASE}", (now,)
             ).fetchone()
             prepared, overdue = conn.execute(
-                "SELECT COUNT(*) FILTER (WHERE deadline_at > ?), "
-                "COUNT(*) FILTER (WHERE deadline_at <= ?) FROM effects WHERE state = 'PREPARED'",
+                f"SELECT COUNT(*) FILTER (WHERE {_RUNNING}), COUNT(*) FILTER (WHERE {_OVERDUE}) "
+                "FROM effects WHERE state = 'PREPARED'",
                 (now, now),
             ).fetchone()
             (unknown,) = conn.execute(
                 "SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'"
             ).fetchone()
-            (awaiting,) = conn.execute(
-                "SELECT COUNT(*) FROM effects WHERE state = 'NOT_APPLIED' "
-                "AND json_extract(fields, '$.attempt_count') = '0'"
-            ).fetchone()
+            (awaiting,) = conn.execute(f"SELECT COUNT(*) FROM effects WHERE {_AWAITING}").fetchone()
             return Gauges(active, prepared, unknown + overdue, awaiting)
 
         return await self._run(step, "gauges")
@@ -567,3 +575,21 @@ class SQLiteStore(Store):
             return effect
 
         return await self._run(step, "update_effect")
+
+
+def _check_url(url: str) -> None:
+    if not url.startswith("sqlite:///") or len(url) == len("sqlite:///"):
+        raise ValueError("sqlite URL needs a path, e.g. sqlite:///fencegate.db")
+
+
+def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
+    path = url[len("sqlite:///") :]  # relative to the working directory, or absolute
+    return SQLiteStore(
+        path, policy, timeout_ms=options.timeout_ms, synchronous=options.sqlite_synchronous
+    )
+
+
+#: ``sqlite:///rel.db`` or ``sqlite:////abs.db`` (ledger.registry).
+STORE_KIND = StoreKind(
+    schemes=("sqlite",), example="sqlite:///PATH", check_url=_check_url, create=_create
+)

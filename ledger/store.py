@@ -1,4 +1,7 @@
-"""The one interface both stores implement, and the factory that picks one from a URL.
+"""The one interface every store implements, and what a store module declares about itself.
+
+The factory that picks a store from a URL lives in ``ledger.registry``: store modules depend
+on this interface, never the other way round.
 
 A store owns time (``now`` is read from the store, never from a worker) and atomicity: each
 method is one atomic step that reads what it needs, applies a pure transition from
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import BadRequest
+from fencegate.ledger.queries import Gauges
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -31,10 +35,11 @@ __all__ = [
     "EffectTransition",
     "Gauges",
     "Store",
+    "StoreKind",
+    "StoreOptions",
     "decode_cursor",
     "encode_cursor",
     "new_id",
-    "open_store",
 ]
 
 #: An operator or reconciler step over one effect record: (record or None, now) -> new record.
@@ -47,24 +52,28 @@ def new_id() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Gauges:
-    """What is in flight right now, across every gateway sharing the store."""
+class StoreOptions:
+    """The ``[store]`` settings a store may use besides its URL (each store reads its own)."""
 
-    active_leases: int
-    prepared_effects: int
-    unknown_effects: int
-    awaiting_approval: int
+    timeout_ms: int
+    sqlite_synchronous: str = "FULL"
+    redis_key_prefix: str = "fg"
+    redis_password: str | None = None
+    redis_max_connections: int = 200
 
-    @property
-    def settled(self) -> bool:
-        """Nothing held, nothing in flight, nothing unknown, nothing waiting: safe to switch
-        worker pools."""
-        return not (
-            self.active_leases
-            or self.prepared_effects
-            or self.unknown_effects
-            or self.awaiting_approval
-        )
+
+@dataclass(frozen=True, slots=True)
+class StoreKind:
+    """What a store module declares about itself (its module-level ``STORE_KIND``), for
+    ``ledger.registry``: the URL schemes it serves, how to check such a URL at start-up, and
+    how to build the store (not yet open)."""
+
+    schemes: tuple[str, ...]
+    #: The URL form(s) to show in errors, e.g. ``sqlite:///PATH``.
+    example: str
+    #: Raises ValueError (with what to write instead) for a URL of its schemes it cannot use.
+    check_url: Callable[[str], None]
+    create: Callable[[str, LeasePolicy, StoreOptions], Store]
 
 
 def encode_cursor(created_at: int, effect_id: str) -> str:
@@ -228,34 +237,3 @@ class Store(abc.ABC):
         """Apply an operator or reconciler transition (``ledger.effects.resolve``, ``approve``,
         ``begin_probe``...) atomically: ``transition(record, now)`` returns the new record or
         raises, and the store writes it only if the record did not change meanwhile."""
-
-
-def open_store(
-    url: str,
-    policy: LeasePolicy,
-    *,
-    timeout_ms: int,
-    sqlite_synchronous: str = "FULL",
-    redis_key_prefix: str = "fg",
-    redis_password: str | None = None,
-    redis_max_connections: int = 200,
-) -> Store:
-    """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
-    ``sqlite:////abs.db`` or ``redis://host:port/db`` (``rediss://`` for TLS)."""
-    if url.startswith("sqlite:///"):
-        from fencegate.ledger.sqlite_store import SQLiteStore
-
-        path = url[len("sqlite:///") :]  # relative to the working directory, or absolute
-        return SQLiteStore(path, policy, timeout_ms=timeout_ms, synchronous=sqlite_synchronous)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from fencegate.ledger.redis_store import RedisStore
-
-        return RedisStore(
-            url,
-            policy,
-            timeout_ms=timeout_ms,
-            key_prefix=redis_key_prefix,
-            password=redis_password,
-            max_connections=redis_max_connections,
-        )
-    raise ValueError(f"unsupported store url {url!r}: use sqlite:///PATH or redis://HOST:PORT/DB")

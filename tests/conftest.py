@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config
-from fencegate.ledger.store import Store, open_store
+from fencegate.ledger.registry import open_store
+from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
 from tests.downstream import Downstream
 from tests.servers import Gateways, RedisServer

@@ -1,6 +1,6 @@
 -- Cancel until the next revision (mirror of ledger.tasks.cancel).
 -- KEYS[1] task hash, KEYS[2] leases index
--- ARGV[1] clock offset ms
+-- ARGV[1] test clock (see now_ms)
 -- Returns {'OK', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
 local t = load_hash(KEYS[1])

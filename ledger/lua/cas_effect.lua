@@ -6,10 +6,12 @@
 -- KEYS[4] awaiting-approval index, KEYS[5] probe-due index
 -- ARGV[1] effectId, ARGV[2] the record as read (cjson text), ARGV[3] the new record (JSON text)
 -- Returns 1 when written, 0 when the record changed in between (the caller reads again).
-local current = redis.call('HGET', KEYS[1], ARGV[1])
-if current ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-EFFECT_INDEX = {prepared = KEYS[2], unknown = KEYS[3], awaiting = KEYS[4],
-  probe_due = KEYS[5]}
-index_effect(cjson.decode(ARGV[3]))
+local effects_key = KEYS[1]
+local index = effect_indexes(KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+local effect_id, read_raw, new_raw = ARGV[1], ARGV[2], ARGV[3]
+
+local current = redis.call('HGET', effects_key, effect_id)
+if current ~= read_raw then return 0 end
+redis.call('HSET', effects_key, effect_id, new_raw)
+index_effect(index, cjson.decode(new_raw))
 return 1

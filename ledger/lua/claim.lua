@@ -1,6 +1,6 @@
 -- Claim a task (mirror of ledger.tasks.claim).
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
--- ARGV[1] clock offset ms, ARGV[2] owner, ARGV[3] ttlMs, ARGV[4] schedulerEpoch,
+-- ARGV[1] test clock (see now_ms), ARGV[2] owner, ARGV[3] ttlMs, ARGV[4] schedulerEpoch,
 -- ARGV[5] expectedRevision or '', ARGV[6] new attemptId, ARGV[7] max ttl ms,
 -- ARGV[8] default max runtime ms
 -- Returns {'OK', fields...} or {'ERR', code, detail}

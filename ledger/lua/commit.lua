@@ -1,8 +1,8 @@
 -- Record the canonical result (mirror of ledger.tasks.commit). Compares identities, not the clock.
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
--- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
--- ARGV[5] cancelGeneration, ARGV[6] inputDigest, ARGV[7] resultDigest, ARGV[8] new commitId,
--- ARGV[9] result JSON or '' for none
+-- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
+-- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] inputDigest, ARGV[7] resultDigest,
+-- ARGV[8] new commitId, ARGV[9] result JSON or '' for none
 -- Returns {'OK'|'REPLAY', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
 local epoch = scheduler(KEYS[2])

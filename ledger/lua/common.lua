@@ -4,9 +4,13 @@
 -- Scripts answer {'OK'|other status, field, value, ...} with the task's fields after the step,
 -- or {'ERR', code, detail} having written nothing.
 
-local function now_ms(offset)
+-- Store time from a script's ARGV[1], the test clock (ledger/redis_store.py, _clock_arg): an
+-- offset in ms added to TIME ('0' in production), or '=<ms>', the exact instant, which only
+-- tests send (RedisStore.clock_pinned_ms) so their histories replay identically.
+local function now_ms(clock)
+  if string.sub(clock, 1, 1) == '=' then return tonumber(string.sub(clock, 2)) end
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(offset)
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(clock)
 end
 
 local function s(n)
@@ -51,7 +55,8 @@ local function answer(status, h)
   return out
 end
 
--- Keep the leases index (a sorted set of CLAIMED tasks by expiry) in step with a task.
+-- Keep the leases index (a sorted set of CLAIMED tasks by expiry) in step with a task; a
+-- lease is active while its score is above now (mirror of ledger.queries.is_lease_active).
 local function index_lease(key, t)
   if t.state == 'CLAIMED' then
     redis.call('ZADD', key, tonumber(t.lease_expires_at), t.task_id)

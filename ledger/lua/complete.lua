@@ -2,27 +2,33 @@
 -- outcome, only while the record still waits for that forward.
 -- KEYS[1] the task's effects hash, KEYS[2] prepared index, KEYS[3] unknown index,
 -- KEYS[4] awaiting-approval index, KEYS[5] probe-due index
--- ARGV[1] clock offset ms, ARGV[2] effectId, ARGV[3] seq, ARGV[4] attemptId, ARGV[5] outcome,
--- ARGV[6] reason, ARGV[7] response JSON or '' to keep the stored one
+-- ARGV[1] test clock (see now_ms), ARGV[2] effectId, ARGV[3] seq, ARGV[4] attemptId,
+-- ARGV[5] outcome, ARGV[6] reason, ARGV[7] response JSON or '' to keep the stored one
 -- Returns {'OK'|'STALE', effect fields...} or {'ERR', 'NO_SUCH_EFFECT', ''}
+local effects_key = KEYS[1]
+local index = effect_indexes(KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 local now = now_ms(ARGV[1])
-EFFECT_INDEX = {prepared = KEYS[2], unknown = KEYS[3], awaiting = KEYS[4],
-  probe_due = KEYS[5]}
-local raw = redis.call('HGET', KEYS[1], ARGV[2])
+local effect_id = ARGV[2]
+local seq = tonumber(ARGV[3])
+local attempt_id = ARGV[4]
+local outcome = ARGV[5]
+local reason = ARGV[6]
+local response = ARGV[7]
+
+local raw = redis.call('HGET', effects_key, effect_id)
 if not raw then return err('NO_SUCH_EFFECT') end
 local e = cjson.decode(raw)
-local seq = tonumber(ARGV[3])
 if seq ~= tonumber(e.attempt_count) - 1 then return answer('STALE', e) end
 local p = 'a' .. s(seq) .. '_'
 local waiting = e.state == 'PREPARED'
   or (e.state == 'UNKNOWN' and e[p .. 'reason'] == DEADLINE_REASON)
-if e[p .. 'attempt_id'] ~= ARGV[4] or not waiting then return answer('STALE', e) end
+if e[p .. 'attempt_id'] ~= attempt_id or not waiting then return answer('STALE', e) end
 e[p .. 'ended_at'] = s(now)
-e[p .. 'outcome'] = ARGV[5]
-e[p .. 'reason'] = ARGV[6]
-e.state = state_after(e, seq, ARGV[5])
+e[p .. 'outcome'] = outcome
+e[p .. 'reason'] = reason
+e.state = state_after(e, seq, outcome)
 e.deadline_at = nil
-if ARGV[7] ~= '' then e.response = ARGV[7] end
+if response ~= '' then e.response = response end
 e.updated_at = s(now)
-save_effect(KEYS[1], e)
+save_effect(index, effects_key, e)
 return answer('OK', e)

@@ -5,10 +5,20 @@
 
 local DEADLINE_REASON = 'deadline passed'
 
+-- Mirror of ledger.effects.is_overdue: a PREPARED past its deadline.
+local function is_overdue(e, now)
+  return e.state == 'PREPARED' and e.deadline_at ~= nil and now >= tonumber(e.deadline_at)
+end
+
+-- Mirror of ledger.effects.is_awaiting_approval: NOT_APPLIED with no attempts.
+local function is_awaiting_approval(e)
+  return e.state == 'NOT_APPLIED' and e.attempt_count == '0'
+end
+
 -- Mirror of ledger.effects.effective: a PREPARED past its deadline reads as UNKNOWN.
 -- Returns true when it changed the record.
 local function expire_effect(e, now)
-  if e.state == 'PREPARED' and e.deadline_at and now >= tonumber(e.deadline_at) then
+  if is_overdue(e, now) then
     local p = 'a' .. s(tonumber(e.attempt_count) - 1) .. '_'
     e[p .. 'ended_at'] = e.deadline_at
     e[p .. 'outcome'] = 'UNKNOWN'
@@ -31,39 +41,46 @@ local function state_after(e, seq, outcome)
   return outcome
 end
 
--- The effect indexes (prepared zset, unknown set, awaiting set, probe-due zset); each effect
--- script sets EFFECT_INDEX from its KEYS before saving anything.
-local EFFECT_INDEX = nil
+-- The effect indexes, from the keys a script received (in the order redis_store.py passes
+-- them: prepared zset, unknown set, awaiting set, probe-due zset). Each effect script builds
+-- this once from its own KEYS and hands it to index_effect / save_effect.
+local function effect_indexes(prepared, unknown, awaiting, probe_due)
+  return {prepared = prepared, unknown = unknown, awaiting = awaiting, probe_due = probe_due}
+end
 
-local function index_effect(e)
+-- Keep the indexes in step with one record. The prepared zset is scored by the deadline, so
+-- "score <= now" is ledger.effects.is_overdue (lua/gauges.lua, RedisStore.unsettled_effects);
+-- the probe-due zset is scored by next_probe_at, 0 for never probed
+-- (ledger.queries.is_probe_due); the awaiting set is ledger.effects.is_awaiting_approval.
+local function index_effect(index, e)
   local id = e.effect_id
   if e.state == 'PREPARED' then
-    redis.call('ZADD', EFFECT_INDEX.prepared, tonumber(e.deadline_at), id)
+    redis.call('ZADD', index.prepared, tonumber(e.deadline_at), id)
   else
-    redis.call('ZREM', EFFECT_INDEX.prepared, id)
+    redis.call('ZREM', index.prepared, id)
   end
   if e.state == 'UNKNOWN' then
-    redis.call('SADD', EFFECT_INDEX.unknown, id)
+    redis.call('SADD', index.unknown, id)
     if e.next_probe_at then
-      redis.call('ZADD', EFFECT_INDEX.probe_due, tonumber(e.next_probe_at), id)
+      redis.call('ZADD', index.probe_due, tonumber(e.next_probe_at), id)
     else
       -- NX: a reconciler may have parked it (a downstream without a probe).
-      redis.call('ZADD', EFFECT_INDEX.probe_due, 'NX', 0, id)
+      redis.call('ZADD', index.probe_due, 'NX', 0, id)
     end
   else
-    redis.call('SREM', EFFECT_INDEX.unknown, id)
-    redis.call('ZREM', EFFECT_INDEX.probe_due, id)
+    redis.call('SREM', index.unknown, id)
+    redis.call('ZREM', index.probe_due, id)
   end
-  if e.state == 'NOT_APPLIED' and e.attempt_count == '0' then
-    redis.call('SADD', EFFECT_INDEX.awaiting, id)
+  if is_awaiting_approval(e) then
+    redis.call('SADD', index.awaiting, id)
   else
-    redis.call('SREM', EFFECT_INDEX.awaiting, id)
+    redis.call('SREM', index.awaiting, id)
   end
 end
 
-local function save_effect(key, e)
+local function save_effect(index, key, e)
   redis.call('HSET', key, e.effect_id, cjson.encode(e))
-  index_effect(e)
+  index_effect(index, e)
 end
 
 -- Append a new forward (attempt) and make the record PREPARED again.

@@ -1,8 +1,8 @@
 -- Validate a proxied call's claim without recording anything (mirror of
 -- ledger.effects.check_fence): safe methods (GET, HEAD, OPTIONS).
 -- KEYS[1] task hash, KEYS[2] scheduler hash
--- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
--- ARGV[5] cancelGeneration
+-- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
+-- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration
 -- Returns {'OK', task fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
 local epoch = scheduler(KEYS[2])

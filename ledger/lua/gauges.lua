@@ -1,9 +1,15 @@
 -- What is in flight right now, from the indexes the other scripts keep (one round trip).
+-- Mirror of ledger.queries.gauges: a lease is active while its expiry (the leases index's
+-- score) is above now (is_lease_active); a PREPARED is overdue once now reaches its deadline
+-- (the prepared index's score; ledger.effects.is_overdue) and then counts as UNKNOWN; the
+-- awaiting set holds exactly the effects ledger.effects.is_awaiting_approval accepts.
 -- KEYS[1] leases index, KEYS[2] prepared index, KEYS[3] unknown index, KEYS[4] awaiting index
--- ARGV[1] clock offset ms
+-- ARGV[1] test clock (see now_ms)
 -- Returns {active leases, PREPARED still running, UNKNOWN (incl. overdue PREPARED), awaiting}
+local leases, prepared, unknown, awaiting = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now = now_ms(ARGV[1])
-local active = redis.call('ZCOUNT', KEYS[1], '(' .. s(now), '+inf')
-local running = redis.call('ZCOUNT', KEYS[2], '(' .. s(now), '+inf')
-local overdue = redis.call('ZCOUNT', KEYS[2], '-inf', s(now))
-return {active, running, redis.call('SCARD', KEYS[3]) + overdue, redis.call('SCARD', KEYS[4])}
+
+local active = redis.call('ZCOUNT', leases, '(' .. s(now), '+inf')
+local running = redis.call('ZCOUNT', prepared, '(' .. s(now), '+inf')
+local overdue = redis.call('ZCOUNT', prepared, '-inf', s(now))
+return {active, running, redis.call('SCARD', unknown) + overdue, redis.call('SCARD', awaiting)}

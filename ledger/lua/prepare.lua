@@ -4,21 +4,35 @@
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
 -- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
 -- KEYS[9] probe-due index
--- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] schedulerEpoch,
--- ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot, ARGV[8] downstream, ARGV[9] method,
--- ARGV[10] path, ARGV[11] payloadDigest, ARGV[12] forward deadline ms,
+-- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
+-- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot,
+-- ARGV[8] downstream, ARGV[9] method, ARGV[10] path, ARGV[11] payloadDigest,
+-- ARGV[12] forward deadline ms,
 -- ARGV[13] the adapter's re-send window ms for UNKNOWN effects with the same payload, or '',
 -- ARGV[14] '1' when every forward needs an operator's approval of its payload digest,
 -- ARGV[15] the request's forward id ('' for none)
 -- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
 -- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
+local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
+local effects_order, effect_tasks = KEYS[4], KEYS[5]
+local index = effect_indexes(KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 local now = now_ms(ARGV[1])
-EFFECT_INDEX = {prepared = KEYS[6], unknown = KEYS[7], awaiting = KEYS[8],
-  probe_due = KEYS[9]}
-local epoch = scheduler(KEYS[2])
-local t = load_hash(KEYS[1])
-local bad = check_holder(t, ARGV[2], tonumber(ARGV[3]), nil, tonumber(ARGV[5]), true, epoch,
-  tonumber(ARGV[4]))
+local attempt_id = ARGV[2]
+local generation = ARGV[3]
+local req_epoch = tonumber(ARGV[4])
+local cancel_gen = tonumber(ARGV[5])
+local node, slot = ARGV[6], ARGV[7]
+local downstream, method, path = ARGV[8], ARGV[9], ARGV[10]
+local digest = ARGV[11]
+local deadline_ms = ARGV[12]
+local resend_window = ARGV[13]
+local require_approval = ARGV[14] == '1'
+local forward_id = ARGV[15]
+
+local epoch = scheduler(scheduler_key)
+local t = load_hash(task_key)
+local bad = check_holder(t, attempt_id, tonumber(generation), nil, cancel_gen, true, epoch,
+  req_epoch)
 if bad then return bad end
 if t.state == 'COMMITTED' then
   return err('ALREADY_COMMITTED', 'the task is committed; its attempt may produce no more effects')
@@ -27,40 +41,42 @@ if now >= tonumber(t.lease_expires_at) then
   return err('LEASE_EXPIRED', 'lease expired at ' .. t.lease_expires_at)
 end
 
-local eid = effect_id(t.task_id, t.revision, ARGV[6], ARGV[7])
-local raw = redis.call('HGET', KEYS[3], eid)
+local eid = effect_id(t.task_id, t.revision, node, slot)
+local raw = redis.call('HGET', effects_key, eid)
 local e
 local changed
 if not raw then
-  e = {effect_id = eid, task_id = t.task_id, revision = t.revision, node = ARGV[6],
-       slot = ARGV[7], downstream = ARGV[8], method = ARGV[9], path = ARGV[10],
-       payload_digest = ARGV[11], state = 'NOT_APPLIED', attempt_count = '0',
+  e = {effect_id = eid, task_id = t.task_id, revision = t.revision, node = node,
+       slot = slot, downstream = downstream, method = method, path = path,
+       payload_digest = digest, state = 'NOT_APPLIED', attempt_count = '0',
        probe_count = '0', created_at = s(now), updated_at = s(now)}
-  redis.call('ZADD', KEYS[4], 0, string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id)
-  redis.call('HSET', KEYS[5], eid, t.task_id)
+  local member = string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id
+  redis.call('ZADD', effects_order, 0, member)
+  redis.call('HSET', effect_tasks, eid, t.task_id)
   changed = true
 else
   e = cjson.decode(raw)
   changed = expire_effect(e, now)
 end
 
-local same = e.payload_digest == ARGV[11]
-local in_window = ARGV[13] ~= '' and now < tonumber(e.created_at) + tonumber(ARGV[13])
+local same = e.payload_digest == digest
+local in_window = resend_window ~= ''
+  and now < tonumber(e.created_at) + tonumber(resend_window)
 if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) then
   if changed or not same then e.updated_at = s(now) end
-  e.downstream = ARGV[8]
-  e.method = ARGV[9]
-  e.path = ARGV[10]
-  e.payload_digest = ARGV[11]
+  e.downstream = downstream
+  e.method = method
+  e.path = path
+  e.payload_digest = digest
   local approver = nil
-  if ARGV[14] == '1' then
-    local approved = e.approval_digest == ARGV[11] and e.approval_expires_at ~= nil
+  if require_approval then
+    local approved = e.approval_digest == digest and e.approval_expires_at ~= nil
       and now < tonumber(e.approval_expires_at)
     if not approved then
-      if changed or not same then save_effect(KEYS[3], e) end
+      if changed or not same then save_effect(index, effects_key, e) end
       local out = answer('REJECT', e)
       table.insert(out, 2, 'APPROVAL_REQUIRED')
-      table.insert(out, 3, 'an operator must approve payloadDigest ' .. ARGV[11]
+      table.insert(out, 3, 'an operator must approve payloadDigest ' .. digest
         .. ': POST /v1/effects/' .. eid .. '/approve')
       table.insert(out, 4, '')
       return out
@@ -74,9 +90,9 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
   e.probe_holder = nil
   e.probe_until = nil
   local i = tonumber(e.attempt_count)
-  add_attempt(e, now, ARGV[2], ARGV[3], ARGV[12], ARGV[15])
+  add_attempt(e, now, attempt_id, generation, deadline_ms, forward_id)
   if approver then e['a' .. s(i) .. '_approved_by'] = approver end
-  save_effect(KEYS[3], e)
+  save_effect(index, effects_key, e)
   return answer('FORWARD', e)
 end
 
@@ -85,7 +101,7 @@ if not same then
   code = 'PAYLOAD_CONFLICT'
   detail = 'effect ' .. eid .. ' is bound to payloadDigest ' .. e.payload_digest
 elseif e.state == 'COMMITTED' then
-  if changed then save_effect(KEYS[3], e) end
+  if changed then save_effect(index, effects_key, e) end
   return answer('REPLAY', e)
 elseif e.state == 'PREPARED' then
   code = 'EFFECT_IN_FLIGHT'
@@ -95,7 +111,7 @@ else
   code = 'EFFECT_UNKNOWN'
   detail = 'an earlier forward of this effect has an unknown outcome; reconcile it first'
 end
-if changed then save_effect(KEYS[3], e) end
+if changed then save_effect(index, effects_key, e) end
 local out = answer('REJECT', e)
 table.insert(out, 2, code)
 table.insert(out, 3, detail)

@@ -3,7 +3,7 @@
 -- keep the index, share the store. Runs before each reconciler sweep; costs one ZCARD and one
 -- SCARD while the index is complete.
 -- KEYS[1] unknown index (set), KEYS[2] probe-due index (zset)
--- ARGV[1] clock offset ms (unused; every script receives it)
+-- ARGV[1] test clock (unused; every script run through RedisStore._script receives it)
 -- Returns the number of effects added.
 if redis.call('ZCARD', KEYS[2]) >= redis.call('SCARD', KEYS[1]) then return 0 end
 local added = 0

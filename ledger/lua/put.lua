@@ -1,6 +1,6 @@
 -- Create a task or open a new revision (mirror of ledger.tasks.put).
 -- KEYS[1] task hash, KEYS[2] leases index
--- ARGV[1] clock offset ms, ARGV[2] taskId, ARGV[3] inputDigest, ARGV[4] maxRuntimeMs or ''
+-- ARGV[1] test clock (see now_ms), ARGV[2] taskId, ARGV[3] inputDigest, ARGV[4] maxRuntimeMs or ''
 -- Returns {'CREATED'|'REVISED'|'UNCHANGED', fields...}
 local now = now_ms(ARGV[1])
 local t = load_hash(KEYS[1])

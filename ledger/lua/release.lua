@@ -1,6 +1,6 @@
 -- Give a claim back (mirror of ledger.tasks.release); no epoch check, see tasks.py.
 -- KEYS[1] task hash, KEYS[2] leases index
--- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
+-- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
 -- ARGV[5] cancelGeneration
 -- Returns {'OK', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])

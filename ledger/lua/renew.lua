@@ -1,6 +1,6 @@
 -- Extend a lease (mirror of ledger.tasks.renew).
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
--- ARGV[1] clock offset ms, ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
+-- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration, ARGV[4] owner,
 -- ARGV[5] schedulerEpoch, ARGV[6] cancelGeneration, ARGV[7] ttlMs, ARGV[8] max ttl ms,
 -- ARGV[9] default max runtime ms
 -- Returns {'OK', fields...} or {'ERR', code, detail}
