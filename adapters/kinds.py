@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote
 
 from fencegate.adapters.http import HttpAdapter
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
@@ -33,6 +34,8 @@ __all__ = [
     "ManualAdapter",
     "ProbeAdapter",
     "ProbeSpec",
+    "UnsafeProbePath",
+    "expand_probe_path",
 ]
 
 #: A re-send window that never closes (preconditions make every re-send safe).
@@ -66,6 +69,26 @@ class ProbeSpec:
     settle_ms: int = 60_000
 
 
+class UnsafeProbePath(ValueError):
+    """The expanded probe path would not stay under the downstream's base path (a ``.`` or
+    ``..`` segment): no probe is sent, and the probe counts as inconclusive."""
+
+
+def expand_probe_path(template: str, values: dict[str, str | int]) -> str:
+    """RFC 6570 simple expansion of a probe path template: each placeholder's value is
+    percent-encoded except unreserved characters (``A-Z a-z 0-9 - . _ ~``), so ``/``, ``?``,
+    ``#`` and ``%`` in a slot, node or task id never become structure. The result must not
+    hold a ``.`` or ``..`` path segment (plain or percent-encoded: servers normalise both),
+    so a probe never leaves the downstream's base path; such a path raises
+    ``UnsafeProbePath``. Pure: ``tests/test_probe_template.py``."""
+    encoded = {name: quote(str(value), safe="") for name, value in values.items()}
+    path = template.format(**encoded)
+    for segment in path.split("?", 1)[0].split("#", 1)[0].split("/"):
+        if unquote(segment) in (".", ".."):
+            raise UnsafeProbePath(f"probe path {path!r} has a {segment!r} segment")
+    return path
+
+
 def _field(body: Any, dotted: str) -> Any:
     node = body
     for part in dotted.split("."):
@@ -84,13 +107,18 @@ class ProbeAdapter(HttpAdapter):
         return "probe"
 
     def probe_path(self, effect: Effect) -> str:
+        """The probe's path and query for ``effect``, still percent-encoded (see
+        ``expand_probe_path``; raises ``UnsafeProbePath``)."""
         assert self.probe is not None
-        return self.probe.path.format(
-            effectId=effect.effect_id,
-            taskId=effect.task_id,
-            slot=effect.slot,
-            node=effect.node,
-            revision=effect.revision,
+        return expand_probe_path(
+            self.probe.path,
+            {
+                "effectId": effect.effect_id,
+                "taskId": effect.task_id,
+                "slot": effect.slot,
+                "node": effect.node,
+                "revision": effect.revision,
+            },
         )
 
     def verdict(self, status: int, body: Any) -> ProbeVerdict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,10 @@ from fencegate._http import RawAnswer, gateway_problem, task_path
 from fencegate.errors import GatewayUnreachable, ProblemError
 from fencegate.lease import ClaimScope, Lease
 
-__all__ = ["Client", "Epoch", "TaskRecord"]
+__all__ = ["TOKEN_ENV", "Client", "Epoch", "TaskRecord"]
+
+#: Where ``Client`` (and the operator CLI) find the gateway credential when none is given.
+TOKEN_ENV = "FENCEGATE_TOKEN"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +93,12 @@ class Client:
 
     Use it as ``async with Client(url) as client:`` (or call ``close()``). Pass ``session``
     to share your own ``aiohttp.ClientSession`` (the client then does not close it);
-    ``headers`` go with every call (``Authorization`` where the gateway wants one);
-    ``timeout`` bounds each call in seconds, proxied calls included (keep it above the
-    downstreams' ``timeout_ms``); ``operator`` is sent as ``Fence-Operator`` on operator calls.
+    ``headers`` go with every call; ``token`` is the gateway credential of a gateway with
+    ``[auth]``, sent as ``Fence-Authorization: Bearer <token>`` with every call, proxied calls
+    included (``Fence-*`` never reaches a downstream); it defaults to ``$FENCEGATE_TOKEN``
+    (pass ``token=""`` to send none). ``timeout`` bounds each call in seconds, proxied calls
+    included (keep it above the downstreams' ``timeout_ms``); ``operator`` is sent as
+    ``Fence-Operator`` on operator calls.
     """
 
     def __init__(
@@ -102,10 +109,16 @@ class Client:
         timeout: float = 30.0,
         headers: Mapping[str, str] | None = None,
         operator: str | None = None,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.headers = dict(headers or {})
+        if token is None:
+            token = os.environ.get(TOKEN_ENV, "")
+        token = token.strip()
+        if token:
+            self.headers.setdefault("Fence-Authorization", f"Bearer {token}")
         self.operator = operator
         self._session = session
         self._own_session = session is None

@@ -56,6 +56,7 @@ __all__ = [
     "Claimed",
     "ClaimsPaused",
     "Conflict",
+    "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
     "EffectInFlight",
@@ -65,9 +66,11 @@ __all__ = [
     "FencegateError",
     "Forbidden",
     "GatewayUnreachable",
+    "HttpVersionNotSupported",
     "InternalError",
     "LeaseExpired",
     "LeaseLost",
+    "MisdirectedRequest",
     "NoSuchDownstream",
     "NoSuchEffect",
     "NoSuchTask",
@@ -75,12 +78,15 @@ __all__ = [
     "PayloadConflict",
     "PayloadTooLarge",
     "ProblemError",
+    "RequestTimeout",
     "RuntimeExceeded",
     "StaleEpoch",
     "StaleInput",
     "StoreUnavailable",
+    "TooManyConnections",
     "Unauthenticated",
     "Unavailable",
+    "UnsupportedMediaType",
     "error_from_problem",
 ]
 
@@ -309,6 +315,37 @@ class DownstreamTimeout(ProblemError):
     code, status = "DOWNSTREAM_TIMEOUT", 504
 
 
+class DownstreamBusy(Unavailable):
+    """No pooled connection to the downstream in time: nothing was sent, it may go again
+    (after ``Retry-After``)."""
+
+    code = "DOWNSTREAM_BUSY"
+
+
+class TooManyConnections(Unavailable):
+    code = "TOO_MANY_CONNECTIONS"
+
+
+class RequestTimeout(ProblemError):
+    """The request body did not arrive in time."""
+
+    code, status = "REQUEST_TIMEOUT", 408
+
+
+class UnsupportedMediaType(ProblemError):
+    code, status = "UNSUPPORTED_MEDIA_TYPE", 415
+
+
+class MisdirectedRequest(ProblemError):
+    """The ``Host`` is not one this gateway answers for."""
+
+    code, status = "MISDIRECTED_REQUEST", 421
+
+
+class HttpVersionNotSupported(ProblemError):
+    code, status = "HTTP_VERSION_NOT_SUPPORTED", 505
+
+
 def _leaves() -> dict[str, type[ProblemError]]:
     found: dict[str, type[ProblemError]] = {}
     pending: list[type[ProblemError]] = [ProblemError]
@@ -333,8 +370,12 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
     422: PayloadConflict,
     500: InternalError,
     502: DownstreamUnreachable,
+    408: RequestTimeout,
+    415: UnsupportedMediaType,
+    421: MisdirectedRequest,
     503: Unavailable,
     504: DownstreamTimeout,
+    505: HttpVersionNotSupported,
 }
 #: Refusals after which a lease can no longer act: the SDK stops using it (the gateway's
 #: ClaimRefused family, one list for both).

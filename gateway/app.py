@@ -11,15 +11,18 @@ from collections.abc import AsyncIterator
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from fencegate.gateway import coordination, ledger_api, operations
+from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
 from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
 from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
 from fencegate.gateway.problems import error_middleware
-from fencegate.gateway.proxy import proxy_handler
+from fencegate.gateway.proxy import proxy_answer_headers, proxy_handler
 from fencegate.gateway.reconcile import Reconciler
+from fencegate.gateway.request_guard import request_guard
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
 from fencegate.ledger.errors import StoreUnavailable
 from fencegate.ledger.registry import open_store
@@ -75,9 +78,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(config: Config, store: Store | None = None) -> web.Application:
     """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock."""
-    app = web.Application(
-        middlewares=[error_middleware], client_max_size=config.server.max_body_bytes
-    )
+    middlewares: list[Middleware] = [error_middleware]
+    middlewares.append(request_guard)  # Host, Origin, media type, body bounds
+    if config.auth is not None:
+        middlewares.append(auth_middleware(config.auth))
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
     app[STORE] = store if store is not None else build_store(config)
     app[METRICS] = Metrics()
@@ -131,4 +136,6 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.add_routes(ledger_api.routes)
     app.add_routes(operations.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
+    # Refusals made before the proxy handler (the request guard's 413...) carry Fence-* too.
+    app.on_response_prepare.append(proxy_answer_headers)
     return app

@@ -5,52 +5,101 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from fencegate.gateway.config import ConfigError, load_config, parse_listen
+from fencegate.gateway.config import ConfigError, ServerConfig, load_config, parse_listen
 from fencegate.gateway.demo import register as _add_demo
 from fencegate.gateway.ops_cli import register as _add_ops
+from fencegate.gateway.token_cli import register as _add_token
 
 __all__ = ["main"]
 
-
-def _serve(args: argparse.Namespace) -> int:
-    # Imported here: the operator commands should not pay for the server's imports.
-    import structlog
+if TYPE_CHECKING:
     from aiohttp import web
 
+
+def _serve(args: argparse.Namespace) -> int:
+    """Every line this writes to stderr is one JSON object (gateway/logs.py), start-up errors
+    included; exit 2 for a config that cannot be used, 1 for a store or listen failure."""
+    # Imported here: the operator commands should not pay for the server's imports.
+    import asyncio
+
+    import structlog
+
     from fencegate.gateway.app import create_app
+    from fencegate.gateway.config import with_listen
     from fencegate.gateway.logs import configure_logging
     from fencegate.ledger.errors import StoreUnavailable
 
+    configure_logging("info")
+    log = structlog.get_logger("fencegate")
     try:
         config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"fencegate: config error: {exc}", file=sys.stderr)
+        if args.listen:
+            parse_listen(args.listen)
+            config = with_listen(config, args.listen)
+    except (ConfigError, ValueError) as exc:
+        log.error("gateway.config_error", error=f"config error: {exc}")
         return 2
-    listen = args.listen or config.server.listen
-    try:
-        host, port = parse_listen(listen)
-    except ValueError as exc:
-        print(f"fencegate: --listen: {exc}", file=sys.stderr)
-        return 2
+    listen = config.server.listen
+    host, port = parse_listen(listen)
     configure_logging(config.logging.level)
     log = structlog.get_logger("fencegate")
     log.info("gateway.starting", listen=listen, store=config.store.url.split("@")[-1])
-    try:
-        web.run_app(
-            create_app(config),
-            host=host,
-            port=port,
-            print=None,
-            access_log=None,
+    if config.auth is None:
+        log.warning(
+            "gateway.unauthenticated",
+            listen=listen,
+            detail="no [auth] section: any client that reaches this address may use every "
+            "endpoint (docs/security.md)",
         )
+    try:
+        asyncio.run(_run(create_app(config), host, port, config.server))
     except StoreUnavailable as exc:
-        print(f"fencegate: store error: {exc.detail}", file=sys.stderr)
+        log.error("gateway.store_error", error=exc.detail)
         return 1
     except OSError as exc:
-        print(f"fencegate: cannot listen on {listen}: {exc.strerror}", file=sys.stderr)
+        log.error("gateway.cannot_listen", listen=listen, error=exc.strerror or str(exc))
         return 1
     return 0
+
+
+async def _run(app: web.Application, host: str, port: int, server: ServerConfig) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, through the guarded listener (connection limit,
+    parser errors as problem+json, JSON access log), then shut down gracefully."""
+    import asyncio
+    import logging
+    import signal
+
+    import structlog
+    from aiohttp import web
+
+    from fencegate.gateway.logs import AccessLog
+    from fencegate.gateway.request_guard import ConnectionSlots, GuardedSite, handler_factory
+
+    options: dict[str, Any] = {
+        "access_log_class": AccessLog,
+        "access_log": logging.getLogger("aiohttp.access"),
+        "keepalive_timeout": server.idle_timeout_ms / 1000,
+    }
+    runner = web.AppRunner(app, **options)
+    await runner.setup()
+    try:
+        assert runner.server is not None
+        slots = ConnectionSlots(server.max_connections)
+        site = GuardedSite(runner, host, port, handler_factory(runner.server, slots, **options))
+        await site.start()
+        structlog.get_logger("fencegate").info(
+            "gateway.listening", listen=site.name, max_connections=server.max_connections
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+        structlog.get_logger("fencegate").info("gateway.stopping")
+    finally:
+        await runner.cleanup()
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,6 +115,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], N
     _add_serve,
     _add_ops,
     _add_demo,
+    _add_token,
 ]
 
 

@@ -7,7 +7,9 @@ a key ending in ``_env`` names the environment variable that holds the secret.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import string
 import tomllib
 from pathlib import Path
@@ -16,19 +18,25 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "ROLES",
+    "AuthConfig",
     "Config",
     "ConfigError",
     "DownstreamConfig",
     "LeasesConfig",
     "LoggingConfig",
     "OutcomesConfig",
+    "PrincipalConfig",
     "ProbeConfig",
     "ProxyConfig",
     "ReconcilerConfig",
+    "Role",
     "ServerConfig",
     "StoreConfig",
+    "is_loopback",
     "load_config",
     "parse_listen",
+    "with_listen",
 ]
 
 # Bounds on everything a config file controls, so a typo cannot make the gateway absurd.
@@ -51,16 +59,92 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def with_listen(config: Config, listen: str) -> Config:
+    """``config`` listening on ``listen`` (``serve --listen``), validated again as a whole."""
+    data = config.model_dump(exclude_unset=True)
+    data["server"] = {**data.get("server", {}), "listen": listen}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"--listen {listen}: {_describe(exc, data)}") from exc
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` (as ``parse_listen`` returns it) only accepts connections from this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+#: ``name`` or ``name:port``; a name is a DNS name, an IPv4 address or a bracketed IPv6 one.
+_HOST_ENTRY = re.compile(
+    r"(\[[0-9a-f:.]{2,45}\]|[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?)(:[0-9]{1,5})?"
+)
+_ORIGIN_ENTRY = re.compile(r"https?://[^/?#@\s]+")
+
+
 class ServerConfig(_Section):
     listen: str = "127.0.0.1:8700"
     #: Largest request body the gateway reads at all (coordination API and proxied calls).
     max_body_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 1024 * 1024
+    #: Start without ``[auth]`` on a non-loopback ``listen`` (refused otherwise).
+    allow_unauthenticated: bool = False
+    #: Browser origins whose requests are served (any other ``Origin`` is 403 FORBIDDEN).
+    #: None: the gateway's own, http://{listen host, localhost, 127.0.0.1, [::1]}:{port}.
+    allowed_origins: Annotated[tuple[str, ...], Field(strict=False, max_length=100)] | None = None
+    #: ``Host`` values served (``name`` matches any port, ``name:port`` that port only); any
+    #: other is 421 MISDIRECTED_REQUEST. None: the listen host, localhost, 127.0.0.1 and
+    #: [::1]; required when ``listen`` is not a loopback address.
+    allowed_hosts: Annotated[tuple[str, ...], Field(strict=False, max_length=100)] | None = None
+    #: Longest time a request body may take to arrive, from the end of its headers: 408 past it.
+    body_timeout_ms: Annotated[int, Field(ge=100, le=10 * _MINUTE_MS)] = 30_000
+    #: A connection with no complete request for this long is closed (also one whose request
+    #: line and headers never finish).
+    idle_timeout_ms: Annotated[int, Field(ge=1_000, le=60 * _MINUTE_MS)] = 75_000
+    #: Open client connections; past it a new connection is answered 503 and closed.
+    max_connections: Annotated[int, Field(ge=1, le=100_000)] = 500
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, value: str) -> str:
         parse_listen(value)
         return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        out = tuple(entry.lower() for entry in value)
+        for entry in out:
+            if not _HOST_ENTRY.fullmatch(entry):
+                raise ValueError(
+                    f"{entry!r} is not a host name, address or [IPv6] (optionally :port)"
+                )
+        return out
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        out = tuple(entry.lower().rstrip("/") for entry in value)
+        for entry in out:
+            if not _ORIGIN_ENTRY.fullmatch(entry):
+                raise ValueError(f"{entry!r} is not an origin (http[s]://host[:port], no path)")
+        return out
+
+    @model_validator(mode="after")
+    def _hosts_beyond_loopback(self) -> ServerConfig:
+        if self.allowed_hosts is None and not is_loopback(parse_listen(self.listen)[0]):
+            raise ValueError(
+                f"allowed_hosts is required when listen ({self.listen}) is not a loopback "
+                "address: list the names clients use to reach the gateway"
+            )
+        return self
 
 
 class StoreConfig(_Section):
@@ -302,6 +386,61 @@ class DownstreamConfig(_Section):
         return value.rstrip("/")
 
 
+#: What a principal may do (the role matrix is ``gateway/auth.py``, docs/security.md).
+Role = Literal["scheduler", "worker", "operator", "observer"]
+ROLES: tuple[Role, ...] = ("scheduler", "worker", "operator", "observer")
+
+
+class PrincipalConfig(_Section):
+    """One identity: a unique name, its roles, and the SHA-256 of its bearer token. The token
+    itself is never in the file (``fencegate token new`` prints a token and these lines)."""
+
+    name: str
+    roles: Annotated[tuple[Role, ...], Field(min_length=1, strict=False)]
+    token_sha256: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._:@/-]{1,200}", value):
+            raise ValueError("1 to 200 letters, digits or . _ : @ / - (no spaces)")
+        return value
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _digest(cls, value: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{64}", value):
+            raise ValueError(
+                "expected the token's SHA-256 as 64 lowercase hex characters (never the token "
+                "itself; `fencegate token new` prints both)"
+            )
+        return value
+
+
+class AuthConfig(_Section):
+    """``[auth]``: when present, every request but /healthz and /readyz needs a credential."""
+
+    principals: Annotated[tuple[PrincipalConfig, ...], Field(strict=False)]
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        if not self.principals:
+            raise ValueError("principals: at least one [[auth.principals]] is needed")
+        names: set[str] = set()
+        digests: set[str] = set()
+        for i, principal in enumerate(self.principals):
+            if principal.name in names:
+                raise ValueError(f"principals[{i}].name {principal.name!r} is used twice")
+            if principal.token_sha256 in digests:
+                raise ValueError(
+                    f"principals[{i}] ({principal.name!r}).token_sha256 is another "
+                    "principal's: every principal needs its own token"
+                )
+            names.add(principal.name)
+            digests.add(principal.token_sha256)
+        return self
+
+
 class Config(_Section):
     server: ServerConfig = ServerConfig()
     store: StoreConfig = StoreConfig()
@@ -310,6 +449,8 @@ class Config(_Section):
     reconciler: ReconcilerConfig = ReconcilerConfig()
     logging: LoggingConfig = LoggingConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
+    #: None: no authentication (docs/security.md).
+    auth: AuthConfig | None = None
 
     @model_validator(mode="after")
     def _unique_downstreams(self) -> Config:
@@ -324,6 +465,17 @@ class Config(_Section):
                     f"downstreams[{i}].max_body_bytes exceeds server.max_body_bytes "
                     f"({self.server.max_body_bytes})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _safe_listen(self) -> Config:
+        host = parse_listen(self.server.listen)[0]
+        if self.auth is None and not self.server.allow_unauthenticated and not is_loopback(host):
+            raise ValueError(
+                f"server.listen ({self.server.listen}) is not a loopback address and there is "
+                "no [auth] section: every client that reaches it could use every endpoint; "
+                "add [auth], listen on loopback, or set server.allow_unauthenticated = true"
+            )
         return self
 
     def downstream(self, name: str) -> DownstreamConfig | None:

@@ -23,6 +23,7 @@ from fencegate.gateway.api_models import (
     check_task_id,
     parse_body,
 )
+from fencegate.gateway.principals import principal_of
 from fencegate.gateway.state import CONFIG, METRICS, STORE
 from fencegate.ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
 from fencegate.ledger.tasks import (
@@ -70,13 +71,20 @@ def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
     return {"schedulerEpoch": scheduler.epoch, "claimsPaused": scheduler.claims_paused}
 
 
-def _identity(body: IdentityBody) -> Identity:
+def _principal(request: web.Request) -> str | None:
+    """The caller's principal name, bound to the claims it makes (None without ``[auth]``)."""
+    principal = principal_of(request)
+    return principal.name if principal is not None else None
+
+
+def _identity(request: web.Request, body: IdentityBody) -> Identity:
     return Identity(
         attempt_id=body.attemptId,
         claim_generation=body.claimGeneration,
         owner=body.owner,
         scheduler_epoch=body.schedulerEpoch,
         cancel_generation=body.cancelGeneration,
+        principal=_principal(request),
     )
 
 
@@ -89,6 +97,7 @@ async def claim(request: web.Request) -> web.Response:
         ttl_ms=body.ttlMs,
         scheduler_epoch=body.schedulerEpoch,
         expected_revision=body.expectedRevision,
+        principal=_principal(request),
     )
     fields = {"task": task_id, "owner": body.owner, "epoch": body.schedulerEpoch}
     task = await _decide(
@@ -126,7 +135,7 @@ async def claim(request: web.Request) -> web.Response:
 async def renew(request: web.Request) -> web.Response:
     task_id = check_task_id(request.match_info["task_id"])
     body = parse_body(await request.read(), RenewBody)
-    req = RenewRequest(identity=_identity(body), ttl_ms=body.ttlMs)
+    req = RenewRequest(identity=_identity(request, body), ttl_ms=body.ttlMs)
     fields = {
         "task": task_id,
         "attempt": body.attemptId,
@@ -144,7 +153,7 @@ async def renew(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     task_id = check_task_id(request.match_info["task_id"])
     body = parse_body(await request.read(), IdentityBody)
-    ident = _identity(body)
+    ident = _identity(request, body)
     fields = {
         "task": task_id,
         "attempt": body.attemptId,
@@ -176,6 +185,7 @@ async def commit(request: web.Request) -> web.Response:
         input_digest=body.inputDigest,
         result_digest=body.resultDigest,
         result_json=result_json,
+        principal=_principal(request),
     )
     fields = {
         "task": task_id,

@@ -13,9 +13,12 @@ slow ``tests/test_aiohttp_versions.py`` on each minor version pyproject.toml all
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import aiohttp
 
-__all__ = ["ResendRefused", "new_client_session", "send_once"]
+__all__ = ["PoolWait", "ResendRefused", "new_client_session", "send_once"]
 
 
 class ResendRefused(Exception):
@@ -46,14 +49,48 @@ def send_once() -> tuple[aiohttp.ClientMiddlewareType, ...]:
 IDLE_CONNECTION_S = 4.0
 
 
+@dataclass
+class PoolWait:
+    """Pass one as a request's ``trace_request_ctx``: ``waiting`` is true while the request
+    waits for a free connection of the pool (``proxy.max_connections``). A request that
+    failed while still waiting never got a connection, so it was certainly never sent."""
+
+    waiting: bool = False
+
+
+async def _queued_start(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceConnectionQueuedStartParams,
+) -> None:
+    if isinstance(context.trace_request_ctx, PoolWait):
+        context.trace_request_ctx.waiting = True
+
+
+async def _queued_end(
+    session: aiohttp.ClientSession,
+    context: SimpleNamespace,
+    params: aiohttp.TraceConnectionQueuedEndParams,
+) -> None:
+    if isinstance(context.trace_request_ctx, PoolWait):
+        context.trace_request_ctx.waiting = False
+
+
 def new_client_session(max_connections: int) -> aiohttp.ClientSession:
     """One pool for every forward. No cookie jar (the gateway must not carry one agent's
-    session into another's call), no proxy settings from the environment, and bodies passed
-    through as they are (no transparent decompression)."""
+    session into another's call), no proxy settings from the environment, bodies passed
+    through as they are (no transparent decompression), and no header the agent did not send
+    invented for the downstream: aiohttp's ``User-Agent``, ``Accept: */*``,
+    ``Accept-Encoding`` and ``Content-Type: application/octet-stream`` (which it adds to any
+    bytes body, ``b""`` included) are all skipped. Pool waits are traced (``PoolWait``)."""
+    pool_wait = aiohttp.TraceConfig()
+    pool_wait.on_connection_queued_start.append(_queued_start)
+    pool_wait.on_connection_queued_end.append(_queued_end)
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=IDLE_CONNECTION_S),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
         trust_env=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        trace_configs=[pool_wait],
     )

@@ -5,20 +5,27 @@ is. No I/O here, so every rule is tested without a socket (tests/test_http_rules
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Set
-from urllib.parse import unquote
+from decimal import Decimal
+from typing import Any
+from urllib.parse import unquote, unquote_plus
 
 from multidict import CIMultiDict
 
 from fencegate.ledger.errors import BadRequest
 
 __all__ = [
+    "CLIENT_CLAIMS",
     "HOP_BY_HOP",
+    "METHOD_OVERRIDE_HEADERS",
+    "METHOD_OVERRIDE_PARAM",
     "SAFE_METHODS",
     "canonical_body",
     "downstream_request_headers",
     "is_json",
+    "refuse_method_override",
     "split_proxy_path",
     "stored_response_headers",
     "upstream_response_headers",
@@ -63,28 +70,77 @@ def _without(
     return out
 
 
+#: Agent-sent fields that claim to say who the client is. There is no trusted-proxy list (yet),
+#: so the gateway believes none of them: they are dropped, and X-Forwarded-For gets the peer.
+CLIENT_CLAIMS = frozenset({"forwarded", "x-real-ip"})
+
+
 def downstream_request_headers(
     agent_headers: Iterable[tuple[str, str]],
     identity: dict[str, str],
     *,
     forward_authorization: bool,
+    reserved: Iterable[str],
+    peer: str | None,
 ) -> CIMultiDict[str]:
     """The agent's headers as the downstream sees them.
 
     Removed: hop-by-hop fields and any field the agent's ``Connection`` lists, the gateway's
-    own ``Fence-*``, ``Host`` and ``Content-Length`` (the client sets both), ``Expect``, any
-    identity header the agent tried to set itself, and ``Authorization`` unless the downstream
-    opts in. Added: the adapter's identity headers (idempotency key, fencing token).
+    own ``Fence-*``, ``Host`` and ``Content-Length`` (the client sets both), ``Expect``,
+    ``Forwarded`` and ``X-Real-IP`` (``CLIENT_CLAIMS``), any identity header the agent tried
+    to set itself, the ``reserved`` names (the downstream's idempotency-key and fencing-token
+    headers: on every method, also where the gateway sets no identity, a safe method), and
+    ``Authorization`` unless the downstream opts in. Added: the adapter's identity headers
+    (credentials, idempotency key, fencing token) and ``X-Forwarded-For``: the agent's
+    values (joined) with ``peer`` appended (``unknown`` when the peer has no address).
     """
     pairs = list(agent_headers)
-    drop = set(HOP_BY_HOP) | _connection_listed(pairs) | {"host", "content-length", "expect"}
-    drop |= {name.lower() for name in identity}
+    listed = _connection_listed(pairs)
+    drop = set(HOP_BY_HOP) | listed | {"host", "content-length", "expect", "x-forwarded-for"}
+    drop |= CLIENT_CLAIMS
+    drop |= {name.lower() for name in identity} | {name.lower() for name in reserved}
     if not forward_authorization:
         drop.add("authorization")
     out = _without(pairs, drop, ("fence-",))
+    chain: list[str] = []
+    if "x-forwarded-for" not in listed:
+        for name, value in pairs:
+            if name.lower() == "x-forwarded-for":
+                chain.extend(hop.strip() for hop in value.split(",") if hop.strip())
+    chain.append(peer or "unknown")
+    out["X-Forwarded-For"] = ", ".join(chain)
     for name, value in identity.items():
         out[name] = value
     return out
+
+
+#: Fields that ask a server to treat a request as another method (Rails, Express's
+#: method-override, Google APIs, ...), and the query parameter that does the same.
+METHOD_OVERRIDE_HEADERS = frozenset({"x-http-method-override", "x-http-method",
+                                     "x-method-override"})  # fmt: skip
+METHOD_OVERRIDE_PARAM = "_method"
+
+
+def refuse_method_override(
+    method: str, headers: Iterable[tuple[str, str]], path_and_query: str
+) -> None:
+    """A safe method (forwarded without a ledger entry) must not carry a method override:
+    the downstream could run it as the mutation it names, unrecorded and unfenced by the
+    effect ledger. ``BadRequest`` if it does (any value, any case; ``_method`` also
+    percent-encoded, and separated by ``&`` or ``;``). Mutations are left alone: they are
+    recorded either way."""
+    if method not in SAFE_METHODS:
+        return
+    for name, _ in headers:
+        if name.lower() in METHOD_OVERRIDE_HEADERS:
+            raise BadRequest(f"{name}: a method override is refused on {method}; "
+                             "send the method itself")  # fmt: skip
+    query = path_and_query.partition("?")[2]
+    for part in re.split(r"[&;]", query):
+        name = unquote_plus(part.partition("=")[0]).strip().lower()
+        if name == METHOD_OVERRIDE_PARAM:
+            raise BadRequest(f"query parameter {METHOD_OVERRIDE_PARAM}: a method override is "
+                             f"refused on {method}; send the method itself")  # fmt: skip
 
 
 def upstream_response_headers(downstream_headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
@@ -137,15 +193,78 @@ def is_json(content_type: str) -> bool:
     )
 
 
-def canonical_body(body: bytes, content_type: str) -> bytes:
-    """JSON bodies with sorted keys and no insignificant whitespace; any other body as is.
+class _Refused(Exception):
+    """A JSON body the digest will not take (not a ValueError: ``json`` must not swallow it)."""
 
-    A body that claims to be JSON but does not parse is digested as is, byte for byte.
+
+#: Integer literals longer than this are not converted (Python refuses over 4300 digits);
+#: a body holding one is digested byte for byte.
+_MAX_INT_DIGITS = 4000
+
+
+def canonical_body(body: bytes, content_type: str) -> bytes:
+    """The body as the payload digest takes it: for a JSON body (``is_json``) that parses,
+    sorted keys and no insignificant whitespace; any other body byte for byte.
+
+    Two different payloads never share the result (docs/decisions.md, "Strict JSON
+    digests"):
+
+    * duplicate keys in an object (parsers disagree on which one wins), ``NaN``,
+      ``Infinity`` and ``-Infinity`` (not JSON), and strings with a lone surrogate (not
+      Unicode) raise ``BadRequest``;
+    * a number is kept as Python reads it only when that loses nothing: a float literal whose
+      exact decimal value equals the shortest repr of the float it parses to (``1.50`` and
+      ``1.5`` are one value; ``100.000000000000000001`` and ``1e400`` are not what the float
+      says), an integer literal other than ``-0``. A body with any other number is digested
+      byte for byte (key order and spacing then count);
+    * a body that claims to be JSON but does not parse (or nests too deeply to parse) is
+      digested byte for byte. Such bytes never equal a canonical form, which is valid JSON
+      whose every number is canonical.
     """
     if not body or not is_json(content_type):
         return body
+    lossy = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: set[str] = set()
+        for key, _ in items:
+            if key in seen:
+                raise _Refused(f"JSON body: duplicate key {key[:100]!r} in an object")
+            seen.add(key)
+        return dict(items)
+
+    def number(literal: str) -> float:
+        nonlocal lossy
+        value = float(literal)
+        if not math.isfinite(value) or Decimal(repr(value)) != Decimal(literal):
+            lossy = True
+        return value
+
+    def integer(literal: str) -> int:
+        nonlocal lossy
+        if literal == "-0" or len(literal) > _MAX_INT_DIGITS:
+            lossy = True
+            return 0
+        return int(literal)
+
+    def constant(name: str) -> Any:
+        raise _Refused(f"JSON body: {name} is not a JSON number")
+
     try:
-        value = json.loads(body)
+        value = json.loads(
+            body,
+            object_pairs_hook=pairs,
+            parse_float=number,
+            parse_int=integer,
+            parse_constant=constant,
+        )
+    except _Refused as exc:
+        raise BadRequest(str(exc)) from None
     except (ValueError, RecursionError):
         return body
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        encoded = canonical.encode()
+    except UnicodeEncodeError:
+        raise BadRequest("JSON body: a string holds a lone surrogate (not Unicode)") from None
+    return body if lossy else encoded

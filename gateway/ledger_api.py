@@ -1,14 +1,16 @@
 """The ledger API: operators read the idempotency ledger and settle UNKNOWN effects.
 
 ``GET /v1/effects`` (filters and cursor), ``GET /v1/effects/{effectId}`` and
-``POST /v1/effects/{effectId}/resolve``. The operator's name comes from the ``Fence-Operator``
-header and is recorded on the effect with the time and the note.
+``POST /v1/effects/{effectId}/resolve``. The operator recorded on the effect (with the time and
+the note) is the authenticated principal's name when ``[auth]`` is on; without it, the
+free-text ``Fence-Operator`` header. An operator may not approve an effect requested under
+their own principal (``ledger.effects.approve``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import structlog
 from aiohttp import web
@@ -16,10 +18,12 @@ from pydantic import Field, StrictInt, StrictStr
 
 from fencegate.adapters import ManualAdapter
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
+from fencegate.gateway.auth import sees_stored_bodies
+from fencegate.gateway.principals import principal_of
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, STORE
 from fencegate.ledger import effects, responses
-from fencegate.ledger.effects import EffectState, effect_to_json
+from fencegate.ledger.effects import Effect, EffectState, effect_to_json
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
 __all__ = ["routes"]
@@ -30,6 +34,8 @@ routes = web.RouteTableDef()
 _EFFECT_ID = re.compile(r"[0-9a-f]{64}")
 _OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
 MAX_PAGE = 500
+#: ``str.isdigit`` also takes "²" and other digits ``int`` refuses: ASCII only.
+_ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
 
 
 HeaderName = Annotated[str, Field(min_length=1, max_length=200)]
@@ -54,6 +60,23 @@ class ResolveBody(ApiBody):
     response: ResolveResponse | None = None
 
 
+#: What a reader without the operator role does not see of a stored answer: the body, and its
+#: digest (a short secret could be guessed from it). ``bodySize`` stays.
+_WITHHELD = ("bodyBase64", "bodyDigest")
+
+
+def _shown(request: web.Request, effect: Effect) -> dict[str, Any]:
+    """The record as this reader may see it: observers get the stored answer without its
+    body (``bodyWithheld: true``); operators, and everyone without ``[auth]``, all of it."""
+    record = effect_to_json(effect)
+    response = record.get("response")
+    if isinstance(response, dict) and not sees_stored_bodies(principal_of(request)):
+        for name in _WITHHELD:
+            response.pop(name, None)
+        response["bodyWithheld"] = True
+    return record
+
+
 def _effect_id(request: web.Request) -> str:
     effect_id = request.match_info["effect_id"]
     if not _EFFECT_ID.fullmatch(effect_id):
@@ -62,6 +85,11 @@ def _effect_id(request: web.Request) -> str:
 
 
 def _operator(request: web.Request) -> str:
+    """Who acts: the credential's principal when there is one (``Fence-Operator`` is then
+    ignored), else the free-text ``Fence-Operator`` label."""
+    principal = principal_of(request)
+    if principal is not None:
+        return principal.name
     name = request.headers.get("Fence-Operator", "anonymous").strip()
     if not _OPERATOR.fullmatch(name):
         raise BadRequest("Fence-Operator: 1 to 200 letters, digits, spaces or . _ : @ / -")
@@ -81,7 +109,7 @@ async def list_effects(request: web.Request) -> web.Response:
     if task_id is not None and not TASK_ID_PATTERN.fullmatch(task_id):
         raise BadRequest("taskId: not a task id")
     raw_limit = query.get("limit", "100")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= MAX_PAGE:
+    if not _ASCII_DIGITS.fullmatch(raw_limit) or not 1 <= int(raw_limit) <= MAX_PAGE:
         raise BadRequest(f"limit: an integer from 1 to {MAX_PAGE}")
     cursor = query.get("cursor") or None
     if cursor is not None and len(cursor) > 200:
@@ -94,14 +122,14 @@ async def list_effects(request: web.Request) -> web.Response:
         cursor=cursor,
     )
     return web.json_response(
-        {"effects": [effect_to_json(e) for e in found], "nextCursor": next_cursor}
+        {"effects": [_shown(request, e) for e in found], "nextCursor": next_cursor}
     )
 
 
 @routes.get("/v1/effects/{effect_id}")
 async def show_effect(request: web.Request) -> web.Response:
     effect = await request.app[STORE].get_effect(_effect_id(request))
-    return web.json_response(effect_to_json(effect))
+    return web.json_response(_shown(request, effect))
 
 
 @routes.post("/v1/effects/{effect_id}/resolve")
@@ -159,12 +187,25 @@ async def approve_effect(request: web.Request) -> web.Response:
     adapter = request.app[ADAPTERS].get(current.downstream)
     if not isinstance(adapter, ManualAdapter) or not adapter.require_approval:
         raise BadRequest(f"downstream {current.downstream!r} does not require approval")
-    effect = await store.update_effect(
-        effect_id,
-        lambda record, now: effects.approve(
-            record, operator, body.note, body.payloadDigest, adapter.approval_ttl_ms, now
-        ),
-    )
+    principal = principal_of(request)
+    approver = principal.name if principal is not None else None
+    try:
+        effect = await store.update_effect(
+            effect_id,
+            lambda record, now: effects.approve(
+                record,
+                operator,
+                body.note,
+                body.payloadDigest,
+                adapter.approval_ttl_ms,
+                now,
+                principal=approver,
+            ),
+        )
+    except Exception as exc:
+        log.info("operator.approve_rejected", effect_id=effect_id, operator=operator,
+                 reason=str(exc))  # fmt: skip
+        raise
     log.warning(
         "operator.approve",
         effect_id=effect_id,

@@ -3,6 +3,11 @@
 Event names are stable (``claim.granted``, ``commit.rejected``...) and each carries the task,
 attempt, generation and epoch it concerns. The JSON renderer escapes every value, so request
 content cannot forge a log line.
+
+Everything else that would write to stderr goes through the same renderer: the standard
+library's loggers (aiohttp's ``aiohttp.*``, ``asyncio``, warnings) are forwarded as
+``python.log`` events, and the access log is ``http.access`` (debug level). So every line a
+running ``fencegate serve`` writes is one JSON object.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ import logging
 import sys
 
 import structlog
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web import BaseRequest, StreamResponse
 
-__all__ = ["configure_logging"]
+__all__ = ["AccessLog", "configure_logging"]
 
 _LEVELS = {
     "debug": logging.DEBUG,
@@ -20,6 +27,39 @@ _LEVELS = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+
+
+class _ToStructlog(logging.Handler):
+    """A standard-library record as one structlog event (``python.log``), traceback included
+    as a JSON string, never as raw lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a library's bad format string must not lose the record
+            message = str(record.msg)
+        fields: dict[str, object] = {"logger": record.name, "message": message}
+        if record.exc_info and record.exc_info[0] is not None:
+            fields["exc_info"] = record.exc_info
+        structlog.get_logger("python").log(record.levelno, "python.log", **fields)
+
+
+class AccessLog(AbstractAccessLogger):
+    """aiohttp's access log as ``http.access`` events (debug level: off unless asked)."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        structlog.get_logger("fencegate.http").debug(
+            "http.access",
+            method=request.method,
+            path=request.path,
+            status=response.status,
+            ms=round(time * 1000, 1),
+            peer=request.remote,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -35,3 +75,10 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _ToStructlog):  # configured again: one forwarder
+            root.removeHandler(handler)
+    root.addHandler(_ToStructlog())
+    root.setLevel(_LEVELS[level])
+    logging.captureWarnings(True)

@@ -60,6 +60,12 @@ def _common() -> argparse.ArgumentParser:
         metavar="NAME",
         help="recorded with every change (default: $FENCEGATE_OPERATOR, else the login user)",
     )
+    group.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="the gateway credential (a gateway with [auth]): a file holding the bearer token "
+        "(default: $FENCEGATE_TOKEN)",
+    )
     group.add_argument("--json", action="store_true", help="print the gateway's JSON")
     group.add_argument(
         "--timeout",

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from fencegate._http import RawAnswer, gateway_problem
-from fencegate.client import Client
+from fencegate.client import TOKEN_ENV, Client
 from fencegate.errors import EffectUnknown, GatewayUnreachable, ProblemError
 from fencegate.gateway import ops_render as render
 from fencegate.gateway.config import ConfigError, load_config, parse_listen
@@ -42,6 +42,7 @@ __all__ = [
     "CliError",
     "Command",
     "OperatorClient",
+    "gateway_token",
     "gateway_url",
     "operator_name",
     "run",
@@ -98,6 +99,23 @@ def gateway_url(args: argparse.Namespace) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
         raise CliError(f"--url: expected http://HOST:PORT, got {url!r}", EXIT_USAGE)
     return url
+
+
+def gateway_token(args: argparse.Namespace) -> str:
+    """The bearer token: ``--token-file``'s content, else ``$FENCEGATE_TOKEN``, else none
+    (empty: a gateway without ``[auth]``)."""
+    path = getattr(args, "token_file", None)
+    if not path:
+        return os.environ.get(TOKEN_ENV, "").strip()
+    try:
+        with open(path, encoding="utf-8") as file:
+            token = file.read(8192).strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise CliError(f"--token-file: cannot read {path}: {reason}", EXIT_USAGE) from None
+    if not token or any(ch.isspace() for ch in token):
+        raise CliError(f"--token-file: {path} must hold one token, nothing else", EXIT_USAGE)
+    return token
 
 
 def operator_name(args: argparse.Namespace) -> str | None:
@@ -203,6 +221,8 @@ def _reason(cause: BaseException | None) -> str:
 
 def _problem(exc: ProblemError) -> CliError:
     detail = exc.problem.get("detail") or exc.problem.get("title") or ""
+    if exc.code == "UNAUTHENTICATED":
+        detail += f" (give the token with --token-file or ${TOKEN_ENV})"
     return CliError(f"{exc.code}: {detail}", EXIT_REFUSED)
 
 
@@ -361,10 +381,12 @@ async def rollout_status(client: OperatorClient, args: argparse.Namespace) -> in
 
 
 async def _against(
-    command: Command, args: argparse.Namespace, url: str, operator: str | None
+    command: Command, args: argparse.Namespace, url: str, operator: str | None, token: str
 ) -> int:
     headers = {"Accept": "application/json"}
-    async with OperatorClient(url, timeout=args.timeout, operator=operator, headers=headers) as c:
+    async with OperatorClient(
+        url, timeout=args.timeout, operator=operator, headers=headers, token=token
+    ) as c:
         try:
             return await command(c, args)
         except ProblemError as exc:
@@ -375,10 +397,12 @@ def run(command: Command, args: argparse.Namespace) -> int:
     """Run ``command`` against the gateway ``args`` name; failures go to stderr as
     ``fencegate: ...`` and become the exit code."""
     try:
-        url, operator = gateway_url(args), operator_name(args)
-        return asyncio.run(_against(command, args, url, operator))
+        url, operator, token = gateway_url(args), operator_name(args), gateway_token(args)
+        return asyncio.run(_against(command, args, url, operator, token))
     except CliError as exc:
-        print(f"fencegate: {exc.message}", file=sys.stderr)
+        # The message may quote the gateway's detail, which may quote the store: escaped.
+        lines = exc.message.split("\n")  # the CLI's own hints go on lines of their own
+        print("fencegate: " + "\n".join(render.printable(line) for line in lines), file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:  # `fencegate effects list | head`: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

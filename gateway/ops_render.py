@@ -24,6 +24,7 @@ __all__ = [
     "epoch_bumped",
     "fields",
     "json_text",
+    "printable",
     "reconciled",
     "resolved",
     "rollout",
@@ -51,9 +52,21 @@ def time_text(ms: object, *, precise: bool = False) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def printable(value: object) -> str:
+    """``value`` as text a terminal shows as it is: every character that is not printable
+    (control characters such as ESC, newlines, bidi overrides, zero-width ones) is written as
+    its Python escape (``\\x1b``, ``\\n``, ``\\u202e``). Owners, notes, reasons and paths come
+    from clients; a raw escape sequence must not rewrite the operator's screen."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def cell(value: object, width: int = 0) -> str:
-    """``value`` as a table cell: ``-`` when missing, cut with ``...`` past ``width``."""
-    text = "-" if value is None or value == "" else str(value)
+    """``value`` as a table cell: ``-`` when missing, escaped (``printable``), cut with
+    ``...`` past ``width``."""
+    text = "-" if value is None or value == "" else printable(value)
     if width and len(text) > width:
         text = text[: width - 3] + "..."
     return text
@@ -109,7 +122,7 @@ def effects_table(records: Sequence[Mapping[str, Any]]) -> str:
 def _response_lines(response: Mapping[str, Any]) -> list[str]:
     lines = [f"  status   {cell(response.get('status'))}"]
     if response.get("source"):
-        lines.append(f"  source   {response['source']}")
+        lines.append(f"  source   {cell(response['source'])}")
     headers = response.get("headers") or []
     if headers:
         lines.append(f"  headers  {len(headers)} stored")
@@ -175,7 +188,7 @@ def effect(r: Mapping[str, Any]) -> str:
                 time_text(a.get("endedAt"), precise=True),
                 cell(a.get("outcome")),
                 cell(a.get("reason"))
-                + (f" (approved by {a['approvedBy']})" if a.get("approvedBy") else ""),
+                + (f" (approved by {printable(a['approvedBy'])})" if a.get("approvedBy") else ""),
             ]
             for i, a in enumerate(attempts, 1)
         ]
@@ -204,7 +217,7 @@ def effect(r: Mapping[str, Any]) -> str:
 
 def resolved(effect_id: str, r: Mapping[str, Any]) -> str:
     """``effects resolve``: the outcome, and what it means for the next call."""
-    text = f"effect {effect_id} resolved as {r.get('state')}"
+    text = f"effect {printable(effect_id)} resolved as {cell(r.get('state'))}"
     if r.get("state") == "NOT_APPLIED":
         text += "\nthe same payload may now be sent again under the same key"
     return text
@@ -214,19 +227,19 @@ def approved(effect_id: str, r: Mapping[str, Any]) -> str:
     """``effects approve``: which payload may go where, until when."""
     approval = r.get("approval") or {}
     return (
-        f"effect {effect_id} approved: the next forward of payloadDigest "
-        f"{approval.get('payloadDigest')} goes to {r.get('downstream')} once, "
+        f"effect {printable(effect_id)} approved: the next forward of payloadDigest "
+        f"{cell(approval.get('payloadDigest'))} goes to {cell(r.get('downstream'))} once, "
         f"until {time_text(approval.get('expiresAt'))}"
     )
 
 
 def reconciled(effect_id: str, r: Mapping[str, Any]) -> str:
     """``effects reconcile``: the state afterwards, and the probe's verdict."""
-    line = f"effect {effect_id} is {r.get('state')}"
+    line = f"effect {printable(effect_id)} is {cell(r.get('state'))}"
     actions = r.get("actions") or []
     last = actions[-1] if actions else {}
     if last.get("action") == "reconcile":
-        line += f" (last probe: {last.get('verdict')}, {time_text(last.get('at'))})"
+        line += f" (last probe: {cell(last.get('verdict'))}, {time_text(last.get('at'))})"
     return line
 
 
@@ -269,11 +282,11 @@ def task(t: Mapping[str, Any]) -> str:
 def scheduler_line(scheduler: Mapping[str, Any]) -> str:
     """``epoch show``: the epoch and whether claims are paused."""
     paused = "paused" if scheduler.get("claimsPaused") else "open"
-    return f"scheduler epoch {scheduler.get('schedulerEpoch')}, claims {paused}"
+    return f"scheduler epoch {cell(scheduler.get('schedulerEpoch'))}, claims {paused}"
 
 
 def epoch_bumped(scheduler: Mapping[str, Any]) -> str:
-    epoch = scheduler.get("schedulerEpoch")
+    epoch = cell(scheduler.get("schedulerEpoch"))
     return (
         f"bumped the scheduler epoch to {epoch}: every claim granted under an earlier epoch "
         f"is fenced; schedulers must claim with schedulerEpoch {epoch}"

@@ -8,13 +8,18 @@ every rule that binds an action to a principal is off (docs/security.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 __all__ = ["PRINCIPAL_KEY", "Principal", "principal_of"]
 
-#: Where the middleware leaves the principal on the request.
-PRINCIPAL_KEY = "fencegate.principal"
+#: Where the middleware leaves the principal on the request: a ``web.RequestKey`` where
+#: aiohttp has them (3.14: a plain string key warns), else the string.
+_REQUEST_KEY: Any = getattr(web, "RequestKey", None)
+PRINCIPAL_KEY: Any = (
+    _REQUEST_KEY("fencegate.principal", object) if _REQUEST_KEY else "fencegate.principal"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from aiohttp.typedefs import Handler
 
 from fencegate.ledger.errors import FencegateError, PayloadTooLarge
 
-__all__ = ["PROBLEM_TYPE_BASE", "error_middleware", "problem_response"]
+__all__ = ["PROBLEM_TYPE_BASE", "error_middleware", "problem_body", "problem_response"]
 
 log = structlog.get_logger("fencegate.http")
 

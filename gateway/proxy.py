@@ -38,16 +38,18 @@ from yarl import URL
 from fencegate.adapters import Adapter, ProbeAdapter
 from fencegate.gateway import failpoints
 from fencegate.gateway.config import DownstreamConfig
-from fencegate.gateway.http_client import ResendRefused, send_once
+from fencegate.gateway.http_client import PoolWait, ResendRefused, send_once
 from fencegate.gateway.http_rules import (
     SAFE_METHODS,
     canonical_body,
     downstream_request_headers,
+    refuse_method_override,
     split_proxy_path,
     stored_response_headers,
     upstream_response_headers,
 )
-from fencegate.gateway.problems import problem_response
+from fencegate.gateway.principals import principal_of
+from fencegate.gateway.problems import problem_body, problem_response
 from fencegate.gateway.proxy_decisions import (
     Decision,
     Forward,
@@ -74,6 +76,7 @@ from fencegate.ledger.effects import (
 )
 from fencegate.ledger.errors import (
     BadRequest,
+    DownstreamBusy,
     DownstreamTimeout,
     DownstreamUnreachable,
     FencegateError,
@@ -84,7 +87,7 @@ from fencegate.ledger.errors import (
 from fencegate.ledger.responses import response_json
 from fencegate.ledger.store import new_id
 
-__all__ = ["proxy_handler"]
+__all__ = ["proxy_answer_headers", "proxy_handler"]
 
 log = structlog.get_logger("fencegate.proxy")
 
@@ -92,6 +95,9 @@ _ID = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
 _COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
 _MAX_COUNTER = 2**53 - 1
 _FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
+_ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
+#: Retry-After of a DOWNSTREAM_BUSY answer: the pool frees up as forwards end.
+_BUSY_RETRY_MS = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,22 +156,24 @@ async def _parse(request: web.Request) -> _Call:
     config = request.app[CONFIG]
     method = request.method.upper()
     if method in _FORBIDDEN_METHODS:
-        raise web.HTTPMethodNotAllowed(method, ["GET", "HEAD", "OPTIONS", "POST", "PUT",
-                                                "PATCH", "DELETE"])  # fmt: skip
+        raise web.HTTPMethodNotAllowed(method, _ALLOWED_METHODS)
     name, tail = split_proxy_path(request.raw_path)
     downstream = config.downstream(name)
     if downstream is None:
         raise NoSuchDownstream(f"no downstream named {name!r} is configured")
     _check_framing(request)
+    refuse_method_override(method, request.headers.items(), tail)
     task_id = _id_header(request, "Fence-Task")
     attempt_id = _id_header(request, "Fence-Attempt")
     assert task_id is not None and attempt_id is not None
+    principal = principal_of(request)  # the lease's holder must be the caller (with [auth])
     fence = Fence(
         task_id=task_id,
         attempt_id=attempt_id,
         claim_generation=_counter_header(request, "Fence-Generation"),
         scheduler_epoch=_counter_header(request, "Fence-Epoch"),
         cancel_generation=_counter_header(request, "Fence-Cancel"),
+        principal=principal.name if principal is not None else None,
     )
     node = _id_header(request, "Fence-Node", required=False) or "main"
     slot = _id_header(request, "Fence-Slot", required=method not in SAFE_METHODS)
@@ -214,15 +222,58 @@ def _subject(call: _Call, fields: dict[str, Any]) -> Subject:
     return Subject(call.downstream.name, fields, call.shadow)
 
 
+async def proxy_answer_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``app.on_response_prepare`` hook: an answer under ``/proxy/`` that the proxy did not
+    make (a middleware's refusal before the handler ran: 413 for a body over
+    ``server.max_body_bytes``, 408, 421, 403, 505; an error outside the handler) still says
+    ``Fence-Effect-State: NONE`` and ``Fence-Replayed: false``: nothing was prepared."""
+    if request.path.startswith("/proxy/") and "Fence-Effect-State" not in response.headers:
+        response.headers["Fence-Effect-State"] = "NONE"
+        response.headers.setdefault("Fence-Replayed", "false")
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a call got, for an answer the gateway did not plan (a 500): once a prepare
+    was sent, the effect's state is not known here."""
+
+    state: str = "NONE"
+    effect_id: str | None = None
+
+
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
-    """Every answer of the proxy, refusals included, carries the Fence-* answer headers."""
+    """Every answer of the proxy, refusals included, carries the Fence-* answer headers:
+    also aiohttp's own refusals (405, a body over ``server.max_body_bytes``: 413) and an
+    unexpected failure (500, ``Fence-Effect-State: UNKNOWN`` once a prepare was sent)."""
+    progress = _Progress()
     try:
-        return await _handle(request)
+        return await _handle(request, progress)
     except FencegateError as exc:
         return _refusal(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _refusal(PayloadTooLarge(f"body over server.max_body_bytes: {exc.text}"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "METHOD_NOT_ALLOWED" if exc.status == 405 else "BAD_REQUEST"
+        body = problem_body(exc.status, code, exc.reason, exc.reason)
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        headers.update(_fence_headers(None, None, False))
+        return web.Response(status=exc.status, body=json.dumps(body).encode(),
+                            content_type="application/problem+json", headers=headers)  # fmt: skip
+    except Exception:
+        log.exception("http.internal_error", method=request.method, path=request.path,
+                      effect_state=progress.state, effect_id=progress.effect_id)  # fmt: skip
+        headers = {"Fence-Effect-State": progress.state, "Fence-Replayed": "false"}
+        if progress.effect_id is not None:
+            headers["Fence-Effect-Id"] = progress.effect_id
+        body = problem_body(500, "INTERNAL", "Internal error", "see the gateway's log",
+                            effectState=progress.state)  # fmt: skip
+        return web.Response(status=500, body=json.dumps(body).encode(),
+                            content_type="application/problem+json", headers=headers)  # fmt: skip
 
 
-async def _handle(request: web.Request) -> web.StreamResponse:
+async def _handle(request: web.Request, progress: _Progress) -> web.StreamResponse:
     """Ask the store, let ``proxy_decisions`` decide, carry the decision out."""
     call = await _parse(request)
     store = request.app[STORE]
@@ -245,6 +296,7 @@ async def _handle(request: web.Request) -> web.StreamResponse:
 
     async def prepare() -> PrepareOutcome:
         nonlocal sent_at
+        progress.state = EffectState.UNKNOWN.value  # from here on a 500 cannot say more
         sent_at = time.monotonic()
         return await store.prepare_effect(
             effect_request,
@@ -277,6 +329,8 @@ async def _handle(request: web.Request) -> web.StreamResponse:
             # so find that record once the store answers again and make it NOT_APPLIED.
             _abort_later(request.app, effect_request, deadline_ms)
         prepared = exc
+    if isinstance(prepared, PrepareOutcome):
+        progress.effect_id = prepared.effect.effect_id
     window = _ForwardWindow(sent_at, proxy_config.start_limit_ms, deadline_ms)
     decision = decide_effect(_subject(call, fields), prepared)
     return await _carry_out(request, call, decision, _Prepared(effect_request, window))
@@ -478,8 +532,11 @@ async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int)
 
 
 def _client_timeout(downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
+    """An unrecorded forward's timeouts: the pool wait plus connect is bounded by
+    ``connect_timeout_ms`` (a wait past it is DOWNSTREAM_BUSY), the whole by ``timeout_ms``."""
     return aiohttp.ClientTimeout(
         total=downstream.timeout_ms / 1000,
+        connect=downstream.connect_timeout / 1000,
         sock_connect=downstream.connect_timeout / 1000,
         sock_read=downstream.read_timeout / 1000,
     )
@@ -522,15 +579,19 @@ def _token(call: _Call) -> str:
 
 class _ForwardFailed(Exception):
     """A forward broke before the agent had its answer. ``outcome``: NOT_APPLIED when it
-    certainly delivered nothing (the connect failed), UNKNOWN when the downstream may have
-    acted (a timeout, a reset or a refused re-send after sending, a body that broke off);
-    ``reason`` says which, for the ledger; ``cause`` is the client's exception."""
+    certainly delivered nothing (no pooled connection in time: ``busy``; the connect
+    failed), UNKNOWN when the downstream may have acted (a timeout, a reset or a refused
+    re-send after sending, a body that broke off); ``reason`` says which, for the ledger;
+    ``cause`` is the client's exception."""
 
-    def __init__(self, outcome: EffectState, reason: str, cause: Exception) -> None:
+    def __init__(
+        self, outcome: EffectState, reason: str, cause: Exception, busy: bool = False
+    ) -> None:
         super().__init__(reason)
         self.outcome = outcome
         self.reason = reason
         self.cause = cause
+        self.busy = busy
 
 
 #: Called once the downstream's answer is read (up to ``replay_max_bytes``): the response,
@@ -554,9 +615,12 @@ async def _forward(
         request.headers.items(),
         identity,
         forward_authorization=call.downstream.forward_authorization,
+        reserved=(call.downstream.idempotency_key_header, call.downstream.fencing_token_header),
+        peer=request.remote,
     )
     status: int | None = None
     started = time.monotonic()
+    pool = PoolWait()
     try:
         async with request.app[HTTP_CLIENT].request(
             call.method,
@@ -566,6 +630,7 @@ async def _forward(
             allow_redirects=False,
             timeout=limits,
             middlewares=send_once(),
+            trace_request_ctx=pool,
         ) as resp:
             status = resp.status
             body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
@@ -578,15 +643,25 @@ async def _forward(
             if not whole:
                 return await _stream(request, resp, live, body)
             return web.Response(status=status, body=body, headers=live)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        reason = f"connect failed: {type(exc).__name__}"
-        raise _ForwardFailed(EffectState.NOT_APPLIED, reason, exc) from exc
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
-        what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
-        reason = f"{what}: {type(exc).__name__}"
-        if status is not None:
-            reason = f"response {status}, then the body {what}: {type(exc).__name__}"
-        raise _ForwardFailed(EffectState.UNKNOWN, reason, exc) from exc
+        raise _failure(exc, status, pool.waiting) from exc
+
+
+def _failure(exc: Exception, status: int | None, waiting: bool) -> _ForwardFailed:
+    """What a client failure means for the effect (``_ForwardFailed``); ``waiting``: the call
+    was still queued for a pooled connection."""
+    if waiting:
+        # It never had a connection, so nothing was sent, whichever timeout fired.
+        reason = f"never sent: no pooled connection in time ({type(exc).__name__})"
+        return _ForwardFailed(EffectState.NOT_APPLIED, reason, exc, busy=True)
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return _ForwardFailed(EffectState.NOT_APPLIED, f"connect failed: {type(exc).__name__}",
+                              exc)  # fmt: skip
+    what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
+    reason = f"{what}: {type(exc).__name__}"
+    if status is not None:
+        reason = f"response {status}, then the body {what}: {type(exc).__name__}"
+    return _ForwardFailed(EffectState.UNKNOWN, reason, exc)
 
 
 async def _forward_plain(
@@ -607,6 +682,8 @@ async def _forward_plain(
         return await _forward(request, call, identity, call.body or None, limits, unrecorded)
     except _ForwardFailed as failed:
         exc = failed.cause
+        if failed.busy:
+            raise _busy(call) from exc
         if failed.outcome is EffectState.NOT_APPLIED:
             raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
         raise DownstreamTimeout(f"{call.downstream.name}: {type(exc).__name__}") from exc
@@ -637,6 +714,11 @@ async def _forward_effect(
         recorded = await _record(
             request, call, effect, seq, failed.outcome, failed.reason, None, fields
         )
+        if failed.busy:
+            busy = _busy(call)
+            if recorded.state is EffectState.UNKNOWN:
+                busy.detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
+            raise _with_effect(busy, effect, recorded.state) from exc
         if failed.outcome is EffectState.NOT_APPLIED:
             detail = f"{call.downstream.name}: {exc}"
             if recorded.state is EffectState.UNKNOWN:
@@ -644,6 +726,14 @@ async def _forward_effect(
             raise _with_effect(DownstreamUnreachable(detail), effect, recorded.state) from exc
         raise _with_effect(DownstreamTimeout(f"{call.downstream.name}: {failed.reason}"),
                            effect, EffectState.UNKNOWN) from exc  # fmt: skip
+
+
+def _busy(call: _Call) -> DownstreamBusy:
+    return DownstreamBusy(
+        f"{call.downstream.name}: every pooled connection (proxy.max_connections) stayed busy "
+        "while the call could wait; nothing was sent, retry after Retry-After",
+        retryAfterMs=_BUSY_RETRY_MS,
+    )
 
 
 def _replay(effect: Effect) -> web.Response:

@@ -26,6 +26,7 @@ from aiohttp import web
 from yarl import URL
 
 from fencegate.adapters import ProbeAdapter
+from fencegate.adapters.kinds import UnsafeProbePath
 from fencegate.gateway.http_client import ResendRefused, send_once
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from fencegate.ledger import effects
@@ -52,7 +53,11 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
     assert spec is not None
     downstream = app[CONFIG].downstream(effect.downstream)
     assert downstream is not None
-    url = URL(downstream.url + adapter.probe_path(effect), encoded=False)
+    try:
+        url = URL(downstream.url + adapter.probe_path(effect), encoded=False)
+    except UnsafeProbePath as exc:
+        # Never sent: an "absent" from some other path would let the effect go out again.
+        return ProbeVerdict.INCONCLUSIVE, None, f"probe not sent: {exc}"
     try:
         async with app[HTTP_CLIENT].request(
             spec.method,

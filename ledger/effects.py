@@ -43,6 +43,7 @@ from fencegate.ledger.errors import (
     EffectSettled,
     EffectUnknown,
     FencegateError,
+    Forbidden,
     LeaseExpired,
     NoSuchEffect,
     PayloadConflict,
@@ -137,6 +138,9 @@ class Fence:
     claim_generation: int
     scheduler_epoch: int
     cancel_generation: int
+    #: The authenticated principal making the call (None without ``[auth]``): it must be the
+    #: claim's (``ledger.tasks.check_principal``).
+    principal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +204,10 @@ class Effect:
     settled_attempts: int = 0
     #: Operator and reconciler actions, oldest first (JSON list; the last ``MAX_ACTIONS``).
     actions_json: str | None = None
+    #: The authenticated principal whose call last bound the payload (the one a forward, or
+    #: the approval it waits for, is for); None without ``[auth]``. No operator may approve
+    #: an effect requested under their own principal (``approve``).
+    requested_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +234,7 @@ def check_fence(task: Task | None, scheduler: Scheduler, fence: Fence, now: int)
         fence.cancel_generation,
         scheduler,
         fence.scheduler_epoch,
+        fence.principal,
     )
     if task.state is TaskState.COMMITTED:
         raise AlreadyCommitted("the task is committed; its attempt may produce no more effects")
@@ -300,7 +309,9 @@ def prepare(
     payload go again under its original key?": only for downstreams that deduplicate on the
     key, and only while the key is inside their deduplication window (counted from the
     effect's first forward). ``require_approval`` makes every forward wait for an operator's
-    approval of its exact payload digest, consumed by that one forward.
+    approval of its exact payload digest, consumed by that one forward, and never by a forward
+    of the principal who gave it (two people for a non-replayable effect): the caller's
+    principal is recorded as ``requested_by`` whenever its call binds the payload.
     """
     task = check_fence(task, scheduler, request.fence, now)
     fence = request.fence
@@ -331,26 +342,30 @@ def prepare(
 
     in_window = resend_window_ms is not None and now < current.created_at + resend_window_ms
     if state is EffectState.NOT_APPLIED or (state is EffectState.UNKNOWN and same and in_window):
+        requester = fence.principal or None
+        moved = changed or not same or requester != current.requested_by
         rebound = replace(
             current,
             downstream=request.downstream,
             method=request.method,
             path=request.path,
             payload_digest=request.payload_digest,
-            updated_at=now if changed or not same else current.updated_at,
+            requested_by=requester,
+            updated_at=now if moved else current.updated_at,
         )
         if require_approval:
             approved = (
                 rebound.approval_digest == request.payload_digest
                 and rebound.approval_expires_at is not None
                 and now < rebound.approval_expires_at
+                and not (requester is not None and rebound.approval_by == requester)
             )
             if not approved:
                 waiting: FencegateError = ApprovalRequired(
                     f"an operator must approve payloadDigest {request.payload_digest}: "
                     f"POST /v1/effects/{rebound.effect_id}/approve"
                 )
-                write = changed or not same
+                write = moved
                 return PrepareOutcome(
                     Action.REJECT, rebound, write=write, error=_rejection(waiting, rebound)
                 )
@@ -524,13 +539,20 @@ def approve(
     expected_digest: str | None,
     ttl_ms: int,
     now: int,
+    principal: str | None = None,
 ) -> Effect:
-    """Let the waiting payload of a non-replayable effect go, once, until ``now + ttl_ms``."""
+    """Let the waiting payload of a non-replayable effect go, once, until ``now + ttl_ms``.
+
+    ``principal`` is the approving operator's authenticated principal (None without
+    ``[auth]``): it may not be the one the effect was requested under (``requested_by``),
+    ``FORBIDDEN``: a non-replayable effect takes two people."""
     if effect is None:
         raise NoSuchEffect()
     current = effective(effect, now)
     if current.state is not EffectState.NOT_APPLIED:
         raise _settled_error(current, "approve")
+    if principal and current.requested_by == principal:
+        raise Forbidden("an operator may not approve an effect requested under their own principal")
     if expected_digest is not None and expected_digest != current.payload_digest:
         raise _rejection(
             PayloadConflict(
@@ -697,7 +719,8 @@ def finish_probe(
 # --- representations -------------------------------------------------------------------------
 
 _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
-        "payload_digest", "approval_digest", "approval_by", "probe_holder")  # fmt: skip
+        "payload_digest", "approval_digest", "approval_by", "probe_holder",
+        "requested_by")  # fmt: skip
 _INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
         "approval_expires_at", "probe_until", "probe_count", "next_probe_at",
         "settled_attempts")  # fmt: skip
@@ -768,6 +791,7 @@ def effect_to_json(effect: Effect) -> dict[str, Any]:
         "method": effect.method,
         "path": effect.path,
         "payloadDigest": effect.payload_digest,
+        "requestedBy": effect.requested_by,
         "state": effect.state.value,
         "deadlineAt": effect.deadline_at,
         "attempts": [

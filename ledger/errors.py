@@ -4,6 +4,8 @@ The tree::
 
     FencegateError                 (500 INTERNAL, never raised on purpose)
     ├── BadRequest                 400 BAD_REQUEST
+    ├── Unauthenticated            401 UNAUTHENTICATED (with [auth]: no or a bad credential)
+    ├── Forbidden                  403 FORBIDDEN (with [auth]: the principal's roles may not)
     ├── NotFound                   404
     │   ├── NoSuchTask             NO_SUCH_TASK (also ClaimRefused)
     │   ├── NoSuchEffect           NO_SUCH_EFFECT
@@ -18,7 +20,13 @@ The tree::
     ├── DownstreamUnreachable      502 DOWNSTREAM_UNREACHABLE
     ├── DownstreamTimeout          504 DOWNSTREAM_TIMEOUT
     ├── ClaimsPaused               503 CLAIMS_PAUSED
-    └── StoreUnavailable           503 STORE_UNAVAILABLE
+    ├── StoreUnavailable           503 STORE_UNAVAILABLE
+    ├── RequestTimeout             408 REQUEST_TIMEOUT (the body stopped arriving)
+    ├── UnsupportedMediaType       415 UNSUPPORTED_MEDIA_TYPE (a /v1 body not JSON)
+    ├── MisdirectedRequest         421 MISDIRECTED_REQUEST (Host not allowed)
+    ├── HttpVersionNotSupported    505 HTTP_VERSION_NOT_SUPPORTED
+    ├── TooManyConnections         503 TOO_MANY_CONNECTIONS
+    └── DownstreamBusy             503 DOWNSTREAM_BUSY (no pooled connection in time)
 
 The pure models raise these, the stores translate their own failures into them with
 ``raise ... from exc``, and ``gateway.problems`` renders any of them as problem+json. Codes are
@@ -39,6 +47,7 @@ __all__ = [
     "ClaimRefused",
     "Claimed",
     "ClaimsPaused",
+    "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
     "EffectInFlight",
@@ -46,7 +55,10 @@ __all__ = [
     "EffectUnknown",
     "Fenced",
     "FencegateError",
+    "Forbidden",
+    "HttpVersionNotSupported",
     "LeaseExpired",
+    "MisdirectedRequest",
     "NoSuchDownstream",
     "NoSuchEffect",
     "NoSuchTask",
@@ -54,10 +66,14 @@ __all__ = [
     "PayloadConflict",
     "PayloadTooLarge",
     "Rejected",
+    "RequestTimeout",
     "RuntimeExceeded",
     "StaleEpoch",
     "StaleInput",
     "StoreUnavailable",
+    "TooManyConnections",
+    "Unauthenticated",
+    "UnsupportedMediaType",
 ]
 
 
@@ -79,6 +95,22 @@ class BadRequest(FencegateError):
     code = "BAD_REQUEST"
     status = 400
     title = "Bad request"
+
+
+class Unauthenticated(FencegateError):
+    """No credential, or one that matches no principal (``[auth]`` configured)."""
+
+    code = "UNAUTHENTICATED"
+    status = 401
+    title = "A valid credential is required"
+
+
+class Forbidden(FencegateError):
+    """An authenticated principal none of whose roles may do this (``[auth]`` configured)."""
+
+    code = "FORBIDDEN"
+    status = 403
+    title = "Not allowed for this principal"
 
 
 class ClaimRefused(FencegateError):
@@ -208,6 +240,56 @@ class StoreUnavailable(FencegateError):
     code = "STORE_UNAVAILABLE"
     status = 503
     title = "The lease store is unavailable"
+
+
+# --- refused before any handler runs (gateway/request_guard.py, docs/security.md) ------------
+
+
+class RequestTimeout(FencegateError):
+    """The request body did not arrive within ``server.body_timeout_ms``."""
+
+    code = "REQUEST_TIMEOUT"
+    status = 408
+    title = "The request body did not arrive in time"
+
+
+class UnsupportedMediaType(FencegateError):
+    """A body on ``/v1/*`` that is not ``application/json`` (or ``application/*+json``)."""
+
+    code = "UNSUPPORTED_MEDIA_TYPE"
+    status = 415
+    title = "The body must be application/json"
+
+
+class MisdirectedRequest(FencegateError):
+    """A ``Host`` not in ``server.allowed_hosts`` (DNS rebinding, a wrong virtual host)."""
+
+    code = "MISDIRECTED_REQUEST"
+    status = 421
+    title = "This gateway does not serve that host"
+
+
+class HttpVersionNotSupported(FencegateError):
+    code = "HTTP_VERSION_NOT_SUPPORTED"
+    status = 505
+    title = "Only HTTP/1.0 and HTTP/1.1 are served"
+
+
+class TooManyConnections(FencegateError):
+    """``server.max_connections`` are open; the new connection is answered this and closed."""
+
+    code = "TOO_MANY_CONNECTIONS"
+    status = 503
+    title = "Too many open connections"
+
+
+class DownstreamBusy(FencegateError):
+    """Every pooled connection to downstreams (``proxy.max_connections``) stayed busy for as
+    long as the call could wait: it was never sent (NOT_APPLIED), retry after a pause."""
+
+    code = "DOWNSTREAM_BUSY"
+    status = 503
+    title = "No free connection to the downstream; nothing was sent"
 
 
 def _codes() -> dict[str, type[FencegateError]]:

@@ -306,6 +306,7 @@ class RedisStore(Store):
                 new_id(),
                 self.policy.max_ttl_ms,
                 self.policy.default_max_runtime_ms,
+                request.principal or "",
             ],
         )
         return task_from_fields(_parse(reply)[1])
@@ -324,6 +325,7 @@ class RedisStore(Store):
                 request.ttl_ms,
                 self.policy.max_ttl_ms,
                 self.policy.default_max_runtime_ms,
+                request.caller or "",
             ],
         )
         return task_from_fields(_parse(reply)[1])
@@ -337,6 +339,7 @@ class RedisStore(Store):
                 identity.claim_generation,
                 identity.owner,
                 identity.cancel_generation,
+                identity.principal or "",
             ],
         )
         return task_from_fields(_parse(reply)[1])
@@ -354,6 +357,7 @@ class RedisStore(Store):
                 request.result_digest,
                 new_id(),
                 request.result_json or "",
+                request.principal or "",
             ],
         )
         status, fields = _parse(reply)
@@ -388,6 +392,7 @@ class RedisStore(Store):
                 fence.claim_generation,
                 fence.scheduler_epoch,
                 fence.cancel_generation,
+                fence.principal or "",
             ],
         )
         return task_from_fields(_parse(reply)[1])
@@ -426,6 +431,7 @@ class RedisStore(Store):
                 "" if resend_window_ms is None else resend_window_ms,
                 "1" if require_approval else "0",
                 request.forward_id or "",
+                fence.principal or "",
             ],
         )
         status = reply[0]

@@ -21,6 +21,10 @@ Rules worth knowing (each has a test that tries to break it):
   its task back early instead of blocking it until the lease runs out.
 * Check order, so a client sees the most useful code: identity (FENCED), epoch (STALE_EPOCH),
   cancel (CANCELLED), revision (STALE_INPUT), then state and clock.
+* A lease is bound to its holder: a claim records the authenticated principal (``principal``,
+  None without ``[auth]``), and renew, release, commit and every proxied call on that claim
+  must come from the same principal when both the request and the claim name one
+  (``check_principal``); a copied ``attemptId`` is worth nothing without the credential.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ __all__ = [
     "bump_epoch",
     "cancel",
     "check_holder",
+    "check_principal",
     "claim",
     "commit",
     "put",
@@ -124,6 +129,9 @@ class Task:
     #: it lost (STALE_INPUT, CANCELLED); cleared by release.
     attempt_id: str | None = None
     owner: str | None = None
+    #: The authenticated principal that made the current (or last) claim; None without
+    #: ``[auth]``. Distinct from ``owner``, a free-text label the worker chooses.
+    principal: str | None = None
     lease_expires_at: int | None = None
     attempt_started_at: int | None = None
     claim_epoch: int | None = None
@@ -142,6 +150,8 @@ class ClaimRequest:
     ttl_ms: int
     scheduler_epoch: int
     expected_revision: int | None = None
+    #: The authenticated principal making the claim (None without ``[auth]``).
+    principal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,12 +163,20 @@ class Identity:
     owner: str
     scheduler_epoch: int
     cancel_generation: int
+    #: The authenticated principal presenting it (None without ``[auth]``).
+    principal: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RenewRequest:
     identity: Identity
     ttl_ms: int
+    #: The authenticated principal renewing; None means "take ``identity.principal``".
+    principal: str | None = None
+
+    @property
+    def caller(self) -> str | None:
+        return self.principal if self.principal is not None else self.identity.principal
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +188,8 @@ class CommitRequest:
     input_digest: str
     result_digest: str
     result_json: str | None = None
+    #: The authenticated principal committing (None without ``[auth]``).
+    principal: str | None = None
 
 
 def put(
@@ -249,12 +269,26 @@ def claim(
         claim_generation=task.claim_generation + 1,
         attempt_id=attempt_id,
         owner=request.owner,
+        principal=request.principal or None,
         lease_expires_at=now + ttl,
         attempt_started_at=now,
         claim_epoch=scheduler.epoch,
         claim_revision=task.revision,
         updated_at=now,
     )
+
+
+def check_principal(task: Task, principal: str | None) -> None:
+    """The lease is bound to its holder: when the caller is authenticated (``principal``) and
+    the claim recorded the principal that made it, they must be the same, else ``FENCED``
+    (the caller is not the claim's holder). The detail does not name the holder.
+
+    Either side None (no ``[auth]``, or a claim made before it was turned on) checks nothing;
+    an empty name counts as none, as in the Lua mirror (``check_holder`` in common.lua), where
+    ``''`` is the absent principal.
+    """
+    if principal and task.principal and principal != task.principal:
+        raise Fenced("the lease belongs to another principal")
 
 
 def check_holder(
@@ -265,11 +299,13 @@ def check_holder(
     cancel_generation: int,
     scheduler: Scheduler | None,
     scheduler_epoch: int,
+    principal: str | None = None,
 ) -> Task:
     """The comparisons shared by renew, release and commit, in the documented order.
 
     ``scheduler`` None skips the epoch check (release); ``owner`` None skips the owner check
-    (commit, whose contract carries no owner).
+    (commit, whose contract carries no owner). ``principal`` is the caller's authenticated
+    principal (``check_principal``), compared with the identity: a mismatch is ``FENCED``.
     """
     if task is None:
         raise NoSuchTask()
@@ -282,6 +318,7 @@ def check_holder(
             f"attempt {attempt_id} generation {claim_generation} is not the current claim "
             f"(generation {task.claim_generation})"
         )
+    check_principal(task, principal)
     if scheduler is not None and (
         scheduler_epoch != scheduler.epoch or task.claim_epoch != scheduler.epoch
     ):
@@ -316,6 +353,7 @@ def renew(
         ident.cancel_generation,
         scheduler,
         ident.scheduler_epoch,
+        request.caller,
     )
     if task.state is TaskState.COMMITTED:
         raise AlreadyCommitted()
@@ -338,6 +376,7 @@ def release(task: Task | None, identity: Identity, now: int) -> Task:
         identity.cancel_generation,
         None,
         identity.scheduler_epoch,
+        identity.principal,
     )
     if task.state is TaskState.COMMITTED:
         raise AlreadyCommitted()
@@ -346,6 +385,7 @@ def release(task: Task | None, identity: Identity, now: int) -> Task:
         state=TaskState.READY,
         attempt_id=None,
         owner=None,
+        principal=None,
         lease_expires_at=None,
         attempt_started_at=None,
         claim_epoch=None,
@@ -365,7 +405,9 @@ def commit(
 
     The same attempt committing the same resultDigest again gets the recorded commit back
     before any other check: the decision was already made, and a worker whose first answer was
-    lost must be able to learn it even after an epoch bump.
+    lost must be able to learn it even after an epoch bump. Only its holder learns it: the
+    replay too is refused to another principal (``check_principal``; a committed task keeps
+    the committing claim's principal).
     """
     previous = task.commit if task is not None else None
     if (
@@ -376,6 +418,7 @@ def commit(
         and previous.claim_generation == request.claim_generation
         and previous.result_digest == request.result_digest
     ):
+        check_principal(task, request.principal)
         return task, True
     task = check_holder(
         task,
@@ -385,6 +428,7 @@ def commit(
         request.cancel_generation,
         scheduler,
         request.scheduler_epoch,
+        request.principal,
     )
     if request.input_digest != task.input_digest:
         raise StaleInput("inputDigest is not the task's current input")
@@ -441,7 +485,7 @@ _INT_FIELDS = (
     "claim_epoch",
     "claim_revision",
 )
-_STR_FIELDS = ("task_id", "input_digest", "attempt_id", "owner")
+_STR_FIELDS = ("task_id", "input_digest", "attempt_id", "owner", "principal")
 
 
 def task_to_fields(task: Task) -> dict[str, str]:
@@ -512,6 +556,7 @@ def task_to_json(task: Task) -> dict[str, Any]:
         "claimGeneration": task.claim_generation,
         "attemptId": task.attempt_id,
         "owner": task.owner,
+        "principal": task.principal,
         "leaseExpiresAt": task.lease_expires_at,
         "attemptStartedAt": task.attempt_started_at,
         "cancelGeneration": task.cancel_generation,

@@ -411,8 +411,9 @@ async def test_bad_claim_body_names_the_field(api: Api, body: dict[str, Any], fi
 )
 async def test_malformed_body_is_400(api: Api, raw: bytes) -> None:
     await api.put("t1")
-    answer = await api.call("POST", "/v1/tasks/t1/claim", data=raw)
-    assert answer.status == 400 and answer.code == "BAD_REQUEST"
+    json_type = {"Content-Type": "application/json"}  # any other type is 415 (test_request_guard)
+    async with api.client.post("/v1/tasks/t1/claim", data=raw, headers=json_type) as resp:
+        assert resp.status == 400 and (await resp.json())["code"] == "BAD_REQUEST"
 
 
 @pytest.mark.parametrize(

@@ -475,7 +475,8 @@ async def test_a_forward_waiting_for_a_pooled_connection_past_the_start_limit_is
     store_url: str, key_prefix: str, blackhole: Blackhole
 ) -> None:
     """With one pooled connection held by a forward that gets no answer, a second forward
-    waits in the pool; at L it gives up before connecting: NOT_APPLIED, never sent."""
+    waits in the pool; at L it gives up before connecting: NOT_APPLIED, never sent, answered
+    503 DOWNSTREAM_BUSY (issue 11: not 502, the downstream was never tried)."""
     proxy = {"forward_start_limit_ms": 200, "max_connections": 1}
     async with windowed(store_url, key_prefix, blackhole, **proxy) as api:
         await pool_wait_is_cut_to_the_start_limit(api, blackhole)
@@ -493,14 +494,15 @@ async def pool_wait_is_cut_to_the_start_limit(api: Api, blackhole: Blackhole) ->
     started = time.monotonic()
     status, headers, body = await send(api, lease, "s2")
     took = time.monotonic() - started
-    assert (status, body["code"]) == (502, "DOWNSTREAM_UNREACHABLE"), body
+    assert (status, body["code"]) == (503, "DOWNSTREAM_BUSY"), body
     assert headers["Fence-Effect-State"] == "NOT_APPLIED"
+    assert headers["Retry-After"] == "1"
     assert took < TIMEOUT_MS / 1000, "the pool wait was not cut to the start limit"
     assert not first.done()
     record = await effect_record(api, effect_id("pay-1", 1, "main", "s2"))
     assert record["state"] == "NOT_APPLIED", record
     (attempt,) = record["attempts"]
-    assert attempt["reason"].startswith("connect failed"), attempt
+    assert attempt["reason"].startswith("never sent: no pooled connection"), attempt
 
     status, _, body = await first
     assert (status, body["code"]) == (504, "DOWNSTREAM_TIMEOUT"), body

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -15,6 +16,7 @@ from hypothesis import given
 from fencegate.gateway.http_rules import (
     canonical_body,
     downstream_request_headers,
+    refuse_method_override,
     split_proxy_path,
     stored_response_headers,
     upstream_response_headers,
@@ -114,6 +116,14 @@ def test_no_path_that_passes_can_climb_out_of_the_base(tail: str) -> None:
         assert "/" not in unquote(segment) and "\\" not in unquote(segment)
 
 
+#: The proxy's call of ``downstream_request_headers`` for a downstream with default names.
+RULES: dict[str, Any] = {
+    "forward_authorization": False,
+    "reserved": ("Idempotency-Key", "Fencing-Token"),
+    "peer": "127.0.0.1",
+}
+
+
 def test_request_headers_lose_hop_by_hop_fence_and_credentials() -> None:
     agent = [
         ("Host", "gateway"),
@@ -132,13 +142,13 @@ def test_request_headers_lose_hop_by_hop_fence_and_credentials() -> None:
         ("X-Many", "2"),
     ]
     identity = {"Idempotency-Key": "e" * 64, "Fencing-Token": "1.2"}
-    out = downstream_request_headers(agent, identity, forward_authorization=False)
+    out = downstream_request_headers(agent, identity, **RULES)
     assert sorted(name for name, _ in out.items()) == sorted(
-        ["Accept", "X-Many", "X-Many", "Idempotency-Key", "Fencing-Token"]
+        ["Accept", "X-Many", "X-Many", "Idempotency-Key", "Fencing-Token", "X-Forwarded-For"]
     )
     assert out.getall("X-Many") == ["1", "2"]
     assert out["Idempotency-Key"] == "e" * 64
-    kept = downstream_request_headers(agent, identity, forward_authorization=True)
+    kept = downstream_request_headers(agent, identity, **{**RULES, "forward_authorization": True})
     assert kept["Authorization"] == "Bearer agent"
 
 
@@ -158,3 +168,132 @@ def test_response_headers_for_live_answers_and_for_replays() -> None:
         ["Content-Type", "application/json"],
         ["ETag", '"v1"'],
     ]
+
+
+# --- issue 11: strict JSON digests ---------------------------------------------------------
+
+JSON = "application/json"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"amount":1,"amount":5000}',
+        b'{"a":{"x":1,"x":1}}',  # even the same value twice
+        b'[{"k":1,"\\u006b":2}]',  # the same key, escaped
+        b'{"amount":NaN}',
+        b"[Infinity]",
+        b'{"a":-Infinity}',
+        b'"\\ud800"',  # a lone surrogate: not Unicode
+        b'{"\\udfff":1}',
+    ],
+)
+def test_json_bodies_that_parsers_read_differently_are_refused(body: bytes) -> None:
+    with pytest.raises(BadRequest):
+        canonical_body(body, JSON)
+    with pytest.raises(BadRequest):
+        canonical_body(body, "application/merge-patch+json")
+    assert canonical_body(body, "text/plain") == body  # other types: the bytes, as they are
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (b"100.000000000000000001", b"100.0"),
+        (b'{"amount":100.000000000000000001}', b'{"amount":100.0}'),
+        (b"[1e400]", b"[1e401]"),  # both read as infinity
+        (b"[-0]", b"[0]"),
+        (b"[1]", b"[1.0]"),  # int and float are different types in many parsers
+        (b"[1e-400]", b"[0.0]"),  # underflow
+        (b"[9007199254740993.0]", b"[9007199254740992.0]"),  # past a double's precision
+    ],
+)
+def test_numbers_are_never_rounded_into_another_payload(one: bytes, other: bytes) -> None:
+    assert canonical_body(one, JSON) != canonical_body(other, JSON)
+
+
+def test_numbers_equal_in_value_keep_the_ordinary_canonical_form() -> None:
+    """What the digest took before issue 11 is unchanged for ordinary bodies: an agent's
+    retry across the upgrade still replays."""
+    assert canonical_body(b'{"b": 1.50, "a": 1e2}', JSON) == b'{"a":100.0,"b":1.5}'
+    assert canonical_body(b"[1.0, 1.00, 10E-1]", JSON) == b"[1.0,1.0,1.0]"
+    assert canonical_body(b'{"n": 12345678901234567890123}', JSON) == (
+        b'{"n":12345678901234567890123}'
+    )
+
+
+def test_a_lossy_number_makes_the_body_count_byte_for_byte() -> None:
+    body = b'{"b": 100.000000000000000001, "a": 1}'
+    assert canonical_body(body, JSON) == body
+    assert canonical_body(b'{"a": 1, "b": 100.000000000000000001}', JSON) != body
+
+
+LITERALS = (
+    st.decimals(allow_nan=False, allow_infinity=False, places=None).map(str)
+    | st.integers().map(str)
+    | st.sampled_from(["-0", "0.0", "-0.0", "1e400", "1E-400", "0.1", "0.10", "1e1", "10.0"])
+)
+
+
+@given(LITERALS, LITERALS)
+def test_two_numbers_share_a_digest_only_when_equal_in_value_and_kind(a: str, b: str) -> None:
+    if canonical_body(f"[{a}]".encode(), JSON) == canonical_body(f"[{b}]".encode(), JSON):
+        assert Decimal(a) == Decimal(b)
+        assert any(c in a for c in ".eE") == any(c in b for c in ".eE")
+        assert a.startswith("-") == b.startswith("-") or Decimal(a) != 0
+
+
+# --- issue 11: safe methods and what the downstream sees ------------------------------------
+
+
+def test_the_agents_own_identity_headers_never_cross_even_on_a_safe_method() -> None:
+    agent = [("Idempotency-Key", "mine"), ("fencing-token", "9.9"), ("X-Key", "k")]
+    # A safe method: no identity from the gateway, the configured names are still reserved.
+    out = downstream_request_headers(agent, {}, **{**RULES, "reserved": ("X-Key", "Fencing-Token")})
+    assert "X-Key" not in out and "Fencing-Token" not in out
+    assert out["Idempotency-Key"] == "mine"  # not this downstream's name: an ordinary header
+    out = downstream_request_headers(agent, {}, **RULES)
+    assert "Idempotency-Key" not in out and "Fencing-Token" not in out and out["X-Key"] == "k"
+
+
+def test_client_claims_are_dropped_and_the_peer_is_appended() -> None:
+    agent = [
+        ("Forwarded", "for=10.0.0.1"),
+        ("X-Real-IP", "10.0.0.1"),
+        ("X-Forwarded-For", "10.0.0.2, 10.0.0.3"),
+        ("x-forwarded-for", "10.0.0.4"),
+    ]
+    out = downstream_request_headers(agent, {}, **RULES)
+    assert "Forwarded" not in out and "X-Real-IP" not in out
+    assert out.getall("X-Forwarded-For") == ["10.0.0.2, 10.0.0.3, 10.0.0.4, 127.0.0.1"]
+    alone = downstream_request_headers([], {}, **{**RULES, "peer": None})
+    assert alone.getall("X-Forwarded-For") == ["unknown"]
+    listed = [("Connection", "X-Forwarded-For"), ("X-Forwarded-For", "10.0.0.9")]
+    assert downstream_request_headers(listed, {}, **RULES)["X-Forwarded-For"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
+@pytest.mark.parametrize(
+    ("headers", "target"),
+    [
+        ([("X-HTTP-Method-Override", "DELETE")], "/items/1"),
+        ([("x-http-method", "POST")], "/items"),
+        ([("X-Method-Override", "PUT")], "/items/1"),
+        ([], "/items/1?_method=DELETE"),
+        ([], "/items/1?a=1&_METHOD=delete"),
+        ([], "/items/1?a=1;_method=DELETE"),
+        ([], "/items/1?%5Fmethod=DELETE"),
+        ([], "/items/1?_method"),
+    ],
+)
+def test_a_method_override_on_a_safe_method_is_refused(
+    method: str, headers: list[tuple[str, str]], target: str
+) -> None:
+    with pytest.raises(BadRequest, match="method override"):
+        refuse_method_override(method, headers, target)
+    refuse_method_override("POST", headers, target)  # a recorded effect either way
+
+
+@pytest.mark.parametrize("target", ["/items?method=x", "/items?x_method=1", "/_method?a=1", "/"])
+def test_near_misses_are_not_overrides(target: str) -> None:
+    refuse_method_override("GET", [("X-HTTP-Method-Overrides", "x")], target)

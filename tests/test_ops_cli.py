@@ -437,7 +437,10 @@ async def test_url_from_config_file_and_environment(
     port = env.url.rsplit(":", 1)[1]
     dead = f"http://127.0.0.1:{free_port()}"
     config = tmp_path / "fencegate.toml"
-    config.write_text(f'[server]\nlisten = "0.0.0.0:{port}"\n')  # reached on loopback
+    config.write_text(  # reached on loopback
+        f'[server]\nlisten = "0.0.0.0:{port}"\nallowed_hosts = ["127.0.0.1"]\n'
+        "allow_unauthenticated = true\n"
+    )
     # Flags before the environment: --config's server.listen, then --url over everything.
     monkeypatch.setenv("FENCEGATE_URL", dead)
     from_file = await env.cli("epoch", "show", "--config", str(config), url=False)

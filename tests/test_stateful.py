@@ -22,7 +22,7 @@ import asyncio
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,11 @@ TASKS = ("alpha", "beta/1")
 CLAIM_TARGETS = st.sampled_from(["alpha", "alpha", "beta/1", "beta/1", "ghost"])
 DIGESTS = ("in-a", "in-b", "in-c")
 TTLS = st.sampled_from([STEP_MS, 3 * STEP_MS, 6 * STEP_MS, 100 * STEP_MS])
+#: Authenticated principals of claims (None: no [auth]); a lease is bound to its claim's.
+PRINCIPALS = st.sampled_from([None, "alice", "bob", "alice"])
+#: A step under a claim comes from the claim's principal, or is tampered: "principal" is
+#: another principal (FENCED when the claim recorded one), "no_principal" none at all.
+PRINCIPAL_TAMPERS = ["principal", "no_principal"]
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Handle:
     owner: str
     epoch: int
     cancel_generation: int
+    principal: str | None = None
 
 
 def outcome(fn: Any) -> tuple[str, Any]:
@@ -174,7 +180,7 @@ class LeaseMachine(RuleBasedStateMachine):
         for name in TASKS:
             self.put(name, digest, None)
         # Start with live claims, so effect steps have a current attempt to work under.
-        self._claim(TASKS[0], "w1", 6 * STEP_MS, 0, None)
+        self._claim(TASKS[0], "w1", 6 * STEP_MS, 0, None, "alice")
 
     @rule(
         name=st.sampled_from(TASKS),
@@ -199,6 +205,7 @@ class LeaseMachine(RuleBasedStateMachine):
         epoch_delta=st.sampled_from([0, 0, 0, 0, 0, 0, 0, -1]),
         revision_delta=st.sampled_from([None, None, 0, 1]),
         paused=st.sampled_from([False] * 7 + [True]),
+        principal=PRINCIPALS,
     )
     def claim(
         self,
@@ -208,12 +215,13 @@ class LeaseMachine(RuleBasedStateMachine):
         epoch_delta: int,
         revision_delta: int | None,
         paused: bool,
+        principal: str | None,
     ) -> None:
         """A claim; with ``paused`` the claims are paused around it (and resumed after)."""
         if paused:
             self.set_paused(True)
         try:
-            self._claim(name, owner, ttl, epoch_delta, revision_delta)
+            self._claim(name, owner, ttl, epoch_delta, revision_delta, principal)
         finally:
             if paused:
                 self.set_paused(False)
@@ -224,13 +232,21 @@ class LeaseMachine(RuleBasedStateMachine):
         assert stored == self.scheduler
 
     def _claim(
-        self, name: str, owner: str, ttl: int, epoch_delta: int, revision_delta: int | None
+        self,
+        name: str,
+        owner: str,
+        ttl: int,
+        epoch_delta: int,
+        revision_delta: int | None,
+        principal: str | None,
     ) -> None:
         task = self.model_tasks[name]
         expected = None
         if revision_delta is not None:
             expected = (task.revision if task else 1) + revision_delta
-        request = ClaimRequest(owner, ttl, self.scheduler.epoch + epoch_delta, expected)
+        request = ClaimRequest(
+            owner, ttl, self.scheduler.epoch + epoch_delta, expected, principal=principal
+        )
         self.attempts += 1
         model_attempt = f"m{self.attempts}"
         code, model, stored = self.both(
@@ -250,8 +266,18 @@ class LeaseMachine(RuleBasedStateMachine):
                     owner,
                     model.claim_epoch,
                     model.cancel_generation,
+                    principal,
                 )
             )
+
+    @staticmethod
+    def _caller(handle: Handle, tamper: str) -> str | None:
+        """The principal a step under ``handle`` comes from."""
+        if tamper == "principal":
+            return "bob" if handle.principal == "alice" else "alice"
+        if tamper == "no_principal":
+            return None
+        return handle.principal
 
     def _identity(self, handle: Handle, side: str, tamper: str) -> Identity:
         return Identity(
@@ -260,35 +286,46 @@ class LeaseMachine(RuleBasedStateMachine):
             owner=handle.owner + ("x" if tamper == "owner" else ""),
             scheduler_epoch=self.scheduler.epoch if tamper == "current_epoch" else handle.epoch,
             cancel_generation=handle.cancel_generation + (1 if tamper == "cancel" else 0),
+            principal=self._caller(handle, tamper),
         )
 
     @precondition(lambda self: self.handles)
     @rule(
         data=st.data(),
         ttl=TTLS,
-        tamper=st.sampled_from(["none", "none", "generation", "owner", "current_epoch", "cancel"]),
+        tamper=st.sampled_from(
+            ["none", "none", "generation", "owner", "current_epoch", "cancel", *PRINCIPAL_TAMPERS]
+        ),
+        on_request=st.booleans(),
     )
-    def renew(self, data: st.DataObject, ttl: int, tamper: str) -> None:
+    def renew(self, data: st.DataObject, ttl: int, tamper: str, on_request: bool) -> None:
+        """``on_request``: the caller's principal travels on the RenewRequest, not the
+        identity (both are read: ``RenewRequest.caller``)."""
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
+
+        def request(side: str) -> RenewRequest:
+            ident = self._identity(handle, side, tamper)
+            if on_request and ident.principal is not None:
+                return RenewRequest(replace(ident, principal=None), ttl, ident.principal)
+            return RenewRequest(ident, ttl)
+
         code, model, stored = self.both(
             lambda: tasks.renew(
-                self.model_tasks[name],
-                self.scheduler,
-                RenewRequest(self._identity(handle, "model", tamper), ttl),
-                POLICY,
-                self.now,
+                self.model_tasks[name], self.scheduler, request("model"), POLICY, self.now
             ),
-            self.store.renew(
-                self.ids[name], RenewRequest(self._identity(handle, "store", tamper), ttl)
-            ),
+            self.store.renew(self.ids[name], request("store")),
         )
+        event(f"renew {code} {tamper}")
         if code == "ok":
             self.model_tasks[name] = model
             self.same_task(model, stored)
 
     @precondition(lambda self: self.handles)
-    @rule(data=st.data(), tamper=st.sampled_from(["none", "none", "generation", "cancel"]))
+    @rule(
+        data=st.data(),
+        tamper=st.sampled_from(["none", "none", "generation", "cancel", *PRINCIPAL_TAMPERS]),
+    )
     def release(self, data: st.DataObject, tamper: str) -> None:
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
@@ -308,7 +345,9 @@ class LeaseMachine(RuleBasedStateMachine):
         result=st.sampled_from(["r1", "r2"]),
         stale_input=st.booleans(),
         with_result=st.booleans(),
-        tamper=st.sampled_from(["none", "none", "none", "current_epoch", "cancel"]),
+        tamper=st.sampled_from(
+            ["none", "none", "none", "current_epoch", "cancel", *PRINCIPAL_TAMPERS]
+        ),
     )
     def commit(
         self, data: st.DataObject, result: str, stale_input: bool, with_result: bool, tamper: str
@@ -329,6 +368,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 input_digest="stale" if stale_input else task.input_digest,
                 result_digest=result,
                 result_json=f'{{"r":"{result}"}}' if with_result else None,
+                principal=ident.principal,
             )
 
         self.commits += 1
@@ -407,7 +447,7 @@ class LeaseMachine(RuleBasedStateMachine):
         deadline=st.sampled_from([STEP_MS, 3 * STEP_MS]),
         resend=st.sampled_from([None, 2 * STEP_MS, 2 * STEP_MS]),
         approval=st.sampled_from([False, False, True]),
-        tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel"]),
+        tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel", *PRINCIPAL_TAMPERS]),
     )
     def prepare(
         self,
@@ -436,6 +476,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 ident.claim_generation,
                 ident.scheduler_epoch,
                 ident.cancel_generation,
+                ident.principal,
             )
             return EffectRequest(
                 fence, "main", slot, "api", "POST", "/pay", payload, f"fwd-{self.forwards}"
@@ -543,16 +584,38 @@ class LeaseMachine(RuleBasedStateMachine):
             self.same_effect(model, stored)
 
     @precondition(lambda self: self.model_effects)
-    @rule(data=st.data(), ttl=st.sampled_from([STEP_MS, 4 * STEP_MS]), guard=st.booleans())
-    def approve(self, data: st.DataObject, ttl: int, guard: bool) -> None:
-        eid = data.draw(st.sampled_from(list(self.model_effects)))
+    @rule(
+        data=st.data(),
+        ttl=st.sampled_from([STEP_MS, 4 * STEP_MS]),
+        guard=st.booleans(),
+        principal=PRINCIPALS,
+    )
+    def approve(self, data: st.DataObject, ttl: int, guard: bool, principal: str | None) -> None:
+        """An operator approves; with [auth] (``principal``) the operator's name is the
+        principal's, and approving what one's own principal requested is FORBIDDEN. Mostly
+        an effect that can be approved (NOT_APPLIED), sometimes any."""
+        approvable = [
+            eid
+            for eid, e in self.model_effects.items()
+            if effects.effective(e, self.now).state is EffectState.NOT_APPLIED
+        ]
+        eid = data.draw(st.sampled_from(approvable * 4 + list(self.model_effects)))
+        if data.draw(st.booleans()):  # the principal it was requested under, if any
+            principal = self.model_effects[eid].requested_by
         expected = data.draw(st.sampled_from(["p1", "p2"])) if guard else None
+        operator = principal or "op"
         code, model, stored = self.both(
-            lambda: effects.approve(self.model_effects[eid], "op", "ok", expected, ttl, self.now),
+            lambda: effects.approve(
+                self.model_effects[eid], operator, "ok", expected, ttl, self.now, principal
+            ),
             self.store.update_effect(
-                eid, lambda e, now: effects.approve(e, "op", "ok", expected, ttl, now)
+                eid,
+                lambda e, now: effects.approve(e, operator, "ok", expected, ttl, now, principal),
             ),
         )
+        event(f"approve {code}")
+        if code == "FORBIDDEN":
+            assert principal is not None and self.model_effects[eid].requested_by == principal
         if code == "ok":
             self.model_effects[eid] = model
             self.same_effect(model, stored)

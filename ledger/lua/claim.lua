@@ -2,7 +2,7 @@
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] test clock (see now_ms), ARGV[2] owner, ARGV[3] ttlMs, ARGV[4] schedulerEpoch,
 -- ARGV[5] expectedRevision or '', ARGV[6] new attemptId, ARGV[7] max ttl ms,
--- ARGV[8] default max runtime ms
+-- ARGV[8] default max runtime ms, ARGV[9] the claiming principal ('' for none)
 -- Returns {'OK', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
 local epoch, paused = scheduler(KEYS[2])
@@ -33,6 +33,7 @@ t.state = 'CLAIMED'
 t.claim_generation = s(tonumber(t.claim_generation) + 1)
 t.attempt_id = ARGV[6]
 t.owner = ARGV[2]
+if ARGV[9] ~= '' then t.principal = ARGV[9] else t.principal = nil end
 t.lease_expires_at = s(now + ttl)
 t.attempt_started_at = s(now)
 t.claim_epoch = s(epoch)

@@ -2,7 +2,8 @@
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
 -- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] inputDigest, ARGV[7] resultDigest,
--- ARGV[8] new commitId, ARGV[9] result JSON or '' for none
+-- ARGV[8] new commitId, ARGV[9] result JSON or '' for none,
+-- ARGV[10] the caller's principal ('' for none)
 -- Returns {'OK'|'REPLAY', fields...} or {'ERR', code, detail}
 local now = now_ms(ARGV[1])
 local epoch = scheduler(KEYS[2])
@@ -10,10 +11,12 @@ local t = load_hash(KEYS[1])
 local generation = tonumber(ARGV[3])
 if t and t.state == 'COMMITTED' and t.commit_id and t.commit_attempt_id == ARGV[2]
     and tonumber(t.commit_generation) == generation and t.commit_result_digest == ARGV[7] then
+  local other = check_principal(t, ARGV[10])
+  if other then return other end
   return answer('REPLAY', t)
 end
 local bad = check_holder(t, ARGV[2], generation, nil, tonumber(ARGV[5]), true, epoch,
-  tonumber(ARGV[4]))
+  tonumber(ARGV[4]), ARGV[10])
 if bad then return bad end
 if ARGV[6] ~= t.input_digest then
   return err('STALE_INPUT', "inputDigest is not the task's current input")

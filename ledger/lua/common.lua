@@ -71,15 +71,29 @@ local function scheduler(key)
   return tonumber(e[1] or '1'), e[2] == '1'
 end
 
--- Mirror of ledger.tasks._check_holder: identity, epoch (skipped when check_epoch is false),
--- cancel generation, revision. Returns an error reply or nil.
-local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_epoch, epoch, req_epoch)
+-- Mirror of ledger.tasks.check_principal: the caller's principal ('' or nil for none) must be
+-- the claim's when both are known. Returns an error reply or nil.
+local function check_principal(t, principal)
+  if principal ~= nil and principal ~= '' and t.principal ~= nil and t.principal ~= ''
+      and t.principal ~= principal then
+    return err('FENCED', 'the lease belongs to another principal')
+  end
+  return nil
+end
+
+-- Mirror of ledger.tasks.check_holder: identity (attempt, generation, owner, then the
+-- principal), epoch (skipped when check_epoch is false), cancel generation, revision.
+-- principal: the caller's authenticated principal, '' for none. Returns an error reply or nil.
+local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_epoch, epoch, req_epoch,
+                            principal)
   if not t then return err('NO_SUCH_TASK') end
   if t.attempt_id ~= attempt_id or tonumber(t.claim_generation) ~= generation
       or (owner ~= nil and t.owner ~= owner) then
     return err('FENCED', 'attempt ' .. attempt_id .. ' generation ' .. s(generation)
       .. ' is not the current claim (generation ' .. t.claim_generation .. ')')
   end
+  local other = check_principal(t, principal)
+  if other then return other end
   if check_epoch and (req_epoch ~= epoch or num(t.claim_epoch) ~= epoch) then
     return err('STALE_EPOCH', 'claim made under schedulerEpoch ' .. tostring(t.claim_epoch)
       .. ', current is ' .. s(epoch))

@@ -10,7 +10,9 @@
 -- ARGV[12] forward deadline ms,
 -- ARGV[13] the adapter's re-send window ms for UNKNOWN effects with the same payload, or '',
 -- ARGV[14] '1' when every forward needs an operator's approval of its payload digest,
--- ARGV[15] the request's forward id ('' for none)
+-- ARGV[15] the request's forward id ('' for none),
+-- ARGV[16] the caller's principal ('' for none): checked against the claim's
+-- (check_principal), recorded as requested_by, and never the consumer of its own approval
 -- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
 -- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
 local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
@@ -28,11 +30,14 @@ local deadline_ms = ARGV[12]
 local resend_window = ARGV[13]
 local require_approval = ARGV[14] == '1'
 local forward_id = ARGV[15]
+local principal = ARGV[16]
+local requester = nil
+if principal ~= '' then requester = principal end
 
 local epoch = scheduler(scheduler_key)
 local t = load_hash(task_key)
 local bad = check_holder(t, attempt_id, tonumber(generation), nil, cancel_gen, true, epoch,
-  req_epoch)
+  req_epoch, principal)
 if bad then return bad end
 if t.state == 'COMMITTED' then
   return err('ALREADY_COMMITTED', 'the task is committed; its attempt may produce no more effects')
@@ -63,17 +68,20 @@ local same = e.payload_digest == digest
 local in_window = resend_window ~= ''
   and now < tonumber(e.created_at) + tonumber(resend_window)
 if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) then
-  if changed or not same then e.updated_at = s(now) end
+  local moved = changed or not same or requester ~= e.requested_by
+  if moved then e.updated_at = s(now) end
   e.downstream = downstream
   e.method = method
   e.path = path
   e.payload_digest = digest
+  e.requested_by = requester
   local approver = nil
   if require_approval then
     local approved = e.approval_digest == digest and e.approval_expires_at ~= nil
       and now < tonumber(e.approval_expires_at)
+      and not (requester ~= nil and e.approval_by == requester)
     if not approved then
-      if changed or not same then save_effect(index, effects_key, e) end
+      if moved then save_effect(index, effects_key, e) end
       local out = answer('REJECT', e)
       table.insert(out, 2, 'APPROVAL_REQUIRED')
       table.insert(out, 3, 'an operator must approve payloadDigest ' .. digest

@@ -1,0 +1,247 @@
+"""Authentication and authorization: who is calling (bearer tokens) and what their roles allow.
+
+On only when the config has ``[auth]``. Every request then carries a credential, except the
+routes the role matrix opens to anyone (``/healthz``, ``/readyz``):
+
+- ``Fence-Authorization: Bearer <token>`` on every path (the proxy never forwards ``Fence-*``);
+- ``Authorization: Bearer <token>`` also on the gateway's own API (``/v1/*``, ``/metrics``),
+  never on ``/proxy/*`` (or a later ``/mcp``): there ``Authorization`` is the downstream's.
+  ``Fence-Authorization`` wins when both are sent.
+
+The file holds only each token's SHA-256; a presented token is hashed once and compared with
+every principal's digest in constant time (``hmac.compare_digest``, no early exit).
+No credential, a malformed one or one that matches no principal: 401 ``UNAUTHENTICATED``
+with ``WWW-Authenticate: Bearer``. A principal none of whose roles the matrix lists for the
+route: 403 ``FORBIDDEN``. A route missing from ``ROLE_MATRIX`` is 403 for everyone (deny by
+default; ``tests/test_auth.py`` fails when a registered route is missing from it). Requests
+that match no route go on to their 404/405 once authenticated.
+
+The principal is left on the request (``fencegate.gateway.principals.principal_of``) for the
+rules that bind actions to it. docs/security.md renders the matrix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+import structlog
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler, Middleware
+
+from fencegate.gateway.config import ROLES, AuthConfig
+from fencegate.gateway.principals import PRINCIPAL_KEY, Principal
+from fencegate.gateway.problems import problem_response
+from fencegate.ledger.errors import FencegateError, Forbidden, Unauthenticated
+
+__all__ = [
+    "ANYONE",
+    "ROLE_MATRIX",
+    "Authenticator",
+    "allowed_roles",
+    "auth_middleware",
+    "matrix_markdown",
+    "new_token",
+    "route_key",
+    "sees_stored_bodies",
+    "token_sha256",
+]
+
+log = structlog.get_logger("fencegate.auth")
+
+#: Not a role: the route needs no credential at all.
+ANYONE: Final = "anyone"
+
+_SCHEDULER, _WORKER, _OPERATOR, _OBSERVER = ROLES
+_EVERY_ROLE = frozenset(ROLES)
+_READERS = frozenset({_OPERATOR, _OBSERVER})
+
+
+def _only(*roles: str) -> frozenset[str]:
+    return frozenset(roles)
+
+
+#: THE role matrix: (method, route pattern as aiohttp names it) -> the roles that may call it.
+#: ``HEAD`` is checked as ``GET``; ``*`` is a route that takes every method. A principal may
+#: call a route when any of its roles is listed. Keep docs/security.md in step (a test
+#: compares them).
+ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
+    {
+        # operations
+        ("GET", "/healthz"): _only(ANYONE),
+        ("GET", "/readyz"): _only(ANYONE),
+        ("GET", "/metrics"): _READERS,
+        ("GET", "/v1/rollout"): _READERS,
+        # tasks: schedulers create, revise and cancel; workers hold leases
+        ("PUT", "/v1/tasks/{task_id}"): _only(_SCHEDULER),
+        ("POST", "/v1/tasks/{task_id}/cancel"): _only(_SCHEDULER),
+        # The record shows attemptId and owner: worth nothing without the holder's credential
+        # once leases are bound to principals (issue 11, item 2), so every role may read it.
+        ("GET", "/v1/tasks/{task_id}"): _EVERY_ROLE,
+        ("POST", "/v1/tasks/{task_id}/claim"): _only(_WORKER),
+        ("POST", "/v1/tasks/{task_id}/renew"): _only(_WORKER),
+        ("POST", "/v1/tasks/{task_id}/release"): _only(_WORKER),
+        ("POST", "/v1/tasks/{task_id}/commit"): _only(_WORKER),
+        # the scheduler epoch: everyone reads it (workers claim under it); operators move it
+        ("GET", "/v1/epoch"): _EVERY_ROLE,
+        ("POST", "/v1/epoch/bump"): _only(_OPERATOR),
+        ("POST", "/v1/claims/pause"): _only(_OPERATOR),
+        ("POST", "/v1/claims/resume"): _only(_OPERATOR),
+        # the ledger: observers read records without stored bodies (sees_stored_bodies)
+        ("GET", "/v1/effects"): _READERS,
+        ("GET", "/v1/effects/{effect_id}"): _READERS,
+        ("POST", "/v1/effects/{effect_id}/resolve"): _only(_OPERATOR),
+        ("POST", "/v1/effects/{effect_id}/approve"): _only(_OPERATOR),
+        ("POST", "/v1/effects/{effect_id}/reconcile"): _only(_OPERATOR),
+        # the fenced proxy: workers, under a lease
+        ("*", "/proxy/{tail}"): _only(_WORKER),
+    }
+)
+
+#: Where ``Authorization: Bearer`` is taken as the gateway's credential (everywhere else it
+#: belongs to the downstream and only ``Fence-Authorization`` counts).
+_OWN_PREFIXES = ("/v1/",)
+_OWN_PATHS = frozenset({"/metrics"})
+_MAX_TOKEN = 4096
+
+
+def token_sha256(token: str) -> str:
+    """What ``[[auth.principals]] token_sha256`` holds for ``token``."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    """A fresh random bearer token (256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def route_key(route: web.AbstractRoute) -> tuple[str, str] | None:
+    """The matrix key of a registered route; None for aiohttp's 404/405 stand-ins."""
+    if route.resource is None:
+        return None
+    method = hdrs.METH_GET if route.method == hdrs.METH_HEAD else route.method
+    return method, route.resource.canonical
+
+
+def allowed_roles(key: tuple[str, str]) -> frozenset[str]:
+    """The roles the matrix lists for ``key``; none (deny) when the route is not in it."""
+    return ROLE_MATRIX.get(key, frozenset())
+
+
+def matrix_markdown() -> str:
+    """``ROLE_MATRIX`` as the Markdown table of docs/security.md (a test keeps them equal)."""
+    lines = [
+        "| method | route | " + " | ".join(ROLES) + " |",
+        "|---|---|" + "---|" * len(ROLES),
+    ]
+    for (method, path), roles in ROLE_MATRIX.items():
+        if ANYONE in roles:
+            cells = ["open"] * len(ROLES)
+        else:
+            cells = ["yes" if role in roles else "-" for role in ROLES]
+        lines.append(f"| {method} | `{path}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sees_stored_bodies(principal: Principal | None) -> bool:
+    """Stored downstream answers (``response.bodyBase64``) are for operators; without
+    ``[auth]`` (no principal) nothing is withheld."""
+    return principal is None or principal.has(_OPERATOR)
+
+
+class Authenticator:
+    """The configured principals, each by the SHA-256 of its token."""
+
+    def __init__(self, auth: AuthConfig) -> None:
+        self._principals = tuple(
+            (bytes.fromhex(p.token_sha256), Principal(p.name, frozenset(p.roles)))
+            for p in auth.principals
+        )
+
+    def principal(self, token: str) -> Principal | None:
+        """The principal whose token this is. Every digest is compared (constant time, no
+        early exit), so the answer's timing says nothing about which one matched."""
+        digest = hashlib.sha256(token.encode()).digest()
+        found: Principal | None = None
+        for expected, principal in self._principals:
+            if hmac.compare_digest(digest, expected):
+                found = principal
+        return found
+
+
+def _bearer(values: list[str], header: str) -> str:
+    if len(values) != 1:
+        raise Unauthenticated(f"{header} may appear once")
+    scheme, _, token = values[0].strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or " " in token or len(token) > _MAX_TOKEN:
+        raise Unauthenticated(f"{header}: expected 'Bearer <token>'")
+    return token
+
+
+def _takes_authorization(path: str) -> bool:
+    return path in _OWN_PATHS or path.startswith(_OWN_PREFIXES)
+
+
+def _credential(request: web.Request, path: str) -> str:
+    """The bearer token the request presents to the gateway, or raise ``Unauthenticated``."""
+    fence = request.headers.getall("Fence-Authorization", [])
+    if fence:
+        return _bearer(fence, "Fence-Authorization")
+    if _takes_authorization(path):
+        given = request.headers.getall(hdrs.AUTHORIZATION, [])
+        if given and any(v.strip().lower().startswith("bearer ") for v in given):
+            return _bearer(given, "Authorization")
+    raise Unauthenticated("no credential: send Fence-Authorization: Bearer <token>")
+
+
+def _refusal(error: FencegateError, path: str) -> web.Response:
+    headers: dict[str, str] = {}
+    if isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = 'Bearer realm="fencegate"'
+    if path.startswith("/proxy/"):
+        # Like every proxied answer: nothing was recorded, nothing was forwarded.
+        headers.update({"Fence-Effect-State": "NONE", "Fence-Replayed": "false"})
+    return problem_response(error, headers=headers)
+
+
+def auth_middleware(auth: AuthConfig) -> Middleware:
+    """The middleware for ``[auth]``: authenticate, check the role matrix, set the principal."""
+    authenticator = Authenticator(auth)
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = route_key(request.match_info.route)
+        path = key[1] if key is not None else request.path
+        allowed = allowed_roles(key) if key is not None else _EVERY_ROLE
+        if ANYONE in allowed:
+            return await handler(request)
+        try:
+            principal = authenticator.principal(_credential(request, path))
+            if principal is None:
+                raise Unauthenticated("the token matches no principal")
+        except Unauthenticated as exc:
+            log.info("auth.unauthenticated", method=request.method, path=path, reason=exc.detail)
+            return _refusal(exc, path)
+        if not principal.roles & allowed:
+            log.info(
+                "auth.forbidden",
+                principal=principal.name,
+                roles=sorted(principal.roles),
+                method=request.method,
+                path=path,
+            )
+            need = ", ".join(sorted(allowed)) or "no role (not in the role matrix)"
+            return _refusal(
+                Forbidden(f"{request.method} {path} needs one of: {need}; "
+                          f"{principal.name!r} has {', '.join(sorted(principal.roles))}"),
+                path,
+            )  # fmt: skip
+        request[PRINCIPAL_KEY] = principal
+        return await handler(request)
+
+    return authenticate

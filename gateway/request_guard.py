@@ -1,0 +1,417 @@
+"""What the gateway refuses before any handler runs (docs/security.md, "Browser and network
+defaults").
+
+In the middleware (``request_guard``, every app, with or without ``[auth]``), in this order:
+
+* an HTTP version other than 1.0 and 1.1 is 505 ``HTTP_VERSION_NOT_SUPPORTED``;
+* a ``Host`` not in ``server.allowed_hosts`` is 421 ``MISDIRECTED_REQUEST`` (``/healthz`` and
+  ``/readyz`` are exempt: probes address a pod by its IP, and they reveal nothing);
+* an ``Origin`` not in ``server.allowed_origins`` is 403 ``FORBIDDEN`` (no ``Origin`` is fine:
+  only browsers send one);
+* ``CONNECT`` is 405;
+* a ``Content-Length`` above ``server.max_body_bytes`` is 413 at once, before reading;
+* the body is read here, within ``server.body_timeout_ms`` (408 past it); a client that goes
+  away meanwhile is one ``http.client_gone`` info event;
+* a non-empty body on ``/v1/*`` that is not ``application/json`` (or ``application/*+json``)
+  is 415 ``UNSUPPORTED_MEDIA_TYPE``. ``/proxy`` bodies are the downstream's business.
+
+At the connection (``GuardedSite``, what ``fencegate serve`` listens with): at most
+``server.max_connections`` open connections (one more is answered 503
+``TOO_MANY_CONNECTIONS`` and closed), and requests aiohttp's parser refuses (malformed
+request line or headers) are answered problem+json and logged as one ``http.malformed_request``
+info event, with no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
+
+from fencegate.gateway.config import ServerConfig, parse_listen
+from fencegate.gateway.problems import problem_body, problem_response
+from fencegate.gateway.state import CONFIG
+from fencegate.ledger.errors import (
+    BadRequest,
+    FencegateError,
+    Forbidden,
+    HttpVersionNotSupported,
+    MisdirectedRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    TooManyConnections,
+    UnsupportedMediaType,
+)
+
+__all__ = [
+    "ConnectionSlots",
+    "GuardedSite",
+    "handler_factory",
+    "host_allowed",
+    "origin_allowed",
+    "request_guard",
+]
+
+log = structlog.get_logger("fencegate.http")
+
+#: Served whatever the Host: liveness and readiness reveal nothing and stay open (as with
+#: ``[auth]``), and orchestrators probe by address.
+_ANY_HOST = frozenset({"/healthz", "/readyz"})
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+_VERSIONS = frozenset({(1, 0), (1, 1)})
+
+
+# --- Host and Origin ------------------------------------------------------------------------
+
+
+def _split_host(value: str) -> tuple[str, int | None] | None:
+    """``name[:port]`` as (lowercase name, port or None); None when it is not one."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            return None
+        name, rest = value[: end + 1], value[end + 1 :]
+    else:
+        name, sep, tail = value.partition(":")
+        rest = sep + tail
+    if not name:
+        return None
+    if not rest:
+        return name, None
+    digits = rest[1:]
+    if not (rest[0] == ":" and 1 <= len(digits) <= 5 and digits.isascii() and digits.isdigit()):
+        return None
+    number = int(digits)
+    return (name, number) if number < 65536 else None
+
+
+def _listen_name(server: ServerConfig) -> tuple[str, int]:
+    host, port = parse_listen(server.listen)
+    return (f"[{host}]" if ":" in host else host).lower(), port
+
+
+def _default_hosts(server: ServerConfig) -> tuple[str, ...]:
+    name, _ = _listen_name(server)
+    return tuple(dict.fromkeys((name, *_LOOPBACK_NAMES)))
+
+
+def host_allowed(server: ServerConfig, host: str | None) -> bool:
+    """Whether ``host`` (the ``Host`` header) names this gateway. An entry without a port
+    matches the name on any port (port forwarding and tunnels change the port, never the
+    name a browser was told); ``name:port`` matches that port only."""
+    if not host:
+        return False
+    parsed = _split_host(host)
+    if parsed is None:
+        return False
+    for entry in server.allowed_hosts or _default_hosts(server):
+        allowed = _split_host(entry)
+        if allowed is not None and allowed[0] == parsed[0] and allowed[1] in (None, parsed[1]):
+            return True
+    return False
+
+
+def _split_origin(origin: str) -> tuple[str, str, int] | None:
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep or scheme not in ("http", "https") or not rest or any(c in rest for c in "/?#@"):
+        return None
+    parsed = _split_host(rest)
+    if parsed is None:
+        return None
+    return scheme, parsed[0], parsed[1] if parsed[1] is not None else _DEFAULT_PORT[scheme]
+
+
+_DEFAULT_PORT = {"http": 80, "https": 443}
+
+
+def origin_allowed(server: ServerConfig, origin: str, local_port: int | None = None) -> bool:
+    """Whether a browser page at ``origin`` may call the gateway. By default only the
+    gateway's own origins: http on the listen host, localhost, 127.0.0.1 or [::1], at the
+    listen port or the port the connection arrived on. ``null`` is never allowed."""
+    parsed = _split_origin(origin)
+    if parsed is None:
+        return False
+    if server.allowed_origins is not None:
+        return any(_split_origin(entry) == parsed for entry in server.allowed_origins)
+    _, listen_port = _listen_name(server)
+    return (
+        parsed[0] == "http"
+        and parsed[1] in _default_hosts(server)
+        and parsed[2] in (listen_port, local_port)
+    )
+
+
+# --- the middleware -------------------------------------------------------------------------
+
+
+def _refuse(error: FencegateError, *, close: bool = False) -> web.Response:
+    """The problem answer; ``close`` ends the connection after it (a body that was not read
+    cannot be skipped reliably). aiohttp first reads and discards what the client still sends
+    for up to its lingering time (10 s), so the client sees this answer, not a reset."""
+    response = problem_response(error)
+    if close:
+        response.force_close()
+    return response
+
+
+def _local_port(request: web.BaseRequest) -> int | None:
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2 and isinstance(sockname[1], int):
+        return sockname[1]
+    return None
+
+
+def _is_json(content_type: str) -> bool:
+    if content_type == "application/json":
+        return True
+    kind, _, subtype = content_type.partition("/")
+    return kind == "application" and subtype.endswith("+json")
+
+
+@web.middleware
+async def request_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    server = request.app[CONFIG].server
+    if tuple(request.version) not in _VERSIONS:
+        major, minor = request.version
+        version = HttpVersionNotSupported(f"HTTP/{major}.{minor} is not served: use HTTP/1.1")
+        return _refuse(version, close=True)
+    if request.path not in _ANY_HOST:
+        host = request.headers.get(hdrs.HOST)
+        if not host_allowed(server, host):
+            log.info("http.host_refused", host=host, method=request.method, path=request.path)
+            return _refuse(
+                MisdirectedRequest(
+                    f"Host {host!r} is not one of this gateway's names (server.allowed_hosts)"
+                    if host
+                    else "a Host header is required"
+                ),
+                close=True,
+            )
+    origin = request.headers.get(hdrs.ORIGIN)
+    if origin is not None and not origin_allowed(server, origin, _local_port(request)):
+        log.info("http.origin_refused", origin=origin, method=request.method, path=request.path)
+        return _refuse(
+            Forbidden(f"Origin {origin!r} is not allowed (server.allowed_origins)"), close=True
+        )
+    if request.method == hdrs.METH_CONNECT:
+        problem = problem_body(405, "METHOD_NOT_ALLOWED", "Method not allowed",
+                            "CONNECT is not served: this gateway is not a tunnel")  # fmt: skip
+        response = web.Response(
+            status=405, body=json.dumps(problem).encode(), content_type="application/problem+json"
+        )
+        response.force_close()
+        return response
+    if request.body_exists:
+        refused = await _read_body(request, server)
+        if refused is not None:
+            return refused
+        body = await request.read()  # from memory now
+        if body and request.path.startswith("/v1/") and not _is_json(request.content_type):
+            return _refuse(
+                UnsupportedMediaType(
+                    f"Content-Type {request.headers.get(hdrs.CONTENT_TYPE, '(none)')!r}: "
+                    "a body on /v1 must be application/json"
+                )
+            )
+    return await handler(request)
+
+
+async def _read_body(request: web.Request, server: ServerConfig) -> web.Response | None:
+    """Read the whole body now, bounded in size and time; handlers then get it from memory
+    (``request.read()`` keeps it). None when it arrived."""
+    length = request.content_length
+    if length is not None and length > server.max_body_bytes:
+        return _refuse(
+            PayloadTooLarge(
+                f"Content-Length {length} is over server.max_body_bytes ({server.max_body_bytes})"
+            ),
+            close=True,
+        )
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(server.body_timeout_ms / 1000):
+            await request.read()
+    except TimeoutError:
+        log.info("http.body_timeout", method=request.method, path=request.path,
+                 peer=request.remote, timeout_ms=server.body_timeout_ms)  # fmt: skip
+        # Answer and close now: aiohttp would otherwise linger (up to 10 s) reading the rest
+        # of a body from a client that already stopped sending it.
+        response = _refuse(
+            RequestTimeout(f"the body did not arrive within {server.body_timeout_ms} ms"),
+            close=True,
+        )
+        await response.prepare(request)
+        await response.write_eof()
+        request.protocol.force_close()  # after the answer is written; flushed before closing
+        return response
+    except web.HTTPRequestEntityTooLarge:
+        return _refuse(
+            PayloadTooLarge(f"body over server.max_body_bytes ({server.max_body_bytes})"),
+            close=True,
+        )
+    except asyncio.CancelledError:  # aiohttp cancels on disconnect when handler_cancellation
+        log.info("http.client_gone", method=request.method, path=request.path,
+                 peer=request.remote, after_ms=round((time.monotonic() - started) * 1000),
+                 reason="cancelled")  # fmt: skip
+        raise
+    except ConnectionError as exc:
+        log.info("http.client_gone", method=request.method, path=request.path,
+                 peer=request.remote, after_ms=round((time.monotonic() - started) * 1000),
+                 reason=str(exc) or type(exc).__name__)  # fmt: skip
+        return _refuse(BadRequest("the client went away before its body arrived"), close=True)
+    except web.RequestPayloadError as exc:
+        cause = exc.__cause__ or exc
+        log.info("http.bad_body", method=request.method, path=request.path,
+                 peer=request.remote, reason=str(cause))  # fmt: skip
+        return _refuse(BadRequest(f"the body could not be read: {cause}"), close=True)
+    return None
+
+
+# --- the connection -------------------------------------------------------------------------
+
+
+class ConnectionSlots:
+    """Open connections against ``server.max_connections`` (one event loop: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self._refused = 0
+        self._last_report = 0.0
+
+    def refused(self) -> None:
+        """Count a refused connection; report at most once a second (a flood must not flood
+        the log too)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._last_report >= 1.0:
+            log.warning("http.connections_refused", refused=self._refused, open=self.open,
+                        limit=self.limit)  # fmt: skip
+            self._refused = 0
+            self._last_report = now
+
+
+def _busy_bytes() -> bytes:
+    error = TooManyConnections("try again shortly")
+    body = json.dumps(problem_body(error.status, error.code, error.title, error.detail)).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/problem+json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Retry-After: 1\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_BUSY = _busy_bytes()
+
+
+class _GuardedHandler(web.RequestHandler):
+    """aiohttp's per-connection protocol, counted against the connection limit, with its
+    parser-level refusals as problem+json."""
+
+    def __init__(self, manager: web.Server, slots: ConnectionSlots, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._slots = slots
+        self._over_limit = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._slots.open >= self._slots.limit:
+            self._over_limit = True
+            self._slots.refused()
+            if isinstance(transport, asyncio.WriteTransport):
+                transport.write(_BUSY)
+            transport.close()
+            return
+        self._slots.open += 1
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._over_limit:
+            return
+        self._slots.open -= 1
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._over_limit:
+            super().data_received(data)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response is under way; cannot send another")
+        error: FencegateError
+        if isinstance(exc, HttpProcessingError) or status < 500:
+            detail = " ".join((message or (exc and str(exc)) or "malformed request").split())
+            detail = detail[:300]
+            log.info("http.malformed_request", status=status, detail=detail, peer=request.remote)
+            if "version" in detail.lower():
+                error = HttpVersionNotSupported(detail)
+            else:
+                error = BadRequest(detail)
+        else:
+            log.error("http.internal_error", peer=request.remote, exc_info=exc)
+            error = FencegateError("see the gateway's log")
+        response = problem_response(error)
+        response.force_close()
+        return response
+
+
+def handler_factory(
+    server: web.Server, slots: ConnectionSlots, **kwargs: Any
+) -> Callable[[], web.RequestHandler]:
+    """What the listening socket builds per connection: ``kwargs`` are aiohttp's
+    ``RequestHandler`` options (keepalive_timeout, access_log_class, ...)."""
+    loop = asyncio.get_running_loop()
+
+    def build() -> web.RequestHandler:
+        return _GuardedHandler(server, slots, loop=loop, **kwargs)
+
+    return build
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP listener whose connections are built by ``handler_factory``."""
+
+    __slots__ = ("_factory", "_host", "_port")
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        factory: Callable[[], web.RequestHandler],
+        *,
+        backlog: int = 128,
+    ) -> None:
+        super().__init__(runner, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._factory = factory
+
+    @property
+    def name(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )

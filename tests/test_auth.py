@@ -1,0 +1,488 @@
+"""``[auth]``: bearer tokens, the role matrix, and what each principal may see, on both stores.
+
+Five principals (a scheduler, workers A and B, an operator, an observer) call every row of
+``gateway.auth.ROLE_MATRIX``: a role the row lists is never refused for who it is (401/403),
+any other gets 403 ``FORBIDDEN``. Without a credential everything but ``/healthz`` and
+``/readyz`` is 401. The gateway's credential never reaches a downstream, and the downstream's
+``Authorization`` is never taken as the gateway's credential.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDictProxy
+
+import fencegate
+from fencegate.gateway.app import create_app
+from fencegate.gateway.auth import ROLE_MATRIX, matrix_markdown, route_key, token_sha256
+from fencegate.gateway.config import Config
+from fencegate.ledger.effects import effect_id
+from tests.api import Api, Lease
+from tests.conftest import build_test_store, make_config
+from tests.downstream import Downstream
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: name -> (roles, token). Tokens are fixed here; a real one comes from `fencegate token new`.
+PRINCIPALS: dict[str, tuple[tuple[str, ...], str]] = {
+    "scheduler": (("scheduler",), "tok-scheduler-0123456789"),
+    "worker-a": (("worker",), "tok-worker-a-0123456789"),
+    "worker-b": (("worker",), "tok-worker-b-0123456789"),
+    "operator": (("operator",), "tok-operator-0123456789"),
+    "observer": (("observer",), "tok-observer-0123456789"),
+}
+
+#: The matrix as the issue asks for it, written out independently of gateway/auth.py.
+SCH, WRK, OPS, OBS = "scheduler", "worker", "operator", "observer"
+EXPECTED: dict[tuple[str, str], set[str]] = {
+    ("GET", "/healthz"): {"anyone"},
+    ("GET", "/readyz"): {"anyone"},
+    ("GET", "/metrics"): {OPS, OBS},
+    ("GET", "/v1/rollout"): {OPS, OBS},
+    ("PUT", "/v1/tasks/{task_id}"): {SCH},
+    ("POST", "/v1/tasks/{task_id}/cancel"): {SCH},
+    ("GET", "/v1/tasks/{task_id}"): {SCH, WRK, OPS, OBS},
+    ("POST", "/v1/tasks/{task_id}/claim"): {WRK},
+    ("POST", "/v1/tasks/{task_id}/renew"): {WRK},
+    ("POST", "/v1/tasks/{task_id}/release"): {WRK},
+    ("POST", "/v1/tasks/{task_id}/commit"): {WRK},
+    ("GET", "/v1/epoch"): {SCH, WRK, OPS, OBS},
+    ("POST", "/v1/epoch/bump"): {OPS},
+    ("POST", "/v1/claims/pause"): {OPS},
+    ("POST", "/v1/claims/resume"): {OPS},
+    ("GET", "/v1/effects"): {OPS, OBS},
+    ("GET", "/v1/effects/{effect_id}"): {OPS, OBS},
+    ("POST", "/v1/effects/{effect_id}/resolve"): {OPS},
+    ("POST", "/v1/effects/{effect_id}/approve"): {OPS},
+    ("POST", "/v1/effects/{effect_id}/reconcile"): {OPS},
+    ("*", "/proxy/{tail}"): {WRK},
+}
+
+NO_EFFECT = "0" * 64
+IDENTITY = {
+    "attemptId": "nope",
+    "claimGeneration": 1,
+    "owner": "w",
+    "schedulerEpoch": 1,
+    "cancelGeneration": 0,
+}
+NO_LEASE = {
+    "Fence-Task": "no-such-task",
+    "Fence-Attempt": "nope",
+    "Fence-Generation": "1",
+    "Fence-Epoch": "1",
+    "Fence-Cancel": "0",
+    "Fence-Slot": "s1",
+}
+#: One concrete request per row of the matrix: (method, path, JSON body, extra headers).
+SAMPLES: dict[tuple[str, str], tuple[str, str, Any, dict[str, str]]] = {
+    ("GET", "/healthz"): ("GET", "/healthz", None, {}),
+    ("GET", "/readyz"): ("GET", "/readyz", None, {}),
+    ("GET", "/metrics"): ("GET", "/metrics", None, {}),
+    ("GET", "/v1/rollout"): ("GET", "/v1/rollout", None, {}),
+    ("PUT", "/v1/tasks/{task_id}"): ("PUT", "/v1/tasks/m1", {"inputDigest": "in-1"}, {}),
+    ("POST", "/v1/tasks/{task_id}/cancel"): ("POST", "/v1/tasks/m-cancel/cancel", None, {}),
+    ("GET", "/v1/tasks/{task_id}"): ("GET", "/v1/tasks/m1", None, {}),
+    ("POST", "/v1/tasks/{task_id}/claim"): (
+        "POST",
+        "/v1/tasks/m-none/claim",
+        {"owner": "w", "ttlMs": 1000, "schedulerEpoch": 1},
+        {},
+    ),
+    ("POST", "/v1/tasks/{task_id}/renew"): (
+        "POST",
+        "/v1/tasks/m-none/renew",
+        {**IDENTITY, "ttlMs": 1000},
+        {},
+    ),
+    ("POST", "/v1/tasks/{task_id}/release"): (
+        "POST",
+        "/v1/tasks/m-none/release",
+        IDENTITY,
+        {},
+    ),
+    ("POST", "/v1/tasks/{task_id}/commit"): (
+        "POST",
+        "/v1/tasks/m-none/commit",
+        {
+            **{k: v for k, v in IDENTITY.items() if k != "owner"},
+            "inputDigest": "in-1",
+            "resultDigest": "out-1",
+        },
+        {},
+    ),
+    ("GET", "/v1/epoch"): ("GET", "/v1/epoch", None, {}),
+    ("POST", "/v1/epoch/bump"): ("POST", "/v1/epoch/bump", None, {}),
+    ("POST", "/v1/claims/pause"): ("POST", "/v1/claims/pause", None, {}),
+    ("POST", "/v1/claims/resume"): ("POST", "/v1/claims/resume", None, {}),
+    ("GET", "/v1/effects"): ("GET", "/v1/effects", None, {}),
+    ("GET", "/v1/effects/{effect_id}"): ("GET", f"/v1/effects/{NO_EFFECT}", None, {}),
+    ("POST", "/v1/effects/{effect_id}/resolve"): (
+        "POST",
+        f"/v1/effects/{NO_EFFECT}/resolve",
+        {"outcome": "NOT_APPLIED", "note": "x"},
+        {},
+    ),
+    ("POST", "/v1/effects/{effect_id}/approve"): (
+        "POST",
+        f"/v1/effects/{NO_EFFECT}/approve",
+        {},
+        {},
+    ),
+    ("POST", "/v1/effects/{effect_id}/reconcile"): (
+        "POST",
+        f"/v1/effects/{NO_EFFECT}/reconcile",
+        None,
+        {},
+    ),
+    ("*", "/proxy/{tail}"): ("POST", "/proxy/api/ok/x", {"amount": 1}, NO_LEASE),
+}
+
+
+def auth_section() -> dict[str, Any]:
+    return {
+        "principals": [
+            {"name": name, "roles": list(roles), "token_sha256": token_sha256(token)}
+            for name, (roles, token) in PRINCIPALS.items()
+        ]
+    }
+
+
+def bearer(name: str) -> dict[str, str]:
+    return {"Fence-Authorization": f"Bearer {PRINCIPALS[name][1]}"}
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: CIMultiDictProxy[str]
+    body: bytes
+
+    @property
+    def code(self) -> str | None:
+        if not self.headers.get("Content-Type", "").startswith("application/problem+json"):
+            return None
+        import json
+
+        return str(json.loads(self.body)["code"])
+
+    def json(self) -> Any:
+        import json
+
+        return json.loads(self.body)
+
+
+@dataclass
+class Env:
+    client: TestClient[Any, Any]
+    downstream: Downstream
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        who: str | None = None,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        all_headers = {**(bearer(who) if who else {}), **(headers or {})}
+        async with self.client.request(
+            method, path, json=body, headers=all_headers, allow_redirects=False
+        ) as resp:
+            return Answer(resp.status, resp.headers, await resp.read())
+
+    def api(self, who: str) -> Api:
+        """The test helper of the coordination API, speaking as ``who``."""
+        return Api(_AsClient(self.client, who))  # type: ignore[arg-type]
+
+    async def lease(self, task_id: str, worker: str = "worker-a") -> Lease:
+        put = await self.call("PUT", f"/v1/tasks/{task_id}", "scheduler", {"inputDigest": "in-1"})
+        assert put.status in (200, 201), put.body
+        return await self.api(worker).claim(task_id, owner=worker, ttl_ms=30_000)
+
+
+class _AsClient:
+    """A TestClient that adds one principal's credential to every request."""
+
+    def __init__(self, client: TestClient[Any, Any], who: str) -> None:
+        self._client, self._who = client, who
+        self.app = client.app
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        kwargs["headers"] = {**bearer(self._who), **(kwargs.get("headers") or {})}
+        return self._client.request(method, path, **kwargs)
+
+
+def auth_config(store_url: str, key_prefix: str, downstream: Downstream) -> Config:
+    return make_config(
+        store_url,
+        key_prefix,
+        auth=auth_section(),
+        reconciler={"enabled": False},
+        downstreams=[  # type: ignore[arg-type]
+            {"name": "api", "url": downstream.url, "timeout_ms": 2000},
+            {
+                "name": "authd",
+                "url": downstream.url,
+                "timeout_ms": 2000,
+                "forward_authorization": True,
+            },
+        ],
+    )
+
+
+@pytest.fixture
+async def env(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Env]:
+    config = auth_config(store_url, key_prefix, downstream)
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Env(client, downstream)
+
+
+def fence(lease: Lease, slot: str = "s1") -> dict[str, str]:
+    return {
+        "Fence-Task": lease.task_id,
+        "Fence-Attempt": lease.attempt_id,
+        "Fence-Generation": str(lease.claim_generation),
+        "Fence-Epoch": str(lease.scheduler_epoch),
+        "Fence-Cancel": str(lease.cancel_generation),
+        "Fence-Slot": slot,
+    }
+
+
+# --- the table itself ---------------------------------------------------------------------------
+
+
+def test_the_matrix_is_the_one_the_issue_asks_for() -> None:
+    assert {key: set(roles) for key, roles in ROLE_MATRIX.items()} == EXPECTED
+    assert set(SAMPLES) == set(ROLE_MATRIX)
+
+
+def test_every_registered_route_is_in_the_matrix_and_every_row_is_a_route(
+    tmp_path: Path,
+) -> None:
+    config = make_config(f"sqlite:///{tmp_path / 'fg.db'}", auth=auth_section())
+    app = create_app(config, store=build_test_store(config))
+    registered = {route_key(route) for route in app.router.routes()}
+    assert None not in registered
+    missing = registered - set(ROLE_MATRIX)
+    assert not missing, f"routes missing from gateway/auth.py ROLE_MATRIX: {sorted(missing)}"  # type: ignore[type-var]
+    assert set(ROLE_MATRIX) <= registered, set(ROLE_MATRIX) - registered
+
+
+def test_docs_security_shows_the_matrix() -> None:
+    assert matrix_markdown() in (ROOT / "docs" / "security.md").read_text()
+
+
+# --- every row, every principal -----------------------------------------------------------------
+
+
+async def test_every_row_of_the_matrix_for_every_principal(env: Env) -> None:
+    await env.call("PUT", "/v1/tasks/m1", "scheduler", {"inputDigest": "in-1"})
+    await env.call("PUT", "/v1/tasks/m-cancel", "scheduler", {"inputDigest": "in-1"})
+    for key, (method, path, body, headers) in SAMPLES.items():
+        allowed = ROLE_MATRIX[key]
+        for name, (roles, _) in PRINCIPALS.items():
+            answer = await env.call(method, path, name, body, headers)
+            if "anyone" in allowed or set(roles) & allowed:
+                assert answer.status not in (401, 403), (key, name, answer.body)
+            else:
+                assert answer.status == 403, (key, name, answer.status, answer.body)
+                assert answer.code == "FORBIDDEN"
+                assert name in answer.json()["detail"]
+    # HEAD is judged as GET.
+    assert (await env.call("HEAD", "/v1/epoch", "observer")).status == 200
+    assert (await env.call("HEAD", "/v1/rollout", "worker-a")).status == 403
+
+
+async def test_a_refused_change_changes_nothing(env: Env) -> None:
+    before = (await env.call("GET", "/v1/epoch", "observer")).json()
+    for who in ("scheduler", "worker-a", "observer"):
+        assert (await env.call("POST", "/v1/epoch/bump", who)).code == "FORBIDDEN"
+        assert (await env.call("POST", "/v1/claims/pause", who)).code == "FORBIDDEN"
+    assert (await env.call("GET", "/v1/epoch", "observer")).json() == before
+    assert (
+        await env.call("PUT", "/v1/tasks/x1", "worker-a", {"inputDigest": "in-1"})
+    ).code == "FORBIDDEN"
+    assert (await env.call("GET", "/v1/tasks/x1", "operator")).code == "NO_SUCH_TASK"
+    lease = await env.lease("x2")
+    answer = await env.call("POST", "/proxy/api/ok/x", "operator", {"a": 1}, fence(lease))
+    assert answer.code == "FORBIDDEN"
+    assert answer.headers["Fence-Effect-State"] == "NONE"
+    assert not env.downstream.received
+
+
+async def test_the_whole_story_with_the_right_principals(env: Env) -> None:
+    lease = await env.lease("story")
+    sent = await env.call("POST", "/proxy/api/ok/pay", "worker-a", {"amount": 5}, fence(lease))
+    assert sent.status == 200 and sent.headers["Fence-Effect-State"] == "COMMITTED"
+    committed = await env.api("worker-a").commit(lease)
+    assert committed.status == 200, committed.body
+    assert (await env.call("POST", "/v1/epoch/bump", "operator")).status == 200
+
+
+async def test_a_route_missing_from_the_matrix_is_forbidden_to_everyone(
+    store_url: str, key_prefix: str, downstream: Downstream
+) -> None:
+    config = auth_config(store_url, key_prefix, downstream)
+    app = create_app(config, store=build_test_store(config))
+
+    async def extra(request: web.Request) -> web.Response:
+        return web.json_response({"reached": True})
+
+    app.router.add_get("/v1/not-in-the-matrix", extra)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        env = Env(client, downstream)
+        for name in PRINCIPALS:
+            answer = await env.call("GET", "/v1/not-in-the-matrix", name)
+            assert answer.status == 403 and answer.code == "FORBIDDEN", name
+        assert (await env.call("GET", "/v1/not-in-the-matrix")).status == 401
+
+
+# --- no credential, a bad one, the wrong header -------------------------------------------------
+
+
+async def test_without_a_credential_only_healthz_and_readyz_answer(env: Env) -> None:
+    for key, (method, path, body, headers) in SAMPLES.items():
+        answer = await env.call(method, path, None, body, headers)
+        if "anyone" in ROLE_MATRIX[key]:
+            assert answer.status == 200, (key, answer.body)
+            continue
+        assert answer.status == 401, (key, answer.status)
+        assert answer.code == "UNAUTHENTICATED"
+        assert answer.headers["WWW-Authenticate"].startswith("Bearer")
+    for method, path in [("GET", "/nowhere"), ("DELETE", "/v1/epoch"), ("HEAD", "/v1/epoch")]:
+        assert (await env.call(method, path)).status == 401, path
+    # Authenticated, an unknown route is still a 404 and a wrong method a 405.
+    assert (await env.call("GET", "/nowhere", "observer")).code == "NOT_FOUND"
+    assert (await env.call("DELETE", "/v1/epoch", "observer")).code == "METHOD_NOT_ALLOWED"
+    assert not env.downstream.received
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"Fence-Authorization": "Bearer not-a-token"},
+        {"Fence-Authorization": "Bearer "},
+        {"Fence-Authorization": f"Basic {PRINCIPALS['operator'][1]}"},
+        {"Fence-Authorization": PRINCIPALS["operator"][1]},
+        {"Fence-Authorization": f"Bearer {PRINCIPALS['operator'][1]}x"},
+        {"Authorization": "Bearer not-a-token"},
+        {"Authorization": f"Basic {base64.b64encode(b'operator:x').decode()}"},
+    ],
+)
+async def test_a_bad_credential_is_401(env: Env, header: dict[str, str]) -> None:
+    answer = await env.call("GET", "/v1/epoch", headers=header)
+    assert answer.status == 401 and answer.code == "UNAUTHENTICATED"
+
+
+async def test_fence_authorization_twice_is_401(env: Env) -> None:
+    token = PRINCIPALS["operator"][1]
+    async with env.client.get(
+        "/v1/epoch",
+        headers=[("Fence-Authorization", f"Bearer {token}")] * 2,  # type: ignore[arg-type]
+    ) as resp:
+        assert resp.status == 401
+
+
+async def test_authorization_bearer_is_taken_on_the_gateways_own_api(env: Env) -> None:
+    token = PRINCIPALS["operator"][1]
+    header = {"Authorization": f"Bearer {token}"}
+    assert (await env.call("POST", "/v1/epoch/bump", headers=header)).status == 200
+    assert (await env.call("GET", "/metrics", headers=header)).status == 200
+    # Fence-Authorization wins over Authorization.
+    both = {**bearer("observer"), **header}
+    assert (await env.call("POST", "/v1/epoch/bump", headers=both)).code == "FORBIDDEN"
+
+
+async def test_authorization_on_the_proxy_is_the_downstreams_not_the_gateways(env: Env) -> None:
+    lease = await env.lease("p1")
+    worker = PRINCIPALS["worker-a"][1]
+    answer = await env.call(
+        "POST", "/proxy/authd/ok/x", None, {"a": 1},
+        {**fence(lease), "Authorization": f"Bearer {worker}"},
+    )  # fmt: skip
+    assert answer.status == 401 and answer.code == "UNAUTHENTICATED"
+    assert answer.headers["Fence-Effect-State"] == "NONE"
+    assert not env.downstream.received
+
+
+async def test_the_gateway_credential_never_reaches_the_downstream(env: Env) -> None:
+    lease = await env.lease("p2")
+    downstream_secret = "Bearer downstream-secret"
+    for name in ("authd", "api"):
+        answer = await env.call(
+            "POST", f"/proxy/{name}/ok/x", "worker-a", {"a": 1},
+            {**fence(lease, slot=name), "Authorization": downstream_secret},
+        )  # fmt: skip
+        assert answer.status == 200, answer.body
+        assert "Fence-Authorization" not in answer.headers
+    forwarded, plain = env.downstream.received
+    for received in (forwarded, plain):
+        assert not any(h.lower().startswith("fence-") for h in received.headers)
+        assert PRINCIPALS["worker-a"][1] not in str(received.headers)
+    assert forwarded.headers["Authorization"] == downstream_secret
+    assert "Authorization" not in plain.headers
+
+
+# --- observers do not see stored bodies ---------------------------------------------------------
+
+
+async def test_observers_read_the_ledger_without_stored_bodies(env: Env) -> None:
+    lease = await env.lease("b1")
+    sent = await env.call("POST", "/proxy/api/ok/card", "worker-a", {"a": 1}, fence(lease))
+    assert sent.status == 200
+    eid = effect_id("b1", 1, "main", "s1")
+
+    full = (await env.call("GET", f"/v1/effects/{eid}", "operator")).json()
+    assert base64.b64decode(full["response"]["bodyBase64"]) == sent.body
+    assert "bodyWithheld" not in full["response"]
+
+    for answer in (
+        (await env.call("GET", f"/v1/effects/{eid}", "observer")).json(),
+        (await env.call("GET", "/v1/effects", "observer")).json()["effects"][0],
+    ):
+        response = answer["response"]
+        assert response["bodyWithheld"] is True
+        assert "bodyBase64" not in response and "bodyDigest" not in response
+        assert response["status"] == 200 and response["bodySize"] == len(sent.body)
+        assert {k: v for k, v in answer.items() if k != "response"} == {
+            k: v for k, v in full.items() if k != "response"
+        }
+
+
+# --- the SDK ------------------------------------------------------------------------------------
+
+
+async def test_the_sdk_sends_its_token(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = str(env.client.make_url("")).rstrip("/")
+    monkeypatch.delenv("FENCEGATE_TOKEN", raising=False)
+    async with fencegate.Client(url) as anonymous:
+        with pytest.raises(fencegate.Unauthenticated):
+            await anonymous.get_epoch()
+    async with fencegate.Client(url, token=PRINCIPALS["observer"][1]) as observer:
+        assert (await observer.get_epoch()).scheduler_epoch == 1
+        with pytest.raises(fencegate.Forbidden):
+            await observer.bump_epoch()
+    monkeypatch.setenv("FENCEGATE_TOKEN", PRINCIPALS["operator"][1])
+    async with fencegate.Client(url) as operator:
+        assert (await operator.bump_epoch()).scheduler_epoch == 2
+
+    await env.call("PUT", "/v1/tasks/sdk-1", "scheduler", {"inputDigest": "in-1"})
+    async with (
+        fencegate.Client(url, token=PRINCIPALS["worker-a"][1]) as worker,
+        worker.claim("sdk-1", owner="worker-a", ttl_ms=30_000) as lease,
+    ):
+        charge = await lease.request("api", "POST", "/ok/sdk", slot="c", json={"a": 1})
+        assert charge.status == 200
+        await lease.commit({"ok": True})
+    (received,) = env.downstream.received
+    assert not any(h.lower().startswith("fence-") for h in received.headers)
