@@ -486,3 +486,38 @@ async def test_the_sdk_sends_its_token(env: Env, monkeypatch: pytest.MonkeyPatch
         await lease.commit({"ok": True})
     (received,) = env.downstream.received
     assert not any(h.lower().startswith("fence-") for h in received.headers)
+
+
+# --- leases are bound to the principal that claimed them ------------------------------------------
+
+
+async def test_worker_b_cannot_use_worker_a_lease_even_with_its_attempt_id(env: Env) -> None:
+    """With real tokens: B knows A's attemptId and generation (GET /v1/tasks shows them) and
+    still cannot renew, commit, release or send effects under A's lease; A can."""
+    lease = await env.lease("bound", worker="worker-a")
+    record = (await env.call("GET", "/v1/tasks/bound", "worker-b")).json()
+    assert record["attemptId"] == lease.attempt_id  # the id leaks; it is worth nothing
+    assert record["principal"] == "worker-a"
+    identity = lease.identity()
+    commit = {
+        **{k: v for k, v in identity.items() if k != "owner"},
+        "inputDigest": lease.input_digest,
+        "resultDigest": "out-b",
+    }
+    refused = [
+        await env.call("POST", "/v1/tasks/bound/renew", "worker-b", {**identity, "ttlMs": 30_000}),
+        await env.call("POST", "/v1/tasks/bound/commit", "worker-b", commit),
+        await env.call("POST", "/v1/tasks/bound/release", "worker-b", identity),
+        await env.call("POST", "/proxy/api/ok/pay", "worker-b", {"n": 1}, fence(lease)),
+        await env.call("GET", "/proxy/api/ok/read", "worker-b", None, fence(lease)),
+    ]
+    for answer in refused:
+        assert (answer.status, answer.code) == (409, "FENCED"), answer.body
+    assert env.downstream.received == []
+    # A is untouched by all of that: its effect goes out once, its commit lands.
+    sent = await env.call("POST", "/proxy/api/ok/pay", "worker-a", {"n": 1}, fence(lease))
+    assert sent.status == 200 and sent.headers["Fence-Effect-State"] == "COMMITTED"
+    commit["resultDigest"] = "out-a"
+    done = await env.call("POST", "/v1/tasks/bound/commit", "worker-a", commit)
+    assert done.status == 200 and done.json()["outcome"] == "COMMITTED", done.body
+    assert len(env.downstream.received) == 1
