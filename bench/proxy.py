@@ -19,6 +19,11 @@ measuring client does not share an event loop with any of them:
   ``appendfsync always``), with ``[logging] level = "warning"`` (and once more with ``"info"``,
   the default, to show what the per-decision logs cost).
 
+With ``--auth`` every gateway runs with an ``[auth]`` section: one principal (roles scheduler,
+worker, operator, observer) whose random token the benchmark generates (only its SHA-256 goes
+into the config), and every request the client sends to a proxy (gateway or passthrough) carries
+``Fence-Authorization: Bearer <token>``. Run with and without it to see what authentication costs.
+
 Two kinds of phases, baseline and fenced alternately (passthrough, redis, passthrough, sqlite,
 passthrough, ...):
 
@@ -42,6 +47,7 @@ import hashlib
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import statistics
@@ -85,6 +91,11 @@ CALL_PATH = f"/proxy/{DOWNSTREAM}/pay"
 #: Lease asked for by every claim, and the config's ceilings (the gateway clamps to them).
 TTL_MS = 600_000
 MAX_TTL_MS = 3_600_000
+#: The header that carries the gateway's bearer token (docs/security.md), and the principal
+#: ``--auth`` configures: every role, so one token does the set-up, the calls and the read-back.
+AUTH_HEADER = "Fence-Authorization"
+AUTH_PRINCIPAL = "bench"
+AUTH_ROLES = ("scheduler", "worker", "operator", "observer")
 #: Per-request client timeout; a proxy that stops answering shows up as errors, not a hang.
 REQUEST_TIMEOUT_S = 30.0
 #: How many distinct error answers are kept verbatim per phase.
@@ -250,10 +261,17 @@ class Claim:
 
 
 async def _json_call(
-    session: aiohttp.ClientSession, what: str, method: str, url: str, body: Any = None
+    session: aiohttp.ClientSession,
+    what: str,
+    method: str,
+    url: str,
+    body: Any = None,
+    auth: dict[str, str] | None = None,
 ) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    headers = None if body is None else {"Content-Type": "application/json"}
+    headers = dict(auth or {})
+    if body is not None:
+        headers["Content-Type"] = "application/json"
     async with session.request(method, url, data=data, headers=headers) as resp:
         raw = await resp.read()
         if not 200 <= resp.status < 300:
@@ -262,19 +280,26 @@ async def _json_call(
 
 
 async def claim_tasks(
-    session: aiohttp.ClientSession, base: str, prefix: str, count: int
+    session: aiohttp.ClientSession,
+    base: str,
+    prefix: str,
+    count: int,
+    auth: dict[str, str] | None = None,
 ) -> list[Claim]:
-    epoch = int((await _json_call(session, "epoch", "GET", f"{base}/v1/epoch"))["schedulerEpoch"])
+    got = await _json_call(session, "epoch", "GET", f"{base}/v1/epoch", auth=auth)
+    epoch = int(got["schedulerEpoch"])
     claims = []
     for n in range(count):
         task_id = f"{prefix}.t{n}"
-        await _json_call(session, "put", "PUT", f"{base}/v1/tasks/{task_id}", {"inputDigest": "x"})
+        url = f"{base}/v1/tasks/{task_id}"
+        await _json_call(session, "put", "PUT", url, {"inputDigest": "x"}, auth=auth)
         got = await _json_call(
             session,
             "claim",
             "POST",
-            f"{base}/v1/tasks/{task_id}/claim",
+            f"{url}/claim",
             {"owner": "bench", "ttlMs": TTL_MS, "schedulerEpoch": epoch},
+            auth=auth,
         )
         claims.append(
             Claim(
@@ -327,11 +352,12 @@ class Caller:
         claims: Sequence[Claim],
         tag: str,
         fenced: bool,
+        auth: dict[str, str] | None = None,
     ) -> None:
         self.session = session
         self.url = base + CALL_PATH
         self.claims = claims
-        self.headers = [c.headers() for c in claims]
+        self.headers = [{**c.headers(), **(auth or {})} for c in claims]
         self.tag = tag
         self.fenced = fenced
 
@@ -427,6 +453,8 @@ class Target:
     log_level: str | None
     base: str
     procs: list[Proc]
+    #: Headers every request to this proxy carries (``Fence-Authorization`` with ``--auth``).
+    auth: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -516,14 +544,18 @@ def verify_downstream(
 
 
 async def read_back(
-    session: aiohttp.ClientSession, base: str, effect_ids: Sequence[str]
+    session: aiohttp.ClientSession,
+    base: str,
+    effect_ids: Sequence[str],
+    auth: dict[str, str] | None = None,
 ) -> list[str]:
     """A few effects through the ledger API: they must read COMMITTED with one attempt."""
     problems = []
     step = max(1, len(effect_ids) // READ_BACK)
     for eid in effect_ids[::step][:READ_BACK]:
         try:
-            record = await _json_call(session, "effect", "GET", f"{base}/v1/effects/{eid}")
+            url = f"{base}/v1/effects/{eid}"
+            record = await _json_call(session, "effect", "GET", url, auth=auth)
         except CallFailed as exc:
             problems.append(f"GET /v1/effects/{eid[:12]}...: {exc.key}")
             continue
@@ -555,10 +587,10 @@ async def run_phase(
         if before["calls"]:
             notes.append(f"the downstream saw {before['calls']} calls between phases")
         if target.fenced:
-            claims = await claim_tasks(session, target.base, prefix, args.tasks)
+            claims = await claim_tasks(session, target.base, prefix, args.tasks, target.auth)
         else:
             claims = fake_claims(prefix, args.tasks)
-        caller = Caller(session, target.base, claims, "s", target.fenced)
+        caller = Caller(session, target.base, claims, "s", target.fenced, target.auth)
 
         # Not measured: open the connections, load the scripts, warm the caches.
         warm = await closed_loop(
@@ -595,7 +627,7 @@ async def run_phase(
             warm.failed_effects + calls.failed_effects,
         )
         if target.fenced:
-            checks += await read_back(session, target.base, calls.ok_effects)
+            checks += await read_back(session, target.base, calls.ok_effects, target.auth)
     if calls.cut_by_time:
         sent = calls.ok + sum(calls.errors.values())
         notes.append(f"stopped by --max-seconds after {sent} calls")
@@ -642,6 +674,18 @@ class Setup:
         return codes
 
 
+def _auth_toml(token: str) -> str:
+    """An ``[auth]`` section admitting ``token`` (its SHA-256 only, as `fencegate token new`
+    prints it) for one principal with every role."""
+    roles = ", ".join(f'"{role}"' for role in AUTH_ROLES)
+    return (
+        "[[auth.principals]]\n"
+        f'name = "{AUTH_PRINCIPAL}"\n'
+        f"roles = [{roles}]\n"
+        f'token_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
+    )
+
+
 def _gateway_toml(downstream_base: str) -> str:
     return (
         "[leases]\n"
@@ -668,9 +712,17 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
         ["--downstream-url", setup.downstream_base],
     )
     setup.procs.append(proc)
-    setup.targets["passthrough"] = Target("passthrough", False, None, None, base, [proc])
+    # With --auth the passthrough gets the same header too, so both proxies parse the same
+    # requests (it forwards it like the other Fence-* headers; the gateway never does).
+    auth: dict[str, str] = {}
+    extra = _gateway_toml(setup.downstream_base)
+    if args.auth:
+        token = secrets.token_urlsafe(32)  # like `fencegate token new`; never written anywhere
+        auth = {AUTH_HEADER: f"Bearer {token}"}
+        extra += _auth_toml(token)
+    extra += "".join(f"{t}\n" for t in args.gateway_toml)
+    setup.targets["passthrough"] = Target("passthrough", False, None, None, base, [proc], auth)
     levels = [args.log_level] + ([] if args.no_info or args.log_level == "info" else ["info"])
-    extra = _gateway_toml(setup.downstream_base) + "".join(f"{t}\n" for t in args.gateway_toml)
     for store in args.stores:
         store_procs: list[Proc] = []
         if store == "redis":
@@ -700,7 +752,9 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
             )
             setup.procs.append(gateway)
             progress(f"gateway {name}: pid {gateway.pid}, {base}")
-            setup.targets[name] = Target(name, True, store, level, base, [gateway, *store_procs])
+            setup.targets[name] = Target(
+                name, True, store, level, base, [gateway, *store_procs], auth
+            )
 
 
 def peak_plan(setup: Setup, args: argparse.Namespace) -> list[PhaseSpec]:
@@ -1041,6 +1095,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "'[reconciler]' 'enabled = false'",
     )
     parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="run every gateway with [auth] (one principal with every role, a random token) "
+        "and send Fence-Authorization: Bearer <token> on every request to a proxy",
+    )
+    parser.add_argument(
         "--cprofile",
         metavar="DIR",
         help="run every gateway under cProfile, writing DIR/gateway-NAME.prof when it stops "
@@ -1168,6 +1228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.log_level}, {os.cpu_count()} CPUs shared by client, proxy, downstream and store, "
         f"temp dir on {fs}, gateway from {origin}"
     )
+    if args.auth:
+        settings += ", gateway [auth] on (1 principal, Fence-Authorization on every request)"
     if args.gateway_toml:
         settings += f", gateway config plus {args.gateway_toml!r}"
     if args.cprofile:

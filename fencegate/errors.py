@@ -24,6 +24,7 @@ The tree::
         │       ApprovalRequired
         ├── PayloadTooLarge              413 PAYLOAD_TOO_LARGE
         ├── PayloadConflict              422 PAYLOAD_CONFLICT
+        ├── RateLimited                  429 RATE_LIMITED (``retry_after``)
         ├── InternalError                500 INTERNAL
         ├── DownstreamUnreachable        502: certainly not delivered, nothing happened
         ├── Unavailable                  503
@@ -78,6 +79,7 @@ __all__ = [
     "PayloadConflict",
     "PayloadTooLarge",
     "ProblemError",
+    "RateLimited",
     "RequestTimeout",
     "RuntimeExceeded",
     "StaleEpoch",
@@ -326,6 +328,22 @@ class TooManyConnections(Unavailable):
     code = "TOO_MANY_CONNECTIONS"
 
 
+class RateLimited(ProblemError):
+    """The principal is over its rate or its requests in flight ([auth]); nothing was done.
+    Ask again after ``retry_after`` seconds."""
+
+    code, status = "RATE_LIMITED", 429
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds to wait (``retryAfterMs``, else the ``Retry-After`` header)."""
+        ms = self.problem.get("retryAfterMs")
+        if isinstance(ms, int | float) and not isinstance(ms, bool):
+            return max(float(ms), 0.0) / 1000
+        header = self.headers.get("Retry-After", "")
+        return float(header) if header.isdigit() else None
+
+
 class RequestTimeout(ProblemError):
     """The request body did not arrive in time."""
 
@@ -373,6 +391,7 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
     408: RequestTimeout,
     415: UnsupportedMediaType,
     421: MisdirectedRequest,
+    429: RateLimited,
     503: Unavailable,
     504: DownstreamTimeout,
     505: HttpVersionNotSupported,

@@ -13,7 +13,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from fencegate.gateway import coordination, ledger_api, operations
+from fencegate.gateway import coordination, ledger_api, openapi, operations
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
 from fencegate.gateway.downstreams import build_adapter
@@ -132,6 +132,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi.serve)
     app.add_routes(coordination.routes)
     app.add_routes(ledger_api.routes)
     app.add_routes(operations.routes)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
@@ -33,19 +35,30 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from fencegate.gateway.config import ROLES, AuthConfig
-from fencegate.gateway.principals import PRINCIPAL_KEY, Principal
+from fencegate.gateway.config import ROLES, AuthConfig, PrincipalConfig
+from fencegate.gateway.http_rules import split_proxy_path
+from fencegate.gateway.limits import Clock, Limits, OpenRequests, TokenBucket, retry_after_seconds
+from fencegate.gateway.principals import PRINCIPAL_KEY, Principal, Scope, scope_refusal
 from fencegate.gateway.problems import problem_response
-from fencegate.ledger.errors import FencegateError, Forbidden, Unauthenticated
+from fencegate.ledger.errors import (
+    BadRequest,
+    FencegateError,
+    Forbidden,
+    RateLimited,
+    Unauthenticated,
+)
 
 __all__ = [
     "ANYONE",
     "ROLE_MATRIX",
+    "AuthState",
     "Authenticator",
     "allowed_roles",
     "auth_middleware",
+    "auth_state",
     "matrix_markdown",
     "new_token",
+    "principal_from_config",
     "route_key",
     "sees_stored_bodies",
     "token_sha256",
@@ -75,6 +88,7 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("GET", "/healthz"): _only(ANYONE),
         ("GET", "/readyz"): _only(ANYONE),
         ("GET", "/metrics"): _READERS,
+        ("GET", "/openapi.json"): _EVERY_ROLE,  # the API description; no secrets in it
         ("GET", "/v1/rollout"): _READERS,
         # tasks: schedulers create, revise and cancel; workers hold leases
         ("PUT", "/v1/tasks/{task_id}"): _only(_SCHEDULER),
@@ -106,6 +120,7 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
 #: belongs to the downstream and only ``Fence-Authorization`` counts).
 _OWN_PREFIXES = ("/v1/",)
 _OWN_PATHS = frozenset({"/metrics"})
+_PROXY_ROUTE = "/proxy/{tail}"
 _MAX_TOKEN = 4096
 
 
@@ -153,13 +168,23 @@ def sees_stored_bodies(principal: Principal | None) -> bool:
     return principal is None or principal.has(_OPERATOR)
 
 
+def principal_from_config(config: PrincipalConfig) -> Principal:
+    """The ``Principal`` one ``[[auth.principals]]`` entry describes."""
+    downstreams = frozenset(config.downstreams) if config.downstreams is not None else None
+    return Principal(
+        config.name,
+        frozenset(config.roles),
+        Scope(downstreams, config.task_prefixes),
+        Limits(config.rate_per_second, config.burst, config.max_open_requests),
+    )
+
+
 class Authenticator:
     """The configured principals, each by the SHA-256 of its token."""
 
     def __init__(self, auth: AuthConfig) -> None:
         self._principals = tuple(
-            (bytes.fromhex(p.token_sha256), Principal(p.name, frozenset(p.roles)))
-            for p in auth.principals
+            (bytes.fromhex(p.token_sha256), principal_from_config(p)) for p in auth.principals
         )
 
     def principal(self, token: str) -> Principal | None:
@@ -171,6 +196,45 @@ class Authenticator:
             if hmac.compare_digest(digest, expected):
                 found = principal
         return found
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(principal.name for _, principal in self._principals)
+
+
+class _Meter:
+    """One principal's rate bucket and requests in flight, in this gateway process."""
+
+    def __init__(self, limits: Limits, clock: Clock) -> None:
+        self.limits = limits
+        rate = limits.rate_per_second
+        burst = limits.burst or max(1, math.ceil(rate or 1))
+        self.bucket = TokenBucket(rate, burst, clock) if rate is not None else None
+        self.open = OpenRequests(limits.max_open_requests)
+
+
+class AuthState:
+    """What the middleware checks against: the principals (swapped whole by ``reload``) and
+    each principal's meter (kept across a reload while its limits stay the same)."""
+
+    def __init__(self, auth: AuthConfig, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self.authenticator = Authenticator(auth)
+        self._meters: dict[str, _Meter] = {}
+
+    def reload(self, auth: AuthConfig) -> None:
+        """Use ``auth``'s principals from the next request on. One assignment: a request sees
+        the old set or the new one, never a mix. Requests already let in finish as they are."""
+        authenticator = Authenticator(auth)
+        self.authenticator = authenticator
+        kept = set(authenticator.names)
+        self._meters = {name: m for name, m in self._meters.items() if name in kept}
+
+    def meter(self, principal: Principal) -> _Meter:
+        meter = self._meters.get(principal.name)
+        if meter is None or meter.limits != principal.limits:
+            meter = self._meters[principal.name] = _Meter(principal.limits, self._clock)
+        return meter
 
 
 def _bearer(values: list[str], header: str) -> str:
@@ -199,8 +263,10 @@ def _credential(request: web.Request, path: str) -> str:
     raise Unauthenticated("no credential: send Fence-Authorization: Bearer <token>")
 
 
-def _refusal(error: FencegateError, path: str) -> web.Response:
+def _refusal(error: FencegateError, path: str, retry_after: int | None = None) -> web.Response:
     headers: dict[str, str] = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
     if isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = 'Bearer realm="fencegate"'
     if path.startswith("/proxy/"):
@@ -209,19 +275,36 @@ def _refusal(error: FencegateError, path: str) -> web.Response:
     return problem_response(error, headers=headers)
 
 
-def auth_middleware(auth: AuthConfig) -> Middleware:
-    """The middleware for ``[auth]``: authenticate, check the role matrix, set the principal."""
-    authenticator = Authenticator(auth)
+def _scope_target(request: web.Request, key: tuple[str, str]) -> tuple[str | None, str | None]:
+    """(downstream, task id) a request acts on, for the scope check. A proxied call's
+    downstream or ``Fence-Task`` that cannot be read is None here: the proxy refuses it (400)
+    before anything is recorded or sent."""
+    if key[1] == _PROXY_ROUTE:
+        try:
+            downstream: str | None = split_proxy_path(request.raw_path)[0]
+        except BadRequest:
+            downstream = None
+        tasks = request.headers.getall("Fence-Task", [])
+        return downstream, tasks[0].strip() if len(tasks) == 1 else None
+    return None, request.match_info.get("task_id")
 
-    @web.middleware
-    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+
+class _AuthMiddleware:
+    """The ``[auth]`` middleware; its ``state`` is what ``serve`` reloads on SIGHUP."""
+
+    __middleware_version__ = 1  # a new-style aiohttp middleware, as @web.middleware marks it
+
+    def __init__(self, state: AuthState) -> None:
+        self.state = state
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = route_key(request.match_info.route)
         path = key[1] if key is not None else request.path
         allowed = allowed_roles(key) if key is not None else _EVERY_ROLE
         if ANYONE in allowed:
             return await handler(request)
         try:
-            principal = authenticator.principal(_credential(request, path))
+            principal = self.state.authenticator.principal(_credential(request, path))
             if principal is None:
                 raise Unauthenticated("the token matches no principal")
         except Unauthenticated as exc:
@@ -241,7 +324,60 @@ def auth_middleware(auth: AuthConfig) -> Middleware:
                           f"{principal.name!r} has {', '.join(sorted(principal.roles))}"),
                 path,
             )  # fmt: skip
+        if key is not None:
+            downstream, task_id = _scope_target(request, key)
+            reason = scope_refusal(principal.scope, downstream=downstream, task_id=task_id)
+            if reason is not None:
+                log.info(
+                    "auth.out_of_scope",
+                    principal=principal.name,
+                    method=request.method,
+                    path=path,
+                    reason=reason,
+                )
+                return _refusal(Forbidden(f"{principal.name!r}: {reason}"), path)
+        meter = self.state.meter(principal)
+        if meter.bucket is not None:
+            wait = meter.bucket.take()
+            if wait > 0:
+                seconds = retry_after_seconds(wait)
+                log.info("auth.rate_limited", principal=principal.name, path=path, limit="rate")
+                return _refusal(
+                    RateLimited(
+                        f"{principal.name!r} is over rate_per_second = {meter.bucket.rate} "
+                        f"(burst {meter.bucket.burst})",
+                        retryAfterMs=math.ceil(wait * 1000),
+                    ),
+                    path,
+                    retry_after=seconds,
+                )
+        if not meter.open.enter():
+            log.info("auth.rate_limited", principal=principal.name, path=path, limit="open")
+            return _refusal(
+                RateLimited(
+                    f"{principal.name!r} has max_open_requests = {meter.open.limit} "
+                    "requests in flight",
+                    retryAfterMs=1000,
+                ),
+                path,
+                retry_after=1,
+            )
         request[PRINCIPAL_KEY] = principal
-        return await handler(request)
+        try:
+            return await handler(request)
+        finally:
+            meter.open.leave()
 
-    return authenticate
+
+def auth_middleware(auth: AuthConfig, clock: Clock = time.monotonic) -> Middleware:
+    """The middleware for ``[auth]``: authenticate, check the role matrix and the principal's
+    scope, apply its limits, set the principal. ``auth_state(app)`` finds its state."""
+    return _AuthMiddleware(AuthState(auth, clock))
+
+
+def auth_state(app: web.Application) -> AuthState | None:
+    """The ``[auth]`` state of ``app`` (None without ``[auth]``): ``serve`` reloads it."""
+    for middleware in app.middlewares:
+        if isinstance(middleware, _AuthMiddleware):
+            return middleware.state
+    return None

@@ -12,7 +12,7 @@ from fencegate.gateway.demo import register as _add_demo
 from fencegate.gateway.ops_cli import register as _add_ops
 from fencegate.gateway.token_cli import register as _add_token
 
-__all__ = ["main"]
+__all__ = ["main", "reload_auth"]
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
             "endpoint (docs/security.md)",
         )
     try:
-        asyncio.run(_run(create_app(config), host, port, config.server))
+        asyncio.run(_run(create_app(config), host, port, config.server, args.config))
     except StoreUnavailable as exc:
         log.error("gateway.store_error", error=exc.detail)
         return 1
@@ -64,9 +64,44 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(app: web.Application, host: str, port: int, server: ServerConfig) -> None:
+def reload_auth(app: web.Application, config_path: str | None) -> bool:
+    """SIGHUP: read the ``[auth]`` section (only it) of ``config_path`` again and swap the
+    principals at once. A file that cannot be used keeps the principals in force and logs
+    ``auth.reload_failed`` with the key at fault. True when the new principals are in force."""
+    import structlog
+
+    from fencegate.gateway.auth import auth_state
+    from fencegate.gateway.config import AuthReloadError, load_auth
+
+    log = structlog.get_logger("fencegate")
+    state = auth_state(app)
+    if state is None or config_path is None:
+        log.warning(
+            "auth.reload_failed",
+            key="auth",
+            error="started without [auth] (or without --config): restart to turn it on",
+        )
+        return False
+    try:
+        auth = load_auth(config_path)
+    except AuthReloadError as exc:
+        log.error("auth.reload_failed", key=exc.key, error=str(exc))
+        return False
+    state.reload(auth)
+    log.info("auth.reloaded", principals=[p.name for p in auth.principals])
+    return True
+
+
+async def _run(
+    app: web.Application,
+    host: str,
+    port: int,
+    server: ServerConfig,
+    config_path: str | None = None,
+) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, through the guarded listener (connection limit,
-    parser errors as problem+json, JSON access log), then shut down gracefully."""
+    parser errors as problem+json, JSON access log), then shut down gracefully. SIGHUP reloads
+    the ``[auth]`` principals from ``config_path`` (``reload_auth``)."""
     import asyncio
     import logging
     import signal
@@ -96,6 +131,7 @@ async def _run(app: web.Application, host: str, port: int, server: ServerConfig)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload_auth, app, config_path)
         await stop.wait()
         structlog.get_logger("fencegate").info("gateway.stopping")
     finally:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ROLES",
     "AuthConfig",
+    "AuthReloadError",
     "Config",
     "ConfigError",
     "DownstreamConfig",
@@ -34,6 +35,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "is_loopback",
+    "load_auth",
     "load_config",
     "parse_listen",
     "with_listen",
@@ -340,6 +342,14 @@ class DownstreamConfig(_Section):
     headers_from_env: dict[
         HeaderName, Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
     ] = Field(default_factory=dict)
+    #: Response headers never stored for replay, on top of those never stored anywhere:
+    #: Set-Cookie, Authorization, Proxy-Authorization and every header named in
+    #: headers_from_env (docs/security.md, "Secrets at rest").
+    never_store_headers: Annotated[tuple[HeaderName, ...], Field(strict=False, max_length=100)] = ()
+    #: false: no response body is stored (the record says bodyOmitted, with the reason), so
+    #: duplicates get status and headers only (Fence-Replay-Body: omitted). For downstreams
+    #: whose answers can carry secrets, e.g. one that echoes the request's headers.
+    store_response_body: bool = True
     #: Status -> outcome overrides.
     outcomes: OutcomesConfig = OutcomesConfig()
     #: idempotent: how long the downstream deduplicates on a key (an UNKNOWN effect is re-sent
@@ -371,6 +381,13 @@ class DownstreamConfig(_Section):
         return self
 
     @property
+    def unstored_headers(self) -> frozenset[str]:
+        """Lowercase names of the response headers this downstream's records never keep,
+        beyond the ones no record keeps (``http_rules.NEVER_STORED``)."""
+        names = (*self.never_store_headers, *self.headers_from_env)
+        return frozenset(name.lower() for name in names)
+
+    @property
     def connect_timeout(self) -> int:
         return self.connect_timeout_ms or min(self.timeout_ms, 5_000)
 
@@ -398,6 +415,16 @@ class PrincipalConfig(_Section):
     name: str
     roles: Annotated[tuple[Role, ...], Field(min_length=1, strict=False)]
     token_sha256: str
+    # Scopes and limits (docs/security.md, "Scopes and limits"); absent: unlimited.
+    #: The downstreams this principal may call through /proxy/{downstream}/...
+    downstreams: Annotated[tuple[str, ...], Field(min_length=1, strict=False)] | None = None
+    #: Task ids it may act on (/v1/tasks/{id}, a proxied call's Fence-Task) start with one.
+    task_prefixes: Annotated[tuple[str, ...], Field(min_length=1, strict=False)] | None = None
+    #: Requests per second (token bucket per gateway process), with ``burst`` at once.
+    rate_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    #: Requests of this principal in flight at once (long-lived ones included).
+    max_open_requests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
 
     @field_validator("name")
     @classmethod
@@ -405,6 +432,28 @@ class PrincipalConfig(_Section):
         if not re.fullmatch(r"[A-Za-z0-9._:@/-]{1,200}", value):
             raise ValueError("1 to 200 letters, digits or . _ : @ / - (no spaces)")
         return value
+
+    @field_validator("downstreams")
+    @classmethod
+    def _downstreams(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for name in value or ():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ValueError(f"{name!r}: a downstream name (1 to 64 of A-Z a-z 0-9 _ . -)")
+        return value
+
+    @field_validator("task_prefixes")
+    @classmethod
+    def _prefixes(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for prefix in value or ():
+            if not re.fullmatch(r"[A-Za-z0-9._:@/-]{1,200}", prefix):
+                raise ValueError(f"{prefix!r}: 1 to 200 characters of A-Z a-z 0-9 . _ : @ / -")
+        return value
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> PrincipalConfig:
+        if self.burst is not None and self.rate_per_second is None:
+            raise ValueError("burst: only with rate_per_second")
+        return self
 
     @field_validator("token_sha256")
     @classmethod
@@ -506,6 +555,38 @@ def _describe(exc: ValidationError, data: object = None) -> str:
             message = "unknown key"
         lines.append(f"{_key(error['loc'], data)}: {message}")
     return "; ".join(lines)
+
+
+class AuthReloadError(ConfigError):
+    """``load_auth`` could not use the file; ``key`` names the first bad key (``auth``...)."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def load_auth(path: str | Path) -> AuthConfig:
+    """Only the ``[auth]`` section of the config file at ``path`` (``serve`` on SIGHUP): the
+    rest of the file is not looked at beyond being valid TOML. A file without ``[auth]`` is an
+    error (a reload never turns authentication off)."""
+    try:
+        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise AuthReloadError(f"{path}: cannot read: {exc.strerror}", "(file)") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise AuthReloadError(f"{path}: not valid TOML: {exc}", "(file)") from exc
+    section = data.get("auth")
+    if not isinstance(section, dict):
+        raise AuthReloadError(f"{path}: auth: no [auth] section", "auth")
+    try:
+        return AuthConfig.model_validate(section)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = "auth." + _key(first["loc"], section) if first["loc"] else "auth"
+        raise AuthReloadError(
+            f"{path}: " + "; ".join("auth." + part for part in _describe(exc, section).split("; ")),
+            key,
+        ) from exc
 
 
 def load_config(path: str | Path | None) -> Config:

@@ -21,6 +21,7 @@ __all__ = [
     "HOP_BY_HOP",
     "METHOD_OVERRIDE_HEADERS",
     "METHOD_OVERRIDE_PARAM",
+    "NEVER_STORED",
     "SAFE_METHODS",
     "canonical_body",
     "downstream_request_headers",
@@ -29,6 +30,7 @@ __all__ = [
     "split_proxy_path",
     "stored_response_headers",
     "upstream_response_headers",
+    "without_secret_values",
 ]
 
 #: RFC 9110 7.6.1 connection-specific fields, plus the de-facto Proxy-Connection and Keep-Alive.
@@ -154,11 +156,21 @@ def upstream_response_headers(downstream_headers: Iterable[tuple[str, str]]) -> 
     return _without(pairs, drop, ("fence-",))
 
 
-def stored_response_headers(downstream_headers: Iterable[tuple[str, str]]) -> list[list[str]]:
-    """What a replay may repeat: the live headers minus ``Set-Cookie`` (a session must not be
-    handed to whoever sends the duplicate)."""
+#: Response fields no stored record keeps, whatever the downstream's config: a session must
+#: not be handed to whoever sends the duplicate, and a credential echoed back by the
+#: downstream must not be written to the store (docs/security.md, "Secrets at rest").
+NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-authorization"})
+
+
+def stored_response_headers(
+    downstream_headers: Iterable[tuple[str, str]], never_store: Iterable[str] = ()
+) -> list[list[str]]:
+    """What a replay may repeat: the live headers minus ``NEVER_STORED`` and the
+    ``never_store`` names (the downstream's ``never_store_headers`` and every header its
+    ``headers_from_env`` sets; any case)."""
     kept = upstream_response_headers(downstream_headers)
-    return [[name, value] for name, value in kept.items() if name.lower() != "set-cookie"]
+    drop = NEVER_STORED | {name.lower() for name in never_store}
+    return [[name, value] for name, value in kept.items() if name.lower() not in drop]
 
 
 def split_proxy_path(raw_path: str) -> tuple[str, str]:
@@ -268,3 +280,17 @@ def canonical_body(body: bytes, content_type: str) -> bytes:
     except UnicodeEncodeError:
         raise BadRequest("JSON body: a string holds a lone surrogate (not Unicode)") from None
     return body if lossy else encoded
+
+
+def without_secret_values(headers: CIMultiDict[str], secrets: Iterable[str]) -> CIMultiDict[str]:
+    """``headers`` less every field whose value contains one of ``secrets`` (the credential
+    values the gateway adds for this downstream): a downstream that echoes its request
+    headers must not hand the gateway's credential to the agent, nor into the store."""
+    needles = [secret for secret in secrets if secret]
+    if not needles:
+        return headers
+    kept: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if not any(needle in value for needle in needles):
+            kept.add(name, value)
+    return kept

@@ -127,7 +127,8 @@ def _response_lines(response: Mapping[str, Any]) -> list[str]:
     if headers:
         lines.append(f"  headers  {len(headers)} stored")
     if response.get("bodyOmitted"):
-        lines.append("  body     not stored (larger than the downstream's replay_max_bytes)")
+        why = response.get("bodyOmittedReason") or "larger than the downstream's replay_max_bytes"
+        lines.append(f"  body     not stored ({printable(why)})")
         return lines
     size, digest = response.get("bodySize"), response.get("bodyDigest")
     try:

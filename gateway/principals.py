@@ -12,7 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["PRINCIPAL_KEY", "Principal", "principal_of"]
+from fencegate.gateway.limits import NO_LIMITS, Limits
+
+__all__ = ["PRINCIPAL_KEY", "Principal", "Scope", "principal_of", "scope_refusal"]
 
 #: Where the middleware leaves the principal on the request: a ``web.RequestKey`` where
 #: aiohttp has them (3.14: a plain string key warns), else the string.
@@ -23,11 +25,43 @@ PRINCIPAL_KEY: Any = (
 
 
 @dataclass(frozen=True, slots=True)
+class Scope:
+    """What a principal may reach. None: unlimited (the key is absent from its config)."""
+
+    #: The downstreams it may call through ``/proxy/{downstream}/...``.
+    downstreams: frozenset[str] | None = None
+    #: The task ids it may act on (``/v1/tasks/{id}``, a proxied call's ``Fence-Task``) start
+    #: with one of these.
+    task_prefixes: tuple[str, ...] | None = None
+
+
+#: No limit at all: every principal without ``downstreams`` / ``task_prefixes``.
+UNSCOPED = Scope()
+
+
+def scope_refusal(scope: Scope, *, downstream: str | None, task_id: str | None) -> str | None:
+    """Why a call on ``downstream`` and ``task_id`` is outside ``scope``, or None when it is
+    inside. A None argument is not part of the call (``/v1/tasks/{id}`` names no downstream)
+    and is not checked. Pure: ``gateway/auth.py`` turns a reason into 403 ``FORBIDDEN``."""
+    downstreams, prefixes = scope.downstreams, scope.task_prefixes
+    if downstream is not None and downstreams is not None and downstream not in downstreams:
+        allowed = ", ".join(sorted(downstreams)) or "none"
+        return f"downstream {downstream!r} is outside its scope (downstreams: {allowed})"
+    if task_id is not None and prefixes is not None and not task_id.startswith(prefixes):
+        allowed = ", ".join(repr(p) for p in prefixes) or "none"
+        return f"task {task_id!r} is outside its scope (task_prefixes: {allowed})"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
     """A configured identity: its name (unique), its roles, and what it may reach."""
 
     name: str
     roles: frozenset[str]
+    scope: Scope = UNSCOPED
+    #: Rate and requests in flight (``gateway/limits.py``); the default is unlimited.
+    limits: Limits = NO_LIMITS
 
     def has(self, role: str) -> bool:
         return role in self.roles

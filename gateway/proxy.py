@@ -47,6 +47,7 @@ from fencegate.gateway.http_rules import (
     split_proxy_path,
     stored_response_headers,
     upstream_response_headers,
+    without_secret_values,
 )
 from fencegate.gateway.principals import principal_of
 from fencegate.gateway.problems import problem_body, problem_response
@@ -84,7 +85,7 @@ from fencegate.ledger.errors import (
     PayloadTooLarge,
     StoreUnavailable,
 )
-from fencegate.ledger.responses import response_json
+from fencegate.ledger.responses import OMITTED_BY_CONFIG, OMITTED_TOO_LARGE, response_json
 from fencegate.ledger.store import new_id
 
 __all__ = ["proxy_answer_headers", "proxy_handler"]
@@ -573,6 +574,11 @@ async def _stream(
     return answer
 
 
+def _credential_values(call: _Call) -> list[str]:
+    """The values of the credentials the gateway adds for this downstream."""
+    return list(call.adapter.outbound_headers(None, None).values())
+
+
 def _token(call: _Call) -> str:
     return f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
 
@@ -638,7 +644,9 @@ async def _forward(
                 time.monotonic() - started
             )
             fence = await on_answer(resp, body, whole)
-            live = upstream_response_headers(resp.headers.items())
+            live = without_secret_values(
+                upstream_response_headers(resp.headers.items()), _credential_values(call)
+            )
             live.update(fence)
             if not whole:
                 return await _stream(request, resp, live, body)
@@ -699,8 +707,22 @@ async def _forward_effect(
     async def record(resp: aiohttp.ClientResponse, body: bytes, whole: bool) -> Mapping[str, str]:
         await failpoints.hit("after_response")
         outcome, reason = call.adapter.classify(resp.status, effect)
-        kept = body if whole and len(body) <= replay_max else None
-        answer = response_json(resp.status, stored_response_headers(resp.headers.items()), kept)
+        kept: bytes | None = None
+        omitted: str | None = None
+        if not call.downstream.store_response_body:
+            omitted = OMITTED_BY_CONFIG
+        elif whole and len(body) <= replay_max:
+            kept = body
+        else:
+            omitted = OMITTED_TOO_LARGE
+        headers = [
+            [name, value]
+            for name, value in stored_response_headers(
+                resp.headers.items(), call.downstream.unstored_headers
+            )
+            if not any(secret and secret in value for secret in _credential_values(call))
+        ]
+        answer = response_json(resp.status, headers, kept, omitted_reason=omitted)
         recorded = await _record(request, call, effect, seq, outcome, reason, answer, fields)
         return _fence_headers(recorded, None, False)
 

@@ -28,6 +28,7 @@ from yarl import URL
 from fencegate.adapters import ProbeAdapter
 from fencegate.adapters.kinds import UnsafeProbePath
 from fencegate.gateway.http_client import ResendRefused, send_once
+from fencegate.gateway.http_rules import stored_response_headers
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
@@ -41,8 +42,6 @@ log = structlog.get_logger("fencegate.reconcile")
 
 #: The part of a probe answer kept (and replayed when the probe finds the effect).
 _PROBE_BODY_LIMIT = 64 * 1024
-#: Headers of a probe answer its replay does not repeat.
-_PROBE_HEADERS_DROPPED = frozenset({"set-cookie", "content-length", "transfer-encoding"})
 #: Slack on top of the probe's timeout for the probe lease.
 _LEASE_SLACK_MS = 5_000
 
@@ -69,10 +68,15 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
         ) as resp:
             raw = await resp.content.read(_PROBE_BODY_LIMIT)
             status = resp.status
+            # The same rule as a forward's stored answer: no credential header, no echo of
+            # the gateway's credential values.
+            secrets = [v for v in adapter.outbound_headers(None, None).values() if v]
             headers = [
-                (name, value)
-                for name, value in resp.headers.items()
-                if name.lower() not in _PROBE_HEADERS_DROPPED
+                [name, value]
+                for name, value in stored_response_headers(
+                    resp.headers.items(), downstream.unstored_headers
+                )
+                if not any(secret in value for secret in secrets)
             ]
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"

@@ -26,7 +26,8 @@ The tree::
     ├── MisdirectedRequest         421 MISDIRECTED_REQUEST (Host not allowed)
     ├── HttpVersionNotSupported    505 HTTP_VERSION_NOT_SUPPORTED
     ├── TooManyConnections         503 TOO_MANY_CONNECTIONS
-    └── DownstreamBusy             503 DOWNSTREAM_BUSY (no pooled connection in time)
+    ├── DownstreamBusy             503 DOWNSTREAM_BUSY (no pooled connection in time)
+    └── RateLimited                429 RATE_LIMITED (a principal over its [auth] limits)
 
 The pure models raise these, the stores translate their own failures into them with
 ``raise ... from exc``, and ``gateway.problems`` renders any of them as problem+json. Codes are
@@ -65,6 +66,7 @@ __all__ = [
     "NotFound",
     "PayloadConflict",
     "PayloadTooLarge",
+    "RateLimited",
     "Rejected",
     "RequestTimeout",
     "RuntimeExceeded",
@@ -290,6 +292,15 @@ class DownstreamBusy(FencegateError):
     code = "DOWNSTREAM_BUSY"
     status = 503
     title = "No free connection to the downstream; nothing was sent"
+
+
+class RateLimited(FencegateError):
+    """A principal over its ``rate_per_second`` / ``burst`` or ``max_open_requests``
+    ([auth], docs/security.md): nothing was done; retry after ``Retry-After``."""
+
+    code = "RATE_LIMITED"
+    status = 429
+    title = "Too many requests from this principal"
 
 
 def _codes() -> dict[str, type[FencegateError]]:

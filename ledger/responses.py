@@ -12,7 +12,8 @@ The record, as JSON (``Effect.response_json``), in this key order::
     bodySize     \\
     bodyDigest    } the body kept for replay: its length, lowercase hex SHA-256, base64
     bodyBase64   /
-    bodyOmitted  true instead of the three above when the body was too large to keep
+    bodyOmitted  true instead of the three above when the body was not kept
+    bodyOmittedReason  why (too large for replay_max_bytes, or store_response_body = false)
     source       who produced the answer, when not the forward itself ("probe")
 """
 
@@ -24,7 +25,11 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["response_json", "response_record"]
+__all__ = ["OMITTED_BY_CONFIG", "OMITTED_TOO_LARGE", "response_json", "response_record"]
+
+#: ``bodyOmittedReason`` values the proxy writes.
+OMITTED_TOO_LARGE = "larger than replay_max_bytes"
+OMITTED_BY_CONFIG = "store_response_body = false"
 
 
 def response_record(
@@ -33,14 +38,18 @@ def response_record(
     body: bytes | None,
     *,
     source: str | None = None,
+    omitted_reason: str | None = None,
 ) -> dict[str, Any]:
-    """The record for one answer; ``body`` None: too large to keep (``bodyOmitted``)."""
+    """The record for one answer; ``body`` None: not kept (``bodyOmitted``, with
+    ``omitted_reason`` as ``bodyOmittedReason`` when given)."""
     record: dict[str, Any] = {
         "status": status,
         "headers": [[name, value] for name, value in headers],
     }
     if body is None:
         record["bodyOmitted"] = True
+        if omitted_reason is not None:
+            record["bodyOmittedReason"] = omitted_reason
     else:
         record.update(
             bodySize=len(body),
@@ -58,6 +67,8 @@ def response_json(
     body: bytes | None,
     *,
     source: str | None = None,
+    omitted_reason: str | None = None,
 ) -> str:
     """``response_record`` as the JSON the stores keep in ``response_json``."""
-    return json.dumps(response_record(status, headers, body, source=source))
+    record = response_record(status, headers, body, source=source, omitted_reason=omitted_reason)
+    return json.dumps(record)

@@ -1,0 +1,739 @@
+"""The OpenAPI 3.1 document of the gateway's HTTP API, served at ``GET /openapi.json``.
+
+Request bodies come from the pydantic models the handlers parse with (``api_models``,
+``ledger_api``), so the document cannot drift from what is accepted; answers are written out
+here from docs/PROTOCOL.md. ``docs/openapi.json`` is this document, rendered by
+``python -m fencegate.gateway.openapi > docs/openapi.json``; ``tests/test_openapi.py`` checks
+that the file, the served document and the app's routes agree, and that real answers validate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import cache
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from fencegate.gateway.api_models import (
+    MAX_SAFE_INT,
+    ClaimBody,
+    CommitBody,
+    IdentityBody,
+    PutTaskBody,
+    RenewBody,
+)
+from fencegate.gateway.ledger_api import MAX_PAGE, ApproveBody, ResolveBody
+
+__all__ = ["document", "document_bytes", "serve"]
+
+Schema = dict[str, Any]
+
+_REF = "#/components/schemas/{model}"
+PROBLEM = "application/problem+json"
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_COUNTER: Schema = {"type": "integer", "minimum": 0, "maximum": MAX_SAFE_INT}
+_TIME: Schema = {"type": "integer", "description": "ms since the Unix epoch, store time"}
+_TEXT: Schema = {"type": "string"}
+_HEX64: Schema = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+
+
+def _object(required: dict[str, Schema], optional: dict[str, Schema] | None = None) -> Schema:
+    """An answer object: ``required`` members always present; unknown members allowed (the
+    contract tells clients to ignore fields they do not know)."""
+    return {
+        "type": "object",
+        "required": list(required),
+        "properties": {**required, **(optional or {})},
+    }
+
+
+_PROBLEM: Schema = _object(
+    {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer", "minimum": 400, "maximum": 599},
+        "detail": {"type": "string"},
+        "code": {"type": "string", "pattern": "^[A-Z_]+$"},
+    },
+    {
+        "effectId": {"type": "string"},
+        "effectState": {"type": "string"},
+        "retryAfterMs": {"type": "integer", "minimum": 0},
+        "fields": {"type": "array", "items": {"type": "string"}},
+    },
+)
+
+_COMMIT: Schema = _object(
+    {
+        "commitId": _TEXT,
+        "attemptId": _TEXT,
+        "claimGeneration": _COUNTER,
+        "resultDigest": _TEXT,
+        "committedAt": _TIME,
+    },
+    {"result": {}},
+)
+
+_TASK: Schema = _object(
+    {
+        "taskId": _TEXT,
+        "state": {"enum": ["READY", "CLAIMED", "COMMITTED", "CANCELLED"]},
+        "revision": {"type": "integer", "minimum": 1},
+        "inputDigest": _TEXT,
+        "claimGeneration": _COUNTER,
+        "attemptId": _nullable(_TEXT),
+        "owner": _nullable(_TEXT),
+        "leaseExpiresAt": _nullable(_TIME),
+        "cancelGeneration": _COUNTER,
+        "schedulerEpoch": _nullable(_COUNTER),
+        "commit": _nullable(_ref("CommitRecord")),
+    },
+    {
+        "maxRuntimeMs": _nullable({"type": "integer", "minimum": 1}),
+        "attemptStartedAt": _nullable(_TIME),
+        "principal": _nullable(_TEXT),
+        "createdAt": _TIME,
+        "updatedAt": _TIME,
+    },
+)
+
+_CLAIM: Schema = _object(
+    {
+        "taskId": _TEXT,
+        "attemptId": _TEXT,
+        "claimGeneration": _COUNTER,
+        "schedulerEpoch": _COUNTER,
+        "cancelGeneration": _COUNTER,
+        "leaseExpiresAt": _TIME,
+        "grantedTtlMs": {"type": "integer", "minimum": 0},
+        "revision": {"type": "integer", "minimum": 1},
+        "inputDigest": _TEXT,
+    }
+)
+
+_SCHEDULER: Schema = _object({"schedulerEpoch": _COUNTER, "claimsPaused": {"type": "boolean"}})
+
+_STORED_RESPONSE: Schema = _object(
+    {
+        "status": {"type": "integer", "minimum": 100, "maximum": 599},
+        "headers": {
+            "type": "array",
+            "items": {
+                "type": "array",
+                "prefixItems": [{"type": "string"}, {"type": "string"}],
+                "minItems": 2,
+                "maxItems": 2,
+            },
+        },
+    },
+    {
+        "bodySize": {"type": "integer", "minimum": 0},
+        "bodyDigest": _HEX64,
+        "bodyBase64": {"type": "string", "contentEncoding": "base64"},
+        "bodyOmitted": {"const": True},
+        "bodyOmittedReason": {"type": "string"},
+        "bodyWithheld": {"const": True},
+        "source": {"type": "string"},
+    },
+)
+
+_EFFECT_STATE: Schema = {"enum": ["PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]}
+
+_EFFECT: Schema = _object(
+    {
+        "effectId": _HEX64,
+        "taskId": _TEXT,
+        "revision": {"type": "integer", "minimum": 1},
+        "node": _TEXT,
+        "slot": _TEXT,
+        "downstream": _TEXT,
+        "method": _TEXT,
+        "path": _TEXT,
+        "payloadDigest": _TEXT,
+        "state": _EFFECT_STATE,
+        "attempts": {
+            "type": "array",
+            "items": _object(
+                {
+                    "attemptId": _TEXT,
+                    "claimGeneration": _COUNTER,
+                    "startedAt": _TIME,
+                    "endedAt": _nullable(_TIME),
+                    "outcome": _nullable({"type": "string"}),
+                },
+                {"reason": _nullable(_TEXT), "approvedBy": _nullable(_TEXT)},
+            ),
+        },
+        "response": _nullable(_ref("StoredResponse")),
+        "createdAt": _TIME,
+        "updatedAt": _TIME,
+    },
+    {
+        "deadlineAt": _nullable(_TIME),
+        "requestedBy": _nullable(_TEXT),
+        "approval": _nullable(
+            _object({"payloadDigest": _TEXT, "by": _TEXT, "at": _TIME, "expiresAt": _TIME})
+        ),
+        "probes": _object({"count": _COUNTER, "nextAt": _nullable(_TIME)}),
+        "actions": {
+            "type": "array",
+            "items": _object(
+                {
+                    "action": {"enum": ["resolve", "approve", "reconcile"]},
+                    "by": _TEXT,
+                    "at": _TIME,
+                }
+            ),
+        },
+    },
+)
+
+_ANSWERS: dict[str, Schema] = {
+    "Problem": _PROBLEM,
+    "CommitRecord": _COMMIT,
+    "Task": _TASK,
+    "ClaimGranted": _CLAIM,
+    "Renewed": _object({"leaseExpiresAt": _TIME}),
+    "Released": _object({"taskId": _TEXT, "state": {"const": "READY"}}),
+    "Committed": _object({"outcome": {"const": "COMMITTED"}, "commitId": _TEXT}),
+    "Cancelled": _object({"cancelGeneration": _COUNTER}),
+    "Scheduler": _SCHEDULER,
+    "Rollout": _object(
+        {
+            "schedulerEpoch": _COUNTER,
+            "claimsPaused": {"type": "boolean"},
+            "activeLeases": _COUNTER,
+            "preparedEffects": _COUNTER,
+            "unknownEffects": _COUNTER,
+            "awaitingApproval": _COUNTER,
+            "safeToSwitchPools": {"type": "boolean"},
+        }
+    ),
+    "StoredResponse": _STORED_RESPONSE,
+    "Effect": _EFFECT,
+    "EffectPage": _object(
+        {
+            "effects": {"type": "array", "items": _ref("Effect")},
+            "nextCursor": _nullable({"type": "string"}),
+        }
+    ),
+    "Health": _object({"status": {"const": "ok"}}),
+    "Ready": _object({"status": {"const": "ready"}, "store": {"enum": ["sqlite", "redis"]}}),
+}
+
+_REQUESTS: tuple[type[BaseModel], ...] = (
+    PutTaskBody,
+    ClaimBody,
+    IdentityBody,
+    RenewBody,
+    CommitBody,
+    ResolveBody,
+    ApproveBody,
+)
+
+#: Problem codes per status that any gateway route may answer (docs/PROTOCOL.md, "Errors").
+_COMMON: dict[int, tuple[str, ...]] = {
+    400: ("BAD_REQUEST",),
+    401: ("UNAUTHENTICATED",),
+    403: ("FORBIDDEN",),
+    408: ("REQUEST_TIMEOUT",),
+    413: ("PAYLOAD_TOO_LARGE",),
+    415: ("UNSUPPORTED_MEDIA_TYPE",),
+    421: ("MISDIRECTED_REQUEST",),
+    429: ("RATE_LIMITED",),
+    503: ("STORE_UNAVAILABLE", "TOO_MANY_CONNECTIONS"),
+}
+_LEASE_CODES = (
+    "CLAIMED",
+    "FENCED",
+    "LEASE_EXPIRED",
+    "STALE_EPOCH",
+    "CANCELLED",
+    "STALE_INPUT",
+    "ALREADY_COMMITTED",
+    "RUNTIME_EXCEEDED",
+)
+_EFFECT_CODES = ("EFFECT_IN_FLIGHT", "EFFECT_UNKNOWN", "EFFECT_SETTLED", "APPROVAL_REQUIRED")
+
+
+#: The problem answers the document uses, by name (``components.responses``), filled as
+#: operations are built.
+_PROBLEM_ANSWERS: dict[str, Any] = {}
+_PROXY_HEADERS: dict[str, Any] = {
+    "Fence-Effect-Id": {"schema": {"type": "string"}},
+    "Fence-Effect-State": {
+        "schema": {"enum": ["NONE", "PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]}
+    },
+    "Fence-Replayed": {"schema": {"enum": ["true", "false"]}},
+}
+
+
+def _problem_answer(status: int, codes: tuple[str, ...], proxied: bool) -> dict[str, Any]:
+    """A ``$ref`` to the shared answer for ``status`` with one of ``codes``."""
+    name = "".join(code.title().replace("_", "") for code in codes) + ("Proxied" if proxied else "")
+    if name not in _PROBLEM_ANSWERS:
+        headers: dict[str, Any] = {}
+        if status == 401:
+            headers["WWW-Authenticate"] = {"schema": {"type": "string"}}
+        if status in (409, 429, 503):
+            headers["Retry-After"] = {"schema": {"type": "string"}}
+        if proxied:
+            headers.update(_PROXY_HEADERS)
+        _PROBLEM_ANSWERS[name] = {
+            "description": ", ".join(codes),
+            **({"headers": headers} if headers else {}),
+            "content": {
+                PROBLEM: {
+                    "schema": {
+                        "allOf": [
+                            _ref("Problem"),
+                            {"properties": {"code": {"enum": list(codes)}}},
+                        ]
+                    }
+                }
+            },
+        }
+    return {"$ref": f"#/components/responses/{name}"}
+
+
+def _problems(
+    extra: dict[int, tuple[str, ...]] | None = None, proxied: bool = False
+) -> dict[str, Any]:
+    by_status: dict[int, tuple[str, ...]] = dict(_COMMON)
+    for status, codes in (extra or {}).items():
+        by_status[status] = by_status.get(status, ()) + codes
+    return {
+        str(status): _problem_answer(status, by_status[status], proxied)
+        for status in sorted(by_status)
+    }
+
+
+def _json(schema_name: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": _ref(schema_name)}},
+    }
+
+
+def _body(model: type[BaseModel] | None, *, required: bool = True) -> dict[str, Any]:
+    schema: Schema = _ref(model.__name__) if model is not None else {"type": "object"}
+    if model is None:
+        schema = {"type": "object", "maxProperties": 0}
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+def _op(
+    op_id: str,
+    summary: str,
+    tag: str,
+    answers: dict[str, Any],
+    *,
+    body: dict[str, Any] | None = None,
+    params: list[Any] | None = None,
+    extra: dict[int, tuple[str, ...]] | None = None,
+    open_route: bool = False,
+    proxied: bool = False,
+) -> dict[str, Any]:
+    op: dict[str, Any] = {"operationId": op_id, "summary": summary, "tags": [tag]}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = body
+    op["responses"] = {**answers, **_problems(extra, proxied)}
+    if open_route:
+        op["security"] = [{}]
+    return op
+
+
+_TASK_ID = {"$ref": "#/components/parameters/taskId"}
+_EFFECT_ID = {"$ref": "#/components/parameters/effectId"}
+_OPERATOR_HEADER = {"$ref": "#/components/parameters/operator"}
+_OK_TASK = {404: ("NO_SUCH_TASK",), 409: _LEASE_CODES}
+_OK_EFFECT = {404: ("NO_SUCH_EFFECT", "NO_SUCH_DOWNSTREAM"), 409: _EFFECT_CODES}
+
+
+def _task_paths() -> dict[str, Any]:
+    ident = {"parameters": [_TASK_ID]}
+    return {
+        "/v1/tasks/{task_id}": {
+            **ident,
+            "put": _op(
+                "putTask",
+                "Create a task, or make a new revision when inputDigest changes",
+                "coordination",
+                {"200": _json("Task", "existing task"), "201": _json("Task", "new task")},
+                body=_body(PutTaskBody),
+            ),
+            "get": _op(
+                "getTask",
+                "Read a task record",
+                "coordination",
+                {"200": _json("Task", "the task record")},
+                extra={404: ("NO_SUCH_TASK",)},
+            ),
+        },
+        "/v1/tasks/{task_id}/claim": {
+            **ident,
+            "post": _op(
+                "claimTask",
+                "Claim a task (one atomic step in the store)",
+                "coordination",
+                {"200": _json("ClaimGranted", "the lease")},
+                body=_body(ClaimBody),
+                extra={**_OK_TASK, 503: ("CLAIMS_PAUSED",)},
+            ),
+        },
+        "/v1/tasks/{task_id}/renew": {
+            **ident,
+            "post": _op(
+                "renewLease",
+                "Extend the current lease",
+                "coordination",
+                {"200": _json("Renewed", "the new lease end")},
+                body=_body(RenewBody),
+                extra=_OK_TASK,
+            ),
+        },
+        "/v1/tasks/{task_id}/release": {
+            **ident,
+            "post": _op(
+                "releaseLease",
+                "Give the lease back; the task is READY again",
+                "coordination",
+                {"200": _json("Released", "released")},
+                body=_body(IdentityBody),
+                extra=_OK_TASK,
+            ),
+        },
+        "/v1/tasks/{task_id}/commit": {
+            **ident,
+            "post": _op(
+                "commitTask",
+                "Commit the attempt's result (at most one canonical commit per revision)",
+                "coordination",
+                {"200": _json("Committed", "committed, or the same commit repeated")},
+                body=_body(CommitBody),
+                extra={**_OK_TASK, 413: ("PAYLOAD_TOO_LARGE",)},
+            ),
+        },
+        "/v1/tasks/{task_id}/cancel": {
+            **ident,
+            "post": _op(
+                "cancelTask",
+                "Cancel the task until a new revision",
+                "coordination",
+                {"200": _json("Cancelled", "the new cancelGeneration")},
+                body=_body(None, required=False),
+                extra={404: ("NO_SUCH_TASK",), 409: ("ALREADY_COMMITTED",)},
+            ),
+        },
+    }
+
+
+def _scheduler_paths() -> dict[str, Any]:
+    def post(op_id: str, summary: str) -> dict[str, Any]:
+        return {
+            "post": _op(
+                op_id, summary, "coordination", {"200": _json("Scheduler", "the scheduler")}
+            )
+        }
+
+    return {
+        "/v1/epoch": {
+            "get": _op(
+                "getEpoch",
+                "The global scheduler epoch",
+                "coordination",
+                {"200": _json("Scheduler", "the scheduler")},
+            )
+        },
+        "/v1/epoch/bump": post("bumpEpoch", "Bump the epoch: fences every older claim"),
+        "/v1/claims/pause": post("pauseClaims", "Refuse new claims (503 CLAIMS_PAUSED)"),
+        "/v1/claims/resume": post("resumeClaims", "Accept claims again"),
+    }
+
+
+def _ledger_paths() -> dict[str, Any]:
+    query = [
+        {"name": "state", "in": "query", "schema": _EFFECT_STATE},
+        {
+            "name": "taskId",
+            "in": "query",
+            "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,200}$"},
+        },
+        {"name": "downstream", "in": "query", "schema": {"type": "string"}},
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100},
+        },
+        {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 200}},
+    ]
+    one = {"parameters": [_EFFECT_ID]}
+    acting = [_OPERATOR_HEADER]
+    return {
+        "/v1/effects": {
+            "get": _op(
+                "listEffects",
+                "Page through effect records, oldest first",
+                "ledger",
+                {"200": _json("EffectPage", "one page")},
+                params=query,
+            )
+        },
+        "/v1/effects/{effect_id}": {
+            **one,
+            "get": _op(
+                "getEffect",
+                "Read one effect record (observers: stored body withheld)",
+                "ledger",
+                {"200": _json("Effect", "the record")},
+                extra={404: ("NO_SUCH_EFFECT",)},
+            ),
+        },
+        "/v1/effects/{effect_id}/resolve": {
+            **one,
+            "post": _op(
+                "resolveEffect",
+                "Settle an UNKNOWN effect by hand",
+                "ledger",
+                {"200": _json("Effect", "the record")},
+                body=_body(ResolveBody),
+                params=acting,
+                extra=_OK_EFFECT,
+            ),
+        },
+        "/v1/effects/{effect_id}/approve": {
+            **one,
+            "post": _op(
+                "approveEffect",
+                "Let a waiting non-replayable effect go once",
+                "ledger",
+                {"200": _json("Effect", "the record")},
+                body=_body(ApproveBody, required=False),
+                params=acting,
+                extra=_OK_EFFECT,
+            ),
+        },
+        "/v1/effects/{effect_id}/reconcile": {
+            **one,
+            "post": _op(
+                "reconcileEffect",
+                "Run the downstream adapter's probe on an UNKNOWN effect",
+                "ledger",
+                {"200": _json("Effect", "the record")},
+                body=_body(None, required=False),
+                params=acting,
+                extra=_OK_EFFECT,
+            ),
+        },
+    }
+
+
+def _operation_paths() -> dict[str, Any]:
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "/healthz": {
+            "get": _op(
+                "healthz",
+                "The process is up",
+                "operations",
+                {"200": _json("Health", "up")},
+                open_route=True,
+            )
+        },
+        "/readyz": {
+            "get": _op(
+                "readyz",
+                "The store answered a round trip just now",
+                "operations",
+                {"200": _json("Ready", "ready")},
+                open_route=True,
+            )
+        },
+        "/metrics": {
+            "get": _op(
+                "metrics",
+                "Prometheus metrics (text exposition format)",
+                "operations",
+                {"200": {"description": "metrics", "content": text}},
+            )
+        },
+        "/openapi.json": {
+            "get": _op(
+                "openapi",
+                "This document",
+                "operations",
+                {
+                    "200": {
+                        "description": "the OpenAPI document",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
+            )
+        },
+        "/v1/rollout": {
+            "get": _op(
+                "rollout",
+                "Is it safe to switch worker pools (no lease held, nothing in flight)?",
+                "operations",
+                {"200": _json("Rollout", "the checklist")},
+            )
+        },
+    }
+
+
+def _proxy_path() -> dict[str, Any]:
+    def header(name: str, required: bool, description: str, **schema: Any) -> dict[str, Any]:
+        return {
+            "name": name,
+            "in": "header",
+            "required": required,
+            "description": description,
+            "schema": {"type": "string", **schema},
+        }
+
+    params = [
+        {
+            "name": "tail",
+            "in": "path",
+            "required": True,
+            "description": "{downstream}/{path}: forwarded to the downstream's base URL + /{path}",
+            "schema": {"type": "string"},
+        },
+        header("Fence-Task", True, "taskId"),
+        header("Fence-Attempt", True, "attemptId"),
+        header("Fence-Generation", True, "claimGeneration", pattern="^[0-9]+$"),
+        header("Fence-Epoch", True, "schedulerEpoch", pattern="^[0-9]+$"),
+        header("Fence-Cancel", True, "the cancelGeneration the worker observed"),
+        header("Fence-Node", False, "node, default main"),
+        header("Fence-Slot", False, "the effect slot; required for unsafe methods"),
+    ]
+    passthrough = {
+        "description": "the downstream's own answer (or its stored answer, replayed), "
+        "any status, any body; Fence-Effect-State says what the ledger recorded",
+        "headers": _PROXY_HEADERS,
+    }
+    extra = {
+        404: ("NO_SUCH_DOWNSTREAM",),
+        409: (*_LEASE_CODES, *_EFFECT_CODES),
+        422: ("PAYLOAD_CONFLICT",),
+        502: ("DOWNSTREAM_UNREACHABLE",),
+        503: ("CLAIMS_PAUSED", "DOWNSTREAM_BUSY"),
+        504: ("DOWNSTREAM_TIMEOUT",),
+    }
+    operations: dict[str, Any] = {"parameters": params}
+    for method in ("get", "head", "options", "post", "put", "patch", "delete"):
+        op = _op(
+            f"proxy{method.capitalize()}",
+            "Fenced pass-through to a downstream (body is the downstream's business)",
+            "proxy",
+            {"default": passthrough},
+            extra=extra,
+            proxied=True,
+        )
+        operations[method] = op
+    return {"/proxy/{tail}": operations}
+
+
+@cache
+def document() -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document (the same object on every call: do not mutate it)."""
+    schemas: dict[str, Schema] = {}
+    for model in _REQUESTS:
+        generated = model.model_json_schema(ref_template=_REF, mode="validation")
+        schemas.update(generated.pop("$defs", {}))
+        schemas[model.__name__] = generated
+    schemas.update(_ANSWERS)
+    paths: dict[str, Any] = {
+        **_operation_paths(),
+        **_task_paths(),
+        **_scheduler_paths(),
+        **_ledger_paths(),
+        **_proxy_path(),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "fencegate",
+            "version": "1",
+            "description": "Fencing gateway and idempotency ledger. The contract in prose is "
+            "docs/PROTOCOL.md; every error is application/problem+json (RFC 9457) with a "
+            "machine-readable code. Authentication applies only when the gateway's config has "
+            "[auth] (docs/security.md).",
+        },
+        "servers": [{"url": "http://127.0.0.1:8700"}],
+        "security": [{"fenceBearer": []}, {"bearer": []}],
+        "tags": [
+            {"name": "coordination"},
+            {"name": "ledger"},
+            {"name": "operations"},
+            {"name": "proxy"},
+        ],
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "fenceBearer": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "Fence-Authorization",
+                    "description": "Bearer <token>; on every path",
+                },
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Authorization: Bearer <token>; on /v1/* and /metrics only",
+                },
+            },
+            "parameters": {
+                "taskId": {
+                    "name": "task_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,200}$"},
+                },
+                "effectId": {
+                    "name": "effect_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": _HEX64,
+                },
+                "operator": {
+                    "name": "Fence-Operator",
+                    "in": "header",
+                    "required": False,
+                    "description": "who acts, without [auth] (with it: the principal)",
+                    "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:@/ -]{1,200}$"},
+                },
+            },
+            "responses": dict(sorted(_PROBLEM_ANSWERS.items())),
+            "schemas": schemas,
+        },
+    }
+
+
+@cache
+def document_bytes() -> bytes:
+    """The document as served and as kept in docs/openapi.json."""
+    return (json.dumps(document(), indent=2) + "\n").encode()
+
+
+async def serve(request: web.Request) -> web.Response:
+    """``GET /openapi.json``."""
+    return web.Response(body=document_bytes(), content_type="application/json")
+
+
+if __name__ == "__main__":
+    sys.stdout.buffer.write(document_bytes())

@@ -1,0 +1,394 @@
+"""Secrets at rest (issue 11 item 4), on both stores.
+
+The downstream's credential comes from ``headers_from_env``; the gateway adds it to every
+forward. The worst case is a downstream that ECHOES every request header it got back, as
+response headers and as its JSON body. After a few effects (commit, replay, a timeout that
+leaves the effect UNKNOWN, an operator's resolve, the replay of the resolved effect) the
+secret is searched for everywhere the gateway writes or answers:
+
+* the store: every effect record (``list_effects``) and the raw store: the SQLite file and
+  its WAL, or every Redis key under the prefix (``DUMP`` and the value read by type);
+* every log event (structlog's and the standard library's);
+* every ledger API answer and every replayed answer (headers and body).
+
+Decision (docs/security.md, "Secrets at rest"): a response header named in
+``headers_from_env`` (and Set-Cookie, Authorization, Proxy-Authorization, and the
+downstream's ``never_store_headers``) is never stored. The echoed BODY is the downstream's
+answer: it is stored for replay unless ``store_response_body = false``, which is the setting
+for such downstreams; with it the secret is nowhere in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
+
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config, DownstreamConfig
+from fencegate.gateway.http_rules import stored_response_headers
+from fencegate.ledger.effects import effect_id
+from fencegate.ledger.effects import effect_to_json as _effect_to_json
+from tests.api import Api
+from tests.conftest import build_test_store, make_config
+
+TIMEOUT_MS = 400
+SECRET_ENV = "FG_TEST_SECRET"
+_NOT_ECHOED = frozenset(
+    {"host", "content-length", "content-type", "transfer-encoding", "connection"}
+)
+
+
+@dataclass
+class EchoDownstream:
+    """Answers every call with the request's headers: as its own response headers (same
+    names, plus ``X-Echo-Token`` holding the Authorization value and a ``Set-Cookie``) and
+    as a JSON body. ``/slow/{ms}/...`` sleeps first."""
+
+    received: list[dict[str, str]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        got = dict(request.headers)
+        self.received.append(got)
+        parts = request.path.strip("/").split("/")
+        if parts[0] == "slow":
+            await asyncio.sleep(int(parts[1]) / 1000)
+        headers = {k: v for k, v in got.items() if k.lower() not in _NOT_ECHOED}
+        headers["X-Echo-Token"] = got.get("Authorization", "")
+        headers["Set-Cookie"] = f"session={got.get('Authorization', '')}"
+        return web.json_response({"youSent": got}, headers=headers)
+
+    async def start(self) -> EchoDownstream:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+def secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    value = f"Bearer fgsecret-{secrets.token_hex(16)}"
+    monkeypatch.setenv(SECRET_ENV, value)
+    return value
+
+
+@pytest.fixture
+async def echo() -> AsyncIterator[EchoDownstream]:
+    server = await EchoDownstream().start()
+    yield server
+    await server.stop()
+
+
+def needles(secret: str) -> list[bytes]:
+    """The secret as it could appear in stored bytes: plain, and base64-encoded at each of
+    the three alignments (the stable middle of each encoding)."""
+    raw = secret.encode()
+    found = [raw]
+    for pad in range(3):
+        encoded = base64.b64encode(b"\0" * pad + raw)
+        found.append(encoded[4 : len(encoded) - 4])
+    return found
+
+
+def assert_absent(what: str, data: bytes | str, secret: str) -> None:
+    blob = data.encode() if isinstance(data, str) else data
+    for needle in needles(secret):
+        assert needle not in blob, f"the secret appears in {what}"
+
+
+def contains(data: bytes | str, secret: str) -> bool:
+    blob = data.encode() if isinstance(data, str) else data
+    return any(needle in blob for needle in needles(secret))
+
+
+@dataclass
+class Answer:
+    what: str
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header_text(self) -> str:
+        return json.dumps(self.headers)
+
+
+@dataclass
+class Run:
+    live: list[Answer]
+    answers: list[Answer]
+    logs: str
+    effect_ids: list[str]
+
+
+async def _exchange(api: Api, what: str, method: str, path: str, **kwargs: Any) -> Answer:
+    async with api.client.request(method, path, allow_redirects=False, **kwargs) as resp:
+        return Answer(what, resp.status, list(resp.headers.items()), await resp.read())
+
+
+async def _scenario(api: Api, caplog: pytest.LogCaptureFixture) -> Run:
+    live: list[Answer] = []
+    answers: list[Answer] = []
+    caplog.set_level(logging.DEBUG)
+    with capture_logs() as events:
+        await api.put("t1")
+        lease = await api.claim("t1", ttl_ms=30_000)
+
+        def fence(slot: str) -> dict[str, str]:
+            return {
+                "Fence-Task": lease.task_id,
+                "Fence-Attempt": lease.attempt_id,
+                "Fence-Generation": str(lease.claim_generation),
+                "Fence-Epoch": str(lease.scheduler_epoch),
+                "Fence-Cancel": str(lease.cancel_generation),
+                "Fence-Slot": slot,
+            }
+
+        body = {"amount": 5}
+        first = await _exchange(api, "commit", "POST", "/proxy/echo/ok/pay",
+                                json=body, headers=fence("s1"))  # fmt: skip
+        assert first.status == 200, first.body
+        live.append(first)
+        replay = await _exchange(api, "replay", "POST", "/proxy/echo/ok/pay",
+                                 json=body, headers=fence("s1"))  # fmt: skip
+        assert dict(replay.headers)["Fence-Replayed"] == "true"
+        answers.append(replay)
+
+        timed_out = await _exchange(api, "timeout", "POST", "/proxy/echo/slow/1500/pay",
+                                    json=body, headers=fence("s2"))  # fmt: skip
+        assert dict(timed_out.headers)["Fence-Effect-State"] == "UNKNOWN", timed_out.body
+        answers.append(timed_out)
+        again = await _exchange(api, "unknown retry", "POST", "/proxy/echo/slow/1500/pay",
+                                json=body, headers=fence("s2"))  # fmt: skip
+        answers.append(again)
+
+        ids = [effect_id("t1", 1, "main", slot) for slot in ("s1", "s2")]
+        settle = {"outcome": "COMMITTED", "note": "seen in the console"}
+        resolved = await _exchange(api, "resolve", "POST", f"/v1/effects/{ids[1]}/resolve",
+                                   json=settle)  # fmt: skip
+        assert resolved.status == 200, resolved.body
+        answers.append(resolved)
+        answers.append(await _exchange(api, "resolved replay", "POST",
+                                       "/proxy/echo/slow/1500/pay", json=body,
+                                       headers=fence("s2")))  # fmt: skip
+
+        answers.append(await _exchange(api, "list", "GET", "/v1/effects"))
+        for eid in ids:
+            answers.append(await _exchange(api, f"show {eid}", "GET", f"/v1/effects/{eid}"))
+        answers.append(await _exchange(api, "task", "GET", "/v1/tasks/t1"))
+        answers.append(await _exchange(api, "metrics", "GET", "/metrics"))
+    logs = json.dumps(events, default=repr) + "\n".join(
+        f"{r.getMessage()} {r.exc_text or ''} {r.args!r}" for r in caplog.records
+    )
+    return Run(live, answers, logs, ids)
+
+
+async def _raw_store(config: Config, tmp_path: Path) -> bytes:
+    """Every byte the store holds, as the store holds it."""
+    url = config.store.url
+    if url.startswith("sqlite"):
+        chunks = [p.read_bytes() for p in sorted(tmp_path.glob("fencegate.db*"))]
+        assert chunks
+        return b"".join(chunks)
+    client = redis.Redis.from_url(url)
+    try:
+        chunks = []
+        keys = list(client.scan_iter(match=f"{config.store.redis_key_prefix}*"))
+        assert keys
+        for key in keys:
+            chunks.append(key)
+            chunks.append(client.dump(key) or b"")
+            kind = client.type(key).decode()
+            value: Any
+            if kind == "string":
+                value = client.get(key)
+            elif kind == "hash":
+                value = client.hgetall(key)
+            elif kind == "list":
+                value = client.lrange(key, 0, -1)
+            elif kind == "set":
+                value = client.smembers(key)
+            elif kind == "zset":
+                value = client.zrange(key, 0, -1, withscores=True)
+            elif kind == "stream":
+                value = client.xrange(key)
+            else:
+                raise AssertionError(f"unexpected Redis type {kind} for {key!r}")
+            chunks.append(repr(value).encode())
+        return b"\n".join(chunks)
+    finally:
+        client.close()
+
+
+def _config(store_url: str, key_prefix: str, echo: EchoDownstream, **options: Any) -> Config:
+    return make_config(
+        store_url,
+        key_prefix,
+        downstreams=[  # type: ignore[arg-type]
+            {
+                "name": "echo",
+                "url": f"http://127.0.0.1:{echo.port}",
+                "timeout_ms": TIMEOUT_MS,
+                "headers_from_env": {"Authorization": SECRET_ENV},
+                "never_store_headers": ["x-echo-token"],
+                **options,
+            }
+        ],
+        proxy={"prepared_margin_ms": 500},
+        reconciler={"enabled": False},
+    )
+
+
+@pytest.fixture
+async def make_api(store_url: str, key_prefix: str, echo: EchoDownstream) -> AsyncIterator[Any]:
+    clients: list[TestClient[Any, Any]] = []
+
+    async def make(**options: Any) -> tuple[Api, Config]:
+        config = _config(store_url, key_prefix, echo, **options)
+        client: TestClient[Any, Any] = TestClient(
+            TestServer(create_app(config, store=build_test_store(config)), host="127.0.0.1")
+        )
+        await client.start_server()
+        clients.append(client)
+        return Api(client), config
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+def _check_common(run: Run, echo: EchoDownstream, secret: str) -> None:
+    # The test is real: the downstream got the credential and echoed it.
+    assert echo.received and all(got["Authorization"] == secret for got in echo.received)
+    assert contains(run.live[0].body, secret)
+    assert_absent("a log line", run.logs, secret)
+    for answer in run.answers:
+        assert_absent(f"the headers of the {answer.what} answer", answer.header_text(), secret)
+
+
+async def test_without_stored_bodies_the_secret_is_nowhere_in_store_logs_or_api(
+    make_api: Any, echo: EchoDownstream, secret: str, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    api, config = await make_api(store_response_body=False)
+    run = await _scenario(api, caplog)
+    _check_common(run, echo, secret)
+    for answer in run.answers:
+        assert_absent(f"the body of the {answer.what} answer", answer.body, secret)
+    replay = run.answers[0]
+    assert dict(replay.headers)["Fence-Replay-Body"] == "omitted" and replay.body == b""
+    found, _ = await api.store.list_effects(
+        state=None, task_id=None, downstream=None, limit=100, cursor=None
+    )
+    assert {e.effect_id for e in found} == set(run.effect_ids)
+    for effect in found:
+        assert_absent("an effect record", json.dumps(_effect_to_json(effect)), secret)
+    committed = next(e for e in found if e.effect_id == run.effect_ids[0])
+    assert committed.response_json is not None
+    stored = json.loads(committed.response_json)
+    assert stored["bodyOmitted"] is True
+    assert stored["bodyOmittedReason"] == "store_response_body = false"
+    assert "bodyBase64" not in stored and "bodyDigest" not in stored
+    names = {name.lower() for name, _ in stored["headers"]}
+    assert not names & {"authorization", "x-echo-token", "set-cookie"}
+    assert "fence-task" not in names  # only the gateway speaks Fence-*
+    assert_absent("the raw store", await _raw_store(config, tmp_path), secret)
+
+
+async def test_with_stored_bodies_no_echoed_header_is_stored(
+    make_api: Any, echo: EchoDownstream, secret: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default (bodies stored): the echoed headers are still never stored or replayed;
+    the echoed body is, which is why such a downstream wants ``store_response_body = false``."""
+    api, _ = await make_api()
+    run = await _scenario(api, caplog)
+    _check_common(run, echo, secret)
+    found, _ = await api.store.list_effects(
+        state=None, task_id=None, downstream=None, limit=100, cursor=None
+    )
+    for effect in found:
+        record = _effect_to_json(effect)
+        response = record.pop("response", None)
+        assert_absent("an effect record", json.dumps(record), secret)
+        if response is None:
+            continue
+        body = base64.b64decode(response.pop("bodyBase64", ""))
+        assert_absent("a stored answer's headers", json.dumps(response), secret)
+        assert contains(body, secret)  # the documented case: the body is the answer
+    replay = run.answers[0]
+    assert contains(replay.body, secret)
+    assert "Fence-Replay-Body" not in dict(replay.headers)
+
+
+async def test_the_live_answer_does_not_repeat_an_echoed_credential_header(
+    make_api: Any, echo: EchoDownstream, secret: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    api, _ = await make_api(store_response_body=False)
+    run = await _scenario(api, caplog)
+    assert_absent("the live answer's headers", run.live[0].header_text(), secret)
+
+
+def test_stored_headers_never_keep_credentials_or_the_configured_names() -> None:
+    answer = [
+        ("Content-Type", "application/json"),
+        ("Set-Cookie", "a=1"),
+        ("set-cookie2", "b=2"),
+        ("authorization", "Bearer x"),
+        ("Proxy-Authorization", "Basic y"),
+        ("X-Api-Key", "k"),
+        ("X-Secret", "s"),
+        ("ETag", '"v1"'),
+    ]
+    assert stored_response_headers(answer, {"x-api-key", "X-SECRET"}) == [
+        ["Content-Type", "application/json"],
+        ["ETag", '"v1"'],
+    ]
+
+
+def test_the_config_keys_are_validated_and_unstored_names_include_headers_from_env() -> None:
+    base = {"name": "d", "url": "http://127.0.0.1:1"}
+    config = DownstreamConfig.model_validate(
+        {**base, "headers_from_env": {"X-Api-Key": "K"}, "never_store_headers": ["X-Trace"]}
+    )
+    assert config.unstored_headers == {"x-api-key", "x-trace"}
+    assert config.store_response_body is True
+    with pytest.raises(ValueError, match="never_store_headers"):
+        DownstreamConfig.model_validate({**base, "never_store_headers": ["bad header"]})
+    with pytest.raises(ValueError, match="store_response_body"):
+        DownstreamConfig.model_validate({**base, "store_response_body": "no"})
+
+
+def test_a_config_file_error_names_the_key(tmp_path: Path) -> None:
+    from fencegate.gateway.config import ConfigError, load_config
+
+    path = tmp_path / "fencegate.toml"
+    path.write_text(
+        '[[downstreams]]\nname = "d"\nurl = "http://127.0.0.1:1"\n'
+        'never_store_headers = ["no spaces allowed"]\n'
+    )
+    with pytest.raises(ConfigError, match=r"downstreams\[0\].*never_store_headers"):
+        load_config(path)
