@@ -8,6 +8,12 @@ routes the role matrix opens to anyone (``/healthz``, ``/readyz``):
   never on ``/proxy/*`` (or a later ``/mcp``): there ``Authorization`` is the downstream's.
   ``Fence-Authorization`` wins when both are sent.
 
+With ``server.tls_client_ca_file`` (mTLS) a request without a bearer credential may be
+identified by its client certificate, already verified by the TLS handshake: the principal
+whose ``certificate_cn`` equals the certificate's subject CN (exactly one CN, compared
+exactly). A bearer credential, when sent, is what counts (a bad one is 401 even with a good
+certificate).
+
 The file holds only each token's SHA-256; a presented token is hashed once and compared with
 every principal's digest in constant time (``hmac.compare_digest``, no early exit).
 No credential, a malformed one or one that matches no principal: 401 ``UNAUTHENTICATED``
@@ -183,9 +189,20 @@ class Authenticator:
     """The configured principals, each by the SHA-256 of its token."""
 
     def __init__(self, auth: AuthConfig) -> None:
+        everyone = [(p, principal_from_config(p)) for p in auth.principals]
+        self._all = tuple(principal for _, principal in everyone)
         self._principals = tuple(
-            (bytes.fromhex(p.token_sha256), principal_from_config(p)) for p in auth.principals
+            (bytes.fromhex(p.token_sha256), principal)
+            for p, principal in everyone
+            if p.token_sha256 is not None
         )
+        self._by_cn = {
+            p.certificate_cn: principal for p, principal in everyone if p.certificate_cn is not None
+        }
+
+    def by_certificate(self, cn: str) -> Principal | None:
+        """The principal whose ``certificate_cn`` is ``cn`` (a verified certificate's CN)."""
+        return self._by_cn.get(cn)
 
     def principal(self, token: str) -> Principal | None:
         """The principal whose token this is. Every digest is compared (constant time, no
@@ -199,7 +216,7 @@ class Authenticator:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(principal.name for _, principal in self._principals)
+        return tuple(principal.name for principal in self._all)
 
 
 class _Meter:
@@ -251,8 +268,9 @@ def _takes_authorization(path: str) -> bool:
     return path in _OWN_PATHS or path.startswith(_OWN_PREFIXES)
 
 
-def _credential(request: web.Request, path: str) -> str:
-    """The bearer token the request presents to the gateway, or raise ``Unauthenticated``."""
+def _credential(request: web.Request, path: str) -> str | None:
+    """The bearer token the request presents to the gateway; None when it sends none; raise
+    ``Unauthenticated`` for a malformed one."""
     fence = request.headers.getall("Fence-Authorization", [])
     if fence:
         return _bearer(fence, "Fence-Authorization")
@@ -260,7 +278,44 @@ def _credential(request: web.Request, path: str) -> str:
         given = request.headers.getall(hdrs.AUTHORIZATION, [])
         if given and any(v.strip().lower().startswith("bearer ") for v in given):
             return _bearer(given, "Authorization")
-    raise Unauthenticated("no credential: send Fence-Authorization: Bearer <token>")
+    return None
+
+
+def _certificate_cn(request: web.Request) -> str | None:
+    """The subject CN of the client certificate the TLS handshake verified (mTLS), None
+    without one. A subject with several CNs identifies no one."""
+    transport = request.transport
+    peercert = transport.get_extra_info("peercert") if transport is not None else None
+    if not peercert:
+        return None
+    cns = [
+        value
+        for rdn in peercert.get("subject", ())
+        for attribute, value in rdn
+        if attribute == "commonName"
+    ]
+    if len(cns) != 1:
+        raise Unauthenticated("the client certificate's subject needs exactly one CN")
+    cn: str = cns[0]
+    return cn
+
+
+def _authenticate(authenticator: Authenticator, request: web.Request, path: str) -> Principal:
+    """The principal of a bearer credential if one is sent, else of the client certificate;
+    raise ``Unauthenticated``."""
+    token = _credential(request, path)
+    if token is not None:
+        principal = authenticator.principal(token)
+        if principal is None:
+            raise Unauthenticated("the token matches no principal")
+        return principal
+    cn = _certificate_cn(request)
+    if cn is None:
+        raise Unauthenticated("no credential: send Fence-Authorization: Bearer <token>")
+    principal = authenticator.by_certificate(cn)
+    if principal is None:
+        raise Unauthenticated("the client certificate's CN matches no principal")
+    return principal
 
 
 def _refusal(error: FencegateError, path: str, retry_after: int | None = None) -> web.Response:
@@ -304,9 +359,7 @@ class _AuthMiddleware:
         if ANYONE in allowed:
             return await handler(request)
         try:
-            principal = self.state.authenticator.principal(_credential(request, path))
-            if principal is None:
-                raise Unauthenticated("the token matches no principal")
+            principal = _authenticate(self.state.authenticator, request, path)
         except Unauthenticated as exc:
             log.info("auth.unauthenticated", method=request.method, path=path, reason=exc.detail)
             return _refusal(exc, path)

@@ -12,10 +12,42 @@ from fencegate.gateway.demo import register as _add_demo
 from fencegate.gateway.ops_cli import register as _add_ops
 from fencegate.gateway.token_cli import register as _add_token
 
-__all__ = ["main", "reload_auth"]
+__all__ = ["main", "reload_auth", "server_ssl_context"]
 
 if TYPE_CHECKING:
+    import ssl
+
     from aiohttp import web
+
+
+def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
+    """The listener's TLS context (None without ``tls_cert_file``): TLS 1.2 or later, and
+    with ``tls_client_ca_file`` a client certificate signed by those CAs, and only those
+    (not the system's: any public CA could otherwise name a principal), is required.
+    Raise ``ConfigError`` naming the key whose file cannot be used."""
+    import ssl
+
+    if server.tls_cert_file is None or server.tls_key_file is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        # An encrypted key is refused rather than prompted for on the terminal.
+        context.load_cert_chain(server.tls_cert_file, server.tls_key_file, password=b"")
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(
+            f"server.tls_cert_file / server.tls_key_file: cannot load ({server.tls_cert_file}, "
+            f"{server.tls_key_file}; an unencrypted PEM key matching the certificate): {exc}"
+        ) from exc
+    if server.tls_client_ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=server.tls_client_ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"server.tls_client_ca_file: cannot load {server.tls_client_ca_file}: {exc}"
+            ) from exc
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -38,6 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.listen:
             parse_listen(args.listen)
             config = with_listen(config, args.listen)
+        ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:
         log.error("gateway.config_error", error=f"config error: {exc}")
         return 2
@@ -54,7 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
             "endpoint (docs/security.md)",
         )
     try:
-        asyncio.run(_run(create_app(config), host, port, config.server, args.config))
+        app = create_app(config)
+        asyncio.run(_run(app, host, port, config.server, args.config, ssl_context))
     except StoreUnavailable as exc:
         log.error("gateway.store_error", error=exc.detail)
         return 1
@@ -98,6 +132,7 @@ async def _run(
     port: int,
     server: ServerConfig,
     config_path: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, through the guarded listener (connection limit,
     parser errors as problem+json, JSON access log), then shut down gracefully. SIGHUP reloads
@@ -122,7 +157,15 @@ async def _run(
     try:
         assert runner.server is not None
         slots = ConnectionSlots(server.max_connections)
-        site = GuardedSite(runner, host, port, handler_factory(runner.server, slots, **options))
+        site = GuardedSite(
+            runner,
+            host,
+            port,
+            handler_factory(runner.server, slots, **options),
+            ssl_context=ssl_context,
+            # A handshake is not yet a counted connection: bound how long one may take.
+            ssl_handshake_timeout=min(server.idle_timeout_ms / 1000, 30.0),
+        )
         await site.start()
         structlog.get_logger("fencegate").info(
             "gateway.listening", listen=site.name, max_connections=server.max_connections

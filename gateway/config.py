@@ -108,6 +108,14 @@ class ServerConfig(_Section):
     idle_timeout_ms: Annotated[int, Field(ge=1_000, le=60 * _MINUTE_MS)] = 75_000
     #: Open client connections; past it a new connection is answered 503 and closed.
     max_connections: Annotated[int, Field(ge=1, le=100_000)] = 500
+    #: TLS (docs/security.md, "mTLS"): PEM certificate chain and private key; with both the
+    #: listener speaks HTTPS only (TLS 1.2+). A relative path is from the working directory.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    #: PEM CA certificate(s): every client must present a certificate they signed
+    #: (ssl.CERT_REQUIRED), and principals may be identified by its CN (``certificate_cn``).
+    #: Needs tls_cert_file and tls_key_file. Only these CAs are trusted, never the system's.
+    tls_client_ca_file: str | None = None
 
     @field_validator("listen")
     @classmethod
@@ -138,6 +146,34 @@ class ServerConfig(_Section):
             if not _ORIGIN_ENTRY.fullmatch(entry):
                 raise ValueError(f"{entry!r} is not an origin (http[s]://host[:port], no path)")
         return out
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_client_ca_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not (Path(value).is_file() and os.access(value, os.R_OK)):
+            raise ValueError(f"{value!r} is not a readable file")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> ServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, needed = (
+                ("tls_cert_file", "tls_key_file")
+                if self.tls_key_file is None
+                else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(f"{given} needs {needed} (both or neither)")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "
+                "are only asked for over TLS)"
+            )
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """The listener speaks HTTPS."""
+        return self.tls_cert_file is not None
 
     @model_validator(mode="after")
     def _hosts_beyond_loopback(self) -> ServerConfig:
@@ -409,12 +445,16 @@ ROLES: tuple[Role, ...] = ("scheduler", "worker", "operator", "observer")
 
 
 class PrincipalConfig(_Section):
-    """One identity: a unique name, its roles, and the SHA-256 of its bearer token. The token
-    itself is never in the file (``fencegate token new`` prints a token and these lines)."""
+    """One identity: a unique name, its roles, and its credentials: the SHA-256 of its bearer
+    token, the CN of its client certificate (mTLS), or both (either works). The token itself
+    is never in the file (``fencegate token new`` prints a token and these lines)."""
 
     name: str
     roles: Annotated[tuple[Role, ...], Field(min_length=1, strict=False)]
-    token_sha256: str
+    token_sha256: str | None = None
+    #: mTLS: a client certificate (signed by server.tls_client_ca_file) whose subject CN equals
+    #: this, exactly, is this principal.
+    certificate_cn: str | None = None
     # Scopes and limits (docs/security.md, "Scopes and limits"); absent: unlimited.
     #: The downstreams this principal may call through /proxy/{downstream}/...
     downstreams: Annotated[tuple[str, ...], Field(min_length=1, strict=False)] | None = None
@@ -455,10 +495,27 @@ class PrincipalConfig(_Section):
             raise ValueError("burst: only with rate_per_second")
         return self
 
+    @field_validator("certificate_cn")
+    @classmethod
+    def _cn(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not 1 <= len(value) <= 200
+            or value != value.strip()
+            or any(not c.isprintable() for c in value)
+        ):
+            raise ValueError("1 to 200 printable characters, no leading or trailing spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _has_credential(self) -> PrincipalConfig:
+        if self.token_sha256 is None and self.certificate_cn is None:
+            raise ValueError("needs token_sha256, certificate_cn or both")
+        return self
+
     @field_validator("token_sha256")
     @classmethod
-    def _digest(cls, value: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{64}", value):
+    def _digest(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-f]{64}", value):
             raise ValueError(
                 "expected the token's SHA-256 as 64 lowercase hex characters (never the token "
                 "itself; `fencegate token new` prints both)"
@@ -477,6 +534,7 @@ class AuthConfig(_Section):
             raise ValueError("principals: at least one [[auth.principals]] is needed")
         names: set[str] = set()
         digests: set[str] = set()
+        cns: set[str] = set()
         for i, principal in enumerate(self.principals):
             if principal.name in names:
                 raise ValueError(f"principals[{i}].name {principal.name!r} is used twice")
@@ -485,8 +543,16 @@ class AuthConfig(_Section):
                     f"principals[{i}] ({principal.name!r}).token_sha256 is another "
                     "principal's: every principal needs its own token"
                 )
+            if principal.certificate_cn in cns:
+                raise ValueError(
+                    f"principals[{i}] ({principal.name!r}).certificate_cn "
+                    f"{principal.certificate_cn!r} is another principal's"
+                )
             names.add(principal.name)
-            digests.add(principal.token_sha256)
+            if principal.token_sha256 is not None:
+                digests.add(principal.token_sha256)
+            if principal.certificate_cn is not None:
+                cns.add(principal.certificate_cn)
         return self
 
 
@@ -513,6 +579,16 @@ class Config(_Section):
                 raise ValueError(
                     f"downstreams[{i}].max_body_bytes exceeds server.max_body_bytes "
                     f"({self.server.max_body_bytes})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _certificates_need_a_client_ca(self) -> Config:
+        for i, principal in enumerate(self.auth.principals if self.auth else ()):
+            if principal.certificate_cn is not None and self.server.tls_client_ca_file is None:
+                raise ValueError(
+                    f"auth.principals[{i}] ({principal.name!r}).certificate_cn needs "
+                    "server.tls_client_ca_file (no client certificate is asked for without it)"
                 )
         return self
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,8 +136,9 @@ _DEFAULT_PORT = {"http": 80, "https": 443}
 
 def origin_allowed(server: ServerConfig, origin: str, local_port: int | None = None) -> bool:
     """Whether a browser page at ``origin`` may call the gateway. By default only the
-    gateway's own origins: http on the listen host, localhost, 127.0.0.1 or [::1], at the
-    listen port or the port the connection arrived on. ``null`` is never allowed."""
+    gateway's own origins: http (https when the listener speaks TLS) on the listen host,
+    localhost, 127.0.0.1 or [::1], at the listen port or the port the connection arrived on.
+    ``null`` is never allowed."""
     parsed = _split_origin(origin)
     if parsed is None:
         return False
@@ -143,7 +146,7 @@ def origin_allowed(server: ServerConfig, origin: str, local_port: int | None = N
         return any(_split_origin(entry) == parsed for entry in server.allowed_origins)
     _, listen_port = _listen_name(server)
     return (
-        parsed[0] == "http"
+        parsed[0] == ("https" if server.tls else "http")
         and parsed[1] in _default_hosts(server)
         and parsed[2] in (listen_port, local_port)
     )
@@ -360,7 +363,7 @@ class _GuardedHandler(web.RequestHandler):
             detail = " ".join((message or (exc and str(exc)) or "malformed request").split())
             detail = detail[:300]
             log.info("http.malformed_request", status=status, detail=detail, peer=request.remote)
-            if "version" in detail.lower():
+            if _names_unserved_version(detail):
                 error = HttpVersionNotSupported(detail)
             else:
                 error = BadRequest(detail)
@@ -370,6 +373,16 @@ class _GuardedHandler(web.RequestHandler):
         response = problem_response(error)
         response.force_close()
         return response
+
+
+_VERSION_TOKEN = re.compile(r"HTTP/(\d+)\.(\d+)")
+
+
+def _names_unserved_version(detail: str) -> bool:
+    """505 only when the parser's message quotes a version we do not serve (``HTTP/3.0``);
+    any other complaint that happens to mention "version" (a bare-LF line) is a 400."""
+    versions = [(int(a), int(b)) for a, b in _VERSION_TOKEN.findall(detail)]
+    return bool(versions) and all(v not in _VERSIONS for v in versions)
 
 
 def handler_factory(
@@ -388,7 +401,7 @@ def handler_factory(
 class GuardedSite(web.BaseSite):
     """A TCP listener whose connections are built by ``handler_factory``."""
 
-    __slots__ = ("_factory", "_host", "_port")
+    __slots__ = ("_factory", "_handshake_timeout", "_host", "_port")
 
     def __init__(
         self,
@@ -398,20 +411,30 @@ class GuardedSite(web.BaseSite):
         factory: Callable[[], web.RequestHandler],
         *,
         backlog: int = 128,
+        ssl_context: ssl.SSLContext | None = None,
+        ssl_handshake_timeout: float | None = None,
     ) -> None:
-        super().__init__(runner, backlog=backlog)
+        super().__init__(runner, backlog=backlog, ssl_context=ssl_context)
         self._host = host
         self._port = port
         self._factory = factory
+        self._handshake_timeout = ssl_handshake_timeout if ssl_context is not None else None
 
     @property
     def name(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self._port}"
+        scheme = "https" if self._ssl_context is not None else "http"
+        return f"{scheme}://{host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._factory, self._host, self._port, backlog=self._backlog, reuse_address=True
+            self._factory,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._handshake_timeout,
         )
