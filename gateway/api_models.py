@@ -13,6 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
+from fencegate.gateway.http_rules import StrictJsonError, no_constant, unique_keys
 from fencegate.ledger.errors import BadRequest
 
 __all__ = [
@@ -87,33 +88,15 @@ def _field(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(part) for part in loc) or "body"
 
 
-class _StrictJson(Exception):
-    """JSON that Python's parser accepts and the contract does not."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """Two values for one key: which one counts depends on the parser, so neither does."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _StrictJson(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise _StrictJson(f"{name} is not a JSON number")
-
-
 def parse_body(raw: bytes, model: type[M]) -> M:
     """Decode a JSON object body into ``model`` or raise one BadRequest naming the fields."""
     try:
         data: Any = (
-            json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+            json.loads(raw, object_pairs_hook=unique_keys, parse_constant=no_constant)
             if raw.strip()
             else None
         )
-    except _StrictJson as exc:
+    except StrictJsonError as exc:
         raise BadRequest(f"body: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise BadRequest(f"body is not valid JSON: {exc}") from exc

@@ -23,12 +23,15 @@ __all__ = [
     "METHOD_OVERRIDE_PARAM",
     "NEVER_STORED",
     "SAFE_METHODS",
+    "StrictJsonError",
     "canonical_body",
     "downstream_request_headers",
     "is_json",
+    "no_constant",
     "refuse_method_override",
     "split_proxy_path",
     "stored_response_headers",
+    "unique_keys",
     "upstream_response_headers",
     "without_secret_values",
 ]
@@ -163,12 +166,15 @@ NEVER_STORED = frozenset({"set-cookie", "set-cookie2", "authorization", "proxy-a
 
 
 def stored_response_headers(
-    downstream_headers: Iterable[tuple[str, str]], never_store: Iterable[str] = ()
+    downstream_headers: Iterable[tuple[str, str]],
+    never_store: Iterable[str] = (),
+    secret_values: Iterable[str] = (),
 ) -> list[list[str]]:
     """What a replay may repeat: the live headers minus ``NEVER_STORED`` and the
     ``never_store`` names (the downstream's ``never_store_headers`` and every header its
-    ``headers_from_env`` sets; any case)."""
-    kept = upstream_response_headers(downstream_headers)
+    ``headers_from_env`` sets; any case), and minus any field that echoes one of
+    ``secret_values`` (``without_secret_values``)."""
+    kept = without_secret_values(upstream_response_headers(downstream_headers), secret_values)
     drop = NEVER_STORED | {name.lower() for name in never_store}
     return [[name, value] for name, value in kept.items() if name.lower() not in drop]
 
@@ -205,8 +211,25 @@ def is_json(content_type: str) -> bool:
     )
 
 
-class _Refused(Exception):
-    """A JSON body the digest will not take (not a ValueError: ``json`` must not swallow it)."""
+class StrictJsonError(Exception):
+    """JSON that Python's parser accepts and fencegate does not: duplicate keys (parsers
+    disagree on which one wins) and NaN / Infinity (not JSON). Not a ValueError, so ``json``
+    does not swallow it."""
+
+
+def unique_keys(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for strict JSON: two values for one key is an error."""
+    seen: set[str] = set()
+    for key, _ in items:
+        if key in seen:
+            raise StrictJsonError(f"duplicate key {key[:100]!r} in an object")
+        seen.add(key)
+    return dict(items)
+
+
+def no_constant(name: str) -> Any:
+    """``parse_constant`` for strict JSON."""
+    raise StrictJsonError(f"{name} is not a JSON number")
 
 
 #: Integer literals longer than this are not converted (Python refuses over 4300 digits);
@@ -237,14 +260,6 @@ def canonical_body(body: bytes, content_type: str) -> bytes:
         return body
     lossy = False
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        seen: set[str] = set()
-        for key, _ in items:
-            if key in seen:
-                raise _Refused(f"JSON body: duplicate key {key[:100]!r} in an object")
-            seen.add(key)
-        return dict(items)
-
     def number(literal: str) -> float:
         nonlocal lossy
         value = float(literal)
@@ -259,19 +274,16 @@ def canonical_body(body: bytes, content_type: str) -> bytes:
             return 0
         return int(literal)
 
-    def constant(name: str) -> Any:
-        raise _Refused(f"JSON body: {name} is not a JSON number")
-
     try:
         value = json.loads(
             body,
-            object_pairs_hook=pairs,
+            object_pairs_hook=unique_keys,
             parse_float=number,
             parse_int=integer,
-            parse_constant=constant,
+            parse_constant=no_constant,
         )
-    except _Refused as exc:
-        raise BadRequest(str(exc)) from None
+    except StrictJsonError as exc:
+        raise BadRequest(f"JSON body: {exc}") from None
     except (ValueError, RecursionError):
         return body
     try:

@@ -715,13 +715,9 @@ async def _forward_effect(
             kept = body
         else:
             omitted = OMITTED_TOO_LARGE
-        headers = [
-            [name, value]
-            for name, value in stored_response_headers(
-                resp.headers.items(), call.downstream.unstored_headers
-            )
-            if not any(secret and secret in value for secret in _credential_values(call))
-        ]
+        headers = stored_response_headers(
+            resp.headers.items(), call.downstream.unstored_headers, _credential_values(call)
+        )
         answer = response_json(resp.status, headers, kept, omitted_reason=omitted)
         recorded = await _record(request, call, effect, seq, outcome, reason, answer, fields)
         return _fence_headers(recorded, None, False)

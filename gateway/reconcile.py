@@ -68,16 +68,12 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
         ) as resp:
             raw = await resp.content.read(_PROBE_BODY_LIMIT)
             status = resp.status
-            # The same rule as a forward's stored answer: no credential header, no echo of
-            # the gateway's credential values.
-            secrets = [v for v in adapter.outbound_headers(None, None).values() if v]
-            headers = [
-                [name, value]
-                for name, value in stored_response_headers(
-                    resp.headers.items(), downstream.unstored_headers
-                )
-                if not any(secret in value for secret in secrets)
-            ]
+            # The same rule as a forward's stored answer (credential names and values).
+            headers = stored_response_headers(
+                resp.headers.items(),
+                downstream.unstored_headers,
+                adapter.outbound_headers(None, None).values(),
+            )
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"
     body: Any = None
