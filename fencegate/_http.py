@@ -11,13 +11,20 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from multidict import CIMultiDictProxy
 
 from fencegate.errors import PROBLEM_TYPE_PREFIX, ProblemError, error_from_problem
 
-__all__ = ["RawAnswer", "Transport", "gateway_problem", "task_path"]
+__all__ = [
+    "RawAnswer",
+    "Transport",
+    "describe_exception",
+    "gateway_problem",
+    "proxied_downstream",
+    "task_path",
+]
 
 #: Characters of the id grammar, left as they are in paths (``/`` included, as the contract says).
 _ID_SAFE = "/:@._-"
@@ -55,6 +62,23 @@ def gateway_problem(answer: RawAnswer) -> ProblemError | None:
 def task_path(task_id: str, action: str = "") -> str:
     """``/v1/tasks/{taskId}`` (or ``.../{action}``), the id percent-encoded as the contract says."""
     return f"/v1/tasks/{quote(task_id, safe=_ID_SAFE)}" + (f"/{action}" if action else "")
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``exc`` as a reason an operator can act on: its class, and its text when it has one.
+    Many transport errors (``TimeoutError()``, a bare ``ServerDisconnectedError``) have an
+    empty ``str()``, which used to end messages in ``(timed out: )``."""
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def proxied_downstream(path: str) -> str | None:
+    """The downstream a ``/proxy/{downstream}/...`` path goes to (None: not a proxied call)."""
+    if not path.startswith("/proxy/"):
+        return None
+    name = path.removeprefix("/proxy/").split("/", 1)[0].split("?", 1)[0]
+    return unquote(name) or None
 
 
 class Transport(Protocol):

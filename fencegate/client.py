@@ -8,7 +8,8 @@ Operator side: ``list_effects`` / ``iter_effects``, ``get_effect``, ``resolve_ef
 ``approve_effect``, ``reconcile_effect``, ``get_rollout``.
 
 Every refusal of the gateway is raised as its typed exception (``fencegate.errors``);
-a gateway that does not answer is ``GatewayUnreachable``.
+a gateway that does not answer is ``GatewayUnreachable`` (``ClientTimeout`` when the SDK's
+own timeout fired first).
 """
 
 from __future__ import annotations
@@ -26,8 +27,14 @@ from urllib.parse import quote, urlencode
 import aiohttp
 from yarl import URL
 
-from fencegate._http import RawAnswer, gateway_problem, task_path
-from fencegate.errors import GatewayUnreachable, ProblemError
+from fencegate._http import (
+    RawAnswer,
+    describe_exception,
+    gateway_problem,
+    proxied_downstream,
+    task_path,
+)
+from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError
 from fencegate.lease import ClaimScope, Lease
 
 __all__ = ["TOKEN_ENV", "Client", "Epoch", "TaskRecord"]
@@ -97,7 +104,8 @@ class Client:
     ``[auth]``, sent as ``Fence-Authorization: Bearer <token>`` with every call, proxied calls
     included (``Fence-*`` never reaches a downstream); it defaults to ``$FENCEGATE_TOKEN``
     (pass ``token=""`` to send none). ``timeout`` bounds each call in seconds, proxied calls
-    included (keep it above the downstreams' ``timeout_ms``); ``operator`` is sent as
+    included (keep it above the downstreams' ``timeout_ms``: the SDK cannot see them, and
+    ``ClientTimeout`` says so when it fires first); ``operator`` is sent as
     ``Fence-Operator`` on operator calls.
     """
 
@@ -157,6 +165,7 @@ class Client:
     ) -> RawAnswer:
         """One HTTP exchange with the gateway; ``path`` is sent as given (already encoded)."""
         all_headers = {**self.headers, **(headers or {})}
+        seconds = timeout_s or self.timeout
         try:
             async with self._http().request(
                 method,
@@ -164,14 +173,22 @@ class Client:
                 data=body,
                 headers=all_headers,
                 allow_redirects=False,
-                timeout=self._timeout(timeout_s or self.timeout),
+                timeout=self._timeout(seconds),
             ) as resp:
                 raw = await resp.read()
                 return RawAnswer(resp.status, resp.headers, raw, resp.reason or "")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            what = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}"
+        except TimeoutError as exc:  # aiohttp's own timeout errors are TimeoutErrors too
+            raise ClientTimeout(
+                method,
+                path,
+                url=self.url,
+                timeout_s=seconds,
+                downstream=proxied_downstream(path),
+            ) from exc
+        except aiohttp.ClientError as exc:
             raise GatewayUnreachable(
-                f"{method} {path}: no answer from the gateway ({what}: {exc})"
+                f"{method} {path}: no answer from the gateway at {self.url} "
+                f"({describe_exception(exc)})"
             ) from exc
 
     async def call(
@@ -237,6 +254,21 @@ class Client:
     async def get_task(self, task_id: str) -> TaskRecord:
         _, answer = await self.call("GET", self.task_path(task_id))
         return TaskRecord.from_json(answer)
+
+    async def list_tasks(
+        self,
+        *,
+        state: str | None = None,
+        owner: str | None = None,
+        cursor: str | None = None,
+        limit: int = 100,
+    ) -> dict[str, Any]:
+        """One page of ``GET /v1/tasks``, in taskId order: ``{"tasks": [...], "nextCursor"}``.
+        Pass ``nextCursor`` back as ``cursor`` for the next page (None: that was the last)."""
+        query = {"state": state, "owner": owner, "cursor": cursor, "limit": str(limit)}
+        params = {name: value for name, value in query.items() if value is not None}
+        _, answer = await self.call("GET", "/v1/tasks?" + urlencode(params))
+        return dict(answer)
 
     async def cancel_task(self, task_id: str) -> int:
         """Cancel the task; answers its new ``cancelGeneration``."""

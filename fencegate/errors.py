@@ -4,9 +4,12 @@ The tree::
 
     FencegateError                       root of everything the SDK raises on purpose
     ├── GatewayUnreachable               no answer from the gateway (connect failed, timed
-    │                                    out, connection broke): the call may or may not
-    │                                    have been applied; every fencegate call is safe to
-    │                                    repeat as it was (the ledger and commit replay)
+    │   │                                out, connection broke): the call may or may not
+    │   │                                have been applied; every fencegate call is safe to
+    │   │                                repeat as it was (the ledger and commit replay)
+    │   └── ClientTimeout                the SDK's own timeout fired first (``timeout_s``,
+    │                                    ``downstream``): keep it above the downstream's
+    │                                    ``timeout_ms``
     ├── LeaseLost                        the lease is gone: a renewal or call was refused
     │                                    (``cause`` holds the refusal) or the lease would
     │                                    run out before a renewal got through (``cause`` None)
@@ -56,6 +59,7 @@ __all__ = [
     "ClaimRefused",
     "Claimed",
     "ClaimsPaused",
+    "ClientTimeout",
     "Conflict",
     "DownstreamBusy",
     "DownstreamTimeout",
@@ -102,6 +106,44 @@ class FencegateError(Exception):
 
 class GatewayUnreachable(FencegateError):
     """The gateway did not answer. The call may or may not have been applied."""
+
+
+class ClientTimeout(GatewayUnreachable):
+    """The SDK's own timeout fired before the gateway answered: nothing failed at the gateway
+    yet, the SDK stopped waiting. A subclass of ``GatewayUnreachable`` so that handlers of "no
+    answer" keep working; its own class so that the fix (a longer ``timeout_s``) is not lost
+    in "unreachable".
+
+    A proxied call legitimately waits up to its downstream's ``timeout_ms`` at the gateway,
+    which the SDK cannot see, so the message names the knob on both sides.
+    """
+
+    def __init__(
+        self, method: str, path: str, *, url: str, timeout_s: float, downstream: str | None
+    ) -> None:
+        self.method = method
+        self.path = path
+        self.url = url
+        self.timeout_s = timeout_s
+        #: The downstream of a proxied call (``/proxy/{downstream}/...``), else None.
+        self.downstream = downstream
+        if downstream is not None:
+            why = (
+                f"a call proxied to {downstream!r} waits at the gateway up to that "
+                f"downstream's timeout_ms: set timeout_s above it. The call may have been "
+                f"forwarded: retrying the same call is safe (same effect id: replayed, or "
+                f"EffectInFlight / EffectUnknown)"
+            )
+        else:
+            why = (
+                "the gateway (or its store) answers slower than that: raise timeout_s or "
+                "check the gateway's /readyz. The call may have been applied: every "
+                "fencegate call is safe to repeat as it was"
+            )
+        super().__init__(
+            f"{method} {path}: no answer from the gateway at {url} within the SDK's "
+            f"timeout_s={timeout_s:g} (Client(timeout=...), or timeout_s= of this call); {why}"
+        )
 
 
 class LeaseLost(FencegateError):

@@ -24,6 +24,7 @@ from fencegate.gateway.proxy import proxy_answer_headers, proxy_handler
 from fencegate.gateway.reconcile import Reconciler
 from fencegate.gateway.request_guard import request_guard
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from fencegate.gateway.version import gateway_version
 from fencegate.ledger.errors import StoreUnavailable
 from fencegate.ledger.registry import open_store
 from fencegate.ledger.store import Store
@@ -51,7 +52,7 @@ def build_store(config: Config) -> Store:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "version": gateway_version()})
 
 
 async def readyz(request: web.Request) -> web.Response:

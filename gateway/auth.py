@@ -96,7 +96,9 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("GET", "/metrics"): _READERS,
         ("GET", "/openapi.json"): _EVERY_ROLE,  # the API description; no secrets in it
         ("GET", "/v1/rollout"): _READERS,
-        # tasks: schedulers create, revise and cancel; workers hold leases
+        # tasks: schedulers create, revise and cancel; workers hold leases. The list is for
+        # the people and programs that watch the queue (a worker claims what it is given).
+        ("GET", "/v1/tasks"): _only(_SCHEDULER, _OPERATOR, _OBSERVER),
         ("PUT", "/v1/tasks/{task_id}"): _only(_SCHEDULER),
         ("POST", "/v1/tasks/{task_id}/cancel"): _only(_SCHEDULER),
         # The record shows attemptId and owner: worth nothing without the holder's credential

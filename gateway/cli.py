@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fencegate.gateway.config import ConfigError, ServerConfig, load_config, parse_listen
+from fencegate.gateway.config import (
+    Config,
+    ConfigError,
+    ServerConfig,
+    load_config,
+    parse_listen,
+)
 from fencegate.gateway.demo import register as _add_demo
+from fencegate.gateway.ops_cli import add_global_options, merge_global_options
 from fencegate.gateway.ops_cli import register as _add_ops
 from fencegate.gateway.token_cli import register as _add_token
+from fencegate.gateway.version import gateway_version
 
 __all__ = ["main", "reload_auth", "server_ssl_context"]
 
@@ -50,9 +59,23 @@ def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
+def _public_url(url: str) -> str:
+    """``url`` as it may be logged or printed: no userinfo (a Redis password), no query or
+    fragment (an API key passed as a parameter)."""
+    from yarl import URL
+
+    try:
+        parsed = URL(url)
+        return str(parsed.with_user(None).with_query(None).with_fragment(None))
+    except (ValueError, TypeError):
+        return url.split("@")[-1].split("?")[0]
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Every line this writes to stderr is one JSON object (gateway/logs.py), start-up errors
-    included; exit 2 for a config that cannot be used, 1 for a store or listen failure."""
+    included; exit 2 for a config that cannot be used, 1 for a store or listen failure.
+    ``--check`` is for a person at a terminal (and a deploy script's exit code): plain lines,
+    the summary on stdout and the one error on stderr."""
     # Imported here: the operator commands should not pay for the server's imports.
     import asyncio
 
@@ -63,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fencegate.gateway.logs import configure_logging
     from fencegate.ledger.errors import StoreUnavailable
 
-    configure_logging("info")
+    configure_logging("error" if args.check else "info")
     log = structlog.get_logger("fencegate")
     try:
         config = load_config(args.config)
@@ -72,13 +95,32 @@ def _serve(args: argparse.Namespace) -> int:
             config = with_listen(config, args.listen)
         ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:
-        log.error("gateway.config_error", error=f"config error: {exc}")
+        if args.check:
+            print(f"fencegate serve --check: config error: {exc}", file=sys.stderr)
+        else:
+            log.error("gateway.config_error", error=f"config error: {exc}")
         return 2
+    if args.check:
+        return _check(config, args.config, ssl_context is not None)
     listen = config.server.listen
     host, port = parse_listen(listen)
     configure_logging(config.logging.level)
     log = structlog.get_logger("fencegate")
-    log.info("gateway.starting", listen=listen, store=config.store.url.split("@")[-1])
+    log.info(
+        "gateway.starting",
+        version=gateway_version(),
+        config=os.path.abspath(args.config) if args.config else None,
+        listen=listen,
+        store=_public_url(config.store.url),
+    )
+    for downstream in config.downstreams:
+        log.info(
+            "gateway.downstream",
+            name=downstream.name,
+            url=_public_url(downstream.url),
+            adapter=downstream.adapter,
+            timeout_ms=downstream.timeout_ms,
+        )
     if config.auth is None:
         log.warning(
             "gateway.unauthenticated",
@@ -95,6 +137,67 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         log.error("gateway.cannot_listen", listen=listen, error=exc.strerror or str(exc))
         return 1
+    return 0
+
+
+def _check(config: Config, config_path: str | None, tls: bool) -> int:
+    """``serve --check``: everything ``serve`` does before it binds (the app is built, the
+    store opened, pinged and closed), then a summary. Like ``nginx -t``, it answers "would
+    this start?" without taking the port from a running gateway. A store that answers but
+    would keep ``/readyz`` failing (``store.require_durable``) fails the check too."""
+    import asyncio
+
+    from fencegate.gateway.app import create_app
+    from fencegate.gateway.state import STORE
+    from fencegate.ledger.errors import StoreUnavailable
+    from fencegate.ledger.store import Store
+
+    async def reach(store: Store) -> list[str]:
+        await store.open()
+        try:
+            await store.ping()
+            return await store.durability()
+        finally:
+            await store.close()
+
+    store_url = _public_url(config.store.url)
+    try:
+        app = create_app(config)
+        warnings = asyncio.run(reach(app[STORE]))
+    except (StoreUnavailable, OSError) as exc:
+        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
+        print(
+            f"fencegate serve --check: store error: {store_url}: {reason or type(exc).__name__}",
+            file=sys.stderr,
+        )
+        return 1
+    if warnings and config.store.require_durable:
+        print(
+            f"fencegate serve --check: store error: {store_url}: " + "; ".join(warnings)
+            + " (store.require_durable = true: /readyz would fail; fix Redis or set it false)",
+            file=sys.stderr,
+        )  # fmt: skip
+        return 1
+    scheme = "https" if tls else "http"
+    lines = [
+        f"config: {os.path.abspath(config_path) if config_path else '(built-in defaults)'}",
+        f"store: {store_url} (reached)",
+        *(f"warning: store: {w}" for w in warnings),
+        f"listen: {scheme}://{config.server.listen} (not bound by --check)",
+        "auth: "
+        + (
+            f"{len(config.auth.principals)} principal(s)"
+            if config.auth is not None
+            else "none: any client that reaches the address may use every endpoint"
+        ),
+        f"downstreams: {len(config.downstreams)}",
+        *(
+            f"  {d.name}: url={_public_url(d.url)} adapter={d.adapter} timeout_ms={d.timeout_ms}"
+            for d in config.downstreams
+        ),
+        "fencegate serve --check: ok (the config is valid and the store answers)",
+    ]
+    print("\n".join(lines))
     return 0
 
 
@@ -140,6 +243,7 @@ async def _run(
     import asyncio
     import logging
     import signal
+    import time
 
     import structlog
     from aiohttp import web
@@ -167,24 +271,40 @@ async def _run(
             ssl_handshake_timeout=min(server.idle_timeout_ms / 1000, 30.0),
         )
         await site.start()
-        structlog.get_logger("fencegate").info(
-            "gateway.listening", listen=site.name, max_connections=server.max_connections
-        )
+        log = structlog.get_logger("fencegate")
+        log.info("gateway.listening", listen=site.name, max_connections=server.max_connections)
         stop = asyncio.Event()
+        received: list[str] = []
+
+        def on_signal(signum: signal.Signals) -> None:
+            received.append(signum.name)
+            stop.set()
+
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, on_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, reload_auth, app, config_path)
         await stop.wait()
-        structlog.get_logger("fencegate").info("gateway.stopping")
+        log.info("gateway.stopping", signal=received[0])
+        draining_since = time.monotonic()
     finally:
+        # Closes the listener, waits for the requests in flight (aiohttp's shutdown timeout),
+        # then runs the app's cleanup (reconciler, HTTP client, store).
         await runner.cleanup()
+    structlog.get_logger("fencegate").info(
+        "gateway.stopped", drain_ms=round((time.monotonic() - draining_since) * 1000)
+    )
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", metavar="FILE", help="TOML config (default: embedded store)")
     serve.add_argument("--listen", metavar="HOST:PORT", help="override server.listen")
+    serve.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config, reach the store, print a summary and exit (never binds)",
+    )
     serve.set_defaults(func=_serve)
 
 
@@ -202,10 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="fencegate", description="A fencing gateway for autonomous workers."
     )
+    parser.add_argument("--version", action="version", version=f"fencegate {gateway_version()}")
+    # The operator commands' options may also come before the command (fencegate --url U ...).
+    add_global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
     args = parser.parse_args(argv)
+    merge_global_options(parser, args)
     code: int = args.func(args)
     return code
 

@@ -8,6 +8,7 @@ the handler logs them first so every decision, granted or not, leaves exactly on
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -26,6 +27,8 @@ from fencegate.gateway.api_models import (
 from fencegate.gateway.principals import principal_of
 from fencegate.gateway.state import CONFIG, METRICS, STORE
 from fencegate.ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
+from fencegate.ledger.queries import TaskFilter
+from fencegate.ledger.store import decode_task_cursor, encode_task_cursor
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -33,12 +36,19 @@ from fencegate.ledger.tasks import (
     PutOutcome,
     RenewRequest,
     Scheduler,
+    TaskState,
     task_to_json,
 )
 
-__all__ = ["routes"]
+__all__ = ["MAX_TASK_PAGE", "routes"]
 
 log = structlog.get_logger("fencegate.coordination")
+#: One stable event name per put outcome, spelled out so tests/test_log_events.py can read them.
+_PUT_EVENTS = {
+    PutOutcome.CREATED: "task.created",
+    PutOutcome.REVISED: "task.revised",
+    PutOutcome.UNCHANGED: "task.unchanged",
+}
 T = TypeVar("T")
 
 routes = web.RouteTableDef()
@@ -50,9 +60,11 @@ async def _decide(
     fields: dict[str, Any],
     step: Callable[[], Awaitable[T]],
     point: str | None = None,
+    granted: Callable[[T], str] = lambda result: "granted",
 ) -> T:
     """Run one store step, logging ``<event>.rejected`` with the code when it is refused, and
-    counting the acceptance point's decision (``point``: claim, renew or commit)."""
+    counting the acceptance point's decision (``point``: claim, renew or commit; a granted
+    one under ``granted(result)``)."""
     try:
         result = await step()
     except FencegateError as exc:
@@ -63,7 +75,7 @@ async def _decide(
             )
         raise
     if point is not None:
-        request.app[METRICS].decision(point, None, validated=True)
+        request.app[METRICS].decision(point, None, validated=True, granted=granted(result))
     return result
 
 
@@ -194,7 +206,12 @@ async def commit(request: web.Request) -> web.Response:
         "epoch": body.schedulerEpoch,
     }
     task, replay = await _decide(
-        request, "commit", fields, lambda: request.app[STORE].commit(task_id, req), "commit"
+        request,
+        "commit",
+        fields,
+        lambda: request.app[STORE].commit(task_id, req),
+        "commit",
+        lambda done: "replayed" if done[1] else "committed",
     )
     assert task.commit is not None
     if not replay:
@@ -238,13 +255,63 @@ async def put_task(request: web.Request) -> web.Response:
         lambda: request.app[STORE].put_task(task_id, body.inputDigest, body.maxRuntimeMs),
     )
     log.info(
-        f"task.{outcome.value.lower()}",
+        _PUT_EVENTS[outcome],
         task=task_id,
         revision=task.revision,
         input_digest=task.input_digest,
     )
     status = 201 if outcome is PutOutcome.CREATED else 200
     return web.json_response(task_to_json(task), status=status)
+
+
+#: Most tasks one page of ``GET /v1/tasks`` holds.
+MAX_TASK_PAGE = 500
+_TASK_QUERY = frozenset({"state", "owner", "cursor", "limit"})
+_ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
+
+
+def _task_filter(request: web.Request) -> tuple[TaskFilter, int, str | None]:
+    """``GET /v1/tasks``'s query: the filter (with the caller's scope), the page size and the
+    task id to continue after; a bad parameter is 400 naming it."""
+    query = request.query
+    unknown = set(query) - _TASK_QUERY
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    for name in _TASK_QUERY:
+        if len(query.getall(name, [])) > 1:
+            raise BadRequest(f"{name}: given more than once")
+    state = query.get("state")
+    if state is not None and state not in TaskState.__members__:
+        raise BadRequest(f"state: one of {', '.join(TaskState.__members__)}")
+    owner = query.get("owner")
+    if owner is not None and not 1 <= len(owner) <= 200:
+        raise BadRequest("owner: 1 to 200 characters")
+    raw_limit = query.get("limit", "100")
+    if not _ASCII_DIGITS.fullmatch(raw_limit) or not 1 <= int(raw_limit) <= MAX_TASK_PAGE:
+        raise BadRequest(f"limit: an integer from 1 to {MAX_TASK_PAGE}")
+    cursor = query.get("cursor")
+    if cursor is not None and (not cursor or len(cursor) > 400):
+        raise BadRequest("cursor: not a cursor this gateway issued")
+    after = decode_task_cursor(cursor) if cursor is not None else None
+    principal = principal_of(request)
+    prefixes = principal.scope.task_prefixes if principal is not None else None
+    wanted = TaskFilter(TaskState(state) if state else None, owner, prefixes)
+    return wanted, int(raw_limit), after
+
+
+@routes.get("/v1/tasks")
+async def list_tasks(request: web.Request) -> web.Response:
+    """Tasks in task id order, filtered; a principal whose scope limits task prefixes sees
+    only those tasks. A page may be short (even empty) while ``nextCursor`` is set: the
+    store reads a bounded number of records per call."""
+    wanted, limit, after = _task_filter(request)
+    found, last = await request.app[STORE].list_tasks(wanted, limit, after)
+    return web.json_response(
+        {
+            "tasks": [task_to_json(task) for task in found],
+            "nextCursor": encode_task_cursor(last) if last is not None else None,
+        }
+    )
 
 
 @routes.get(r"/v1/tasks/{task_id:.+}")

@@ -16,12 +16,19 @@ small "shop" API that records every call it receives, then plays four stories wi
    renewal period, and their successors claim at once under the new epoch.
 
 It ends with what the shop actually received, per Idempotency-Key (exactly one call each),
-and exits 0 only if every verdict was the expected one: it doubles as a smoke test.
+and exits 0 only if every verdict was the expected one: it doubles as a smoke test. Each story
+says in its own words what failure it shows and why the gateway's answer is the right one.
+
+It cleans up after itself, also when a story fails or on Ctrl-C: the temporary directory (and
+a ``--store sqlite:///FILE``, which must not exist beforehand) is deleted, and on Redis every
+key under the run's own key prefix (printed at the start), nothing else. ``--keep`` keeps it
+all and says where.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["register"]
 
@@ -32,7 +39,11 @@ def _run(args: argparse.Namespace) -> int:
     # The gateway's server, its stores and the SDK: only when the demo runs.
     from fencegate.gateway.demo_stories import run_demo
 
-    return asyncio.run(run_demo(store=args.store, keep=args.keep))
+    try:
+        return asyncio.run(run_demo(store=args.store, keep=args.keep))
+    except KeyboardInterrupt:  # run_demo has cleaned up and said so: no traceback
+        print("fencegate demo: interrupted", file=sys.stderr)
+        return 130
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,15 +55,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "Start a real gateway (embedded store in a temporary directory, or --store URL) "
             "in front of a small downstream, play the stories of a paused worker, a lost "
             "answer, duplicates and an epoch bump with the SDK, and narrate every verdict. "
-            "Exits 0 only if every story ended as it should."
+            "Exits 0 only if every story ended as it should. Everything it wrote is deleted "
+            "at the end, also on failure or Ctrl-C: its temporary directory, or on Redis "
+            "every key under its own key prefix (printed at the start)."
         ),
     )
     demo.add_argument(
         "--store",
         metavar="URL",
-        help="store URL, e.g. redis://127.0.0.1:6379/0 (default: embedded SQLite in a temp dir)",
+        help="store URL, e.g. redis://127.0.0.1:6379/0, or sqlite:///FILE for a file that does "
+        "not exist yet (default: embedded SQLite in a temp dir)",
     )
     demo.add_argument(
-        "--keep", action="store_true", help="keep the temporary directory (store, gateway log)"
+        "--keep",
+        action="store_true",
+        help="keep the temporary directory (store, gateway log) and, on Redis, the demo's keys",
     )
     demo.set_defaults(func=_run)

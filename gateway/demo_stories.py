@@ -10,6 +10,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -129,10 +130,12 @@ class Narrator:
     def line(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
 
-    def story(self, number: int, title: str, source: str) -> None:
+    def story(self, number: int, title: str, why: str) -> None:
+        """``why``: what goes wrong without the gateway, and why its answer is the right one,
+        in the demo's own words (it must make sense to someone who read nothing else)."""
         self.line()
         self.line(f"== {number}. {title} ==")
-        self.line(f"   ({source})")
+        self.line(textwrap.fill(why, width=94, initial_indent="   ", subsequent_indent="   "))
 
     def say(self, who: str, text: str) -> None:
         self.line(f"  {who}: {text}")
@@ -199,7 +202,10 @@ async def story_takeover(n: Narrator, client: Client, shop: Shop) -> None:
     n.story(
         1,
         "A worker pauses past its lease; another takes over",
-        'note "Use expiring leases for distributed jobs": A pauses, B claims, A resumes',
+        "A worker that stalls (a GC pause, a slow model call) cannot tell that its lease ran "
+        "out, and wakes up still acting as the task's owner. The gateway compares every "
+        "renewal, call and commit with the task's current claim, so the stale worker is "
+        "refused and only the new owner's work counts.",
     )
     task = "invoice-42"
     await step(
@@ -306,7 +312,10 @@ async def story_lost_answer(n: Narrator, client: Client, shop: Shop) -> None:
     n.story(
         2,
         "A lost answer: UNKNOWN, PAYLOAD_CONFLICT, EFFECT_UNKNOWN, then an operator",
-        'note "Multi-Agent Task Claims": A sends X and loses the answer; B generates Y',
+        "A call times out, so nobody knows whether the refund happened: sending it again "
+        "could pay twice, sending another one could pay the wrong amount. The gateway marks "
+        "the effect UNKNOWN and refuses both until an operator who checked the shop settles "
+        "it; from then on a retry gets the recorded answer.",
     )
     task = "refund-7"
     x, y = {"order": "o-7", "amount": 3000}, {"order": "o-7", "amount": 3500}
@@ -437,7 +446,9 @@ async def story_duplicates(n: Narrator, client: Client, shop: Shop) -> None:
     n.story(
         3,
         "Duplicates are replayed, not repeated",
-        'note "Lease-Based Task Ownership": idempotency makes effects repeatable',
+        "Retries and duplicate sends (a timeout, a retry storm, a restart) would each reach "
+        "a downstream that does not deduplicate. The gateway forwards the effect once and "
+        "answers every duplicate with the answer it recorded, so the customer gets one email.",
     )
     task = "email-9"
     await client.put_task(task, "sha256:in-9")
@@ -453,7 +464,7 @@ async def story_duplicates(n: Narrator, client: Client, shop: Shop) -> None:
                 "shop", "POST", "/emails", slot="welcome", json=email, wait_in_flight=wait
             )
 
-        first = asyncio.create_task(send())
+        first = _background(send())
         while len(shop.received) == before:
             await shop.arrived.wait()
             shop.arrived.clear()
@@ -540,7 +551,10 @@ async def story_epoch_bump(n: Narrator, client: Client, shop: Shop) -> None:
     n.story(
         4,
         "An epoch bump fences every old claim at once",
-        'note "Multi-Agent Task Claims": first stop new claims and increase schedulerEpoch',
+        "A worker pool must be retired now (a bad deploy, a rollback), but its leases would "
+        "be honoured until they run out. Once claims are paused and the scheduler epoch "
+        "bumped, the gateway refuses every claim of the old epoch at its next check, so the "
+        "old workers stop within one renewal and their successors need not wait.",
     )
     epoch = (await client.get_epoch()).scheduler_epoch
     tasks = [f"report-{i}" for i in (1, 2, 3)]
@@ -548,7 +562,7 @@ async def story_epoch_bump(n: Narrator, client: Client, shop: Shop) -> None:
         await client.put_task(task, f"sha256:in-{task}")
     n.say("scheduler", f"creates {', '.join(tasks)}; the scheduler epoch is {epoch}")
     old = [PageWorker(f"w{i}", task) for i, task in enumerate(tasks, 1)]
-    running = [asyncio.create_task(_write_pages(client, w, epoch)) for w in old]
+    running = [_background(_write_pages(client, w, epoch)) for w in old]
     await asyncio.sleep(0.35)
     n.say(
         "w1..w3",
@@ -634,6 +648,29 @@ async def story_epoch_bump(n: Narrator, client: Client, shop: Shop) -> None:
         )
 
 
+#: Calls a story started in the background and may not have awaited (it stopped early, or
+#: Ctrl-C): ``run_demo`` cancels them before it cleans up.
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def _background(call: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    task = asyncio.create_task(call)
+    _BACKGROUND.add(task)
+    # Retrieved here, so one that failed unawaited (the gateway stopped under it) is not
+    # reported as "never retrieved" on the user's terminal.
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+async def _cancel_background() -> None:
+    pending = [task for task in _BACKGROUND if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=5)
+
+
 async def _attempt(call: Awaitable[T]) -> T | FencegateError:
     try:
         return await call
@@ -671,12 +708,121 @@ async def summary(n: Narrator, client: Client, shop: Shop) -> None:
 
 # --- running it -----------------------------------------------------------------------------
 
+#: Store URL schemes whose keys the demo can find (by its key prefix) and delete.
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: Files SQLite may create next to a database.
+_SQLITE_SIDECARS = ("", "-wal", "-shm", "-journal")
+
+
+@dataclass
+class DemoStore:
+    """Where the demo keeps its state, and how it removes exactly that afterwards: a demo run
+    against a shared Redis must leave nothing behind, and must touch nothing it did not write
+    (hence a fresh key prefix per run, and a SQLite file only if it did not exist)."""
+
+    url: str
+    #: How the narration names it (no credentials).
+    label: str
+    #: Redis: every key the gateway writes starts with ``<key_prefix>:``.
+    key_prefix: str
+    workdir: Path
+    #: The database file a ``--store sqlite:///FILE`` names (the default one lives in
+    #: ``workdir``).
+    sqlite_file: Path | None = None
+
+    @classmethod
+    def choose(cls, store: str | None, workdir: Path) -> DemoStore:
+        prefix = f"demo{uuid.uuid4().hex[:8]}"
+        if store is None:
+            return cls(
+                f"sqlite:///{workdir / 'fencegate.db'}",
+                f"the embedded SQLite store in {workdir}",
+                prefix,
+                workdir,
+            )
+        named = Path(store[len("sqlite:///") :]) if store.startswith("sqlite:///") else None
+        return cls(store, store.split("@")[-1], prefix, workdir, named)
+
+    def describe(self, keep: bool) -> str:
+        """The narration's store line: which store, and what of it the demo will delete."""
+        fate = "kept: --keep" if keep else "deleted at the end"
+        if self.is_redis:
+            return f'Store: {self.label}, every key under the prefix "{self.key_prefix}:" ({fate}).'
+        return f"Store: {self.label} ({fate})."
+
+    @property
+    def is_redis(self) -> bool:
+        return _is_redis(self.url)
+
+    def refusal(self) -> str | None:
+        """Why the demo will not play on this store: an existing SQLite file holds someone's
+        tasks (or an earlier demo's, which would make the stories fail), and deleting it at
+        the end would delete them."""
+        path = self.sqlite_file
+        if path is not None and path.exists():
+            return (
+                f"{path} already exists: the demo needs a store of its own, which it deletes "
+                "at the end. Name a file that does not exist, or leave out --store."
+            )
+        return None
+
+    async def remove(self) -> str:
+        """Delete what the demo wrote; says what it removed. The temporary directory is
+        removed by the caller."""
+        if self.is_redis:
+            deleted = await _delete_keys(self.url, self.key_prefix)
+            return f'deleted the {deleted} keys under "{self.key_prefix}:" from {self.label}'
+        path = self.sqlite_file
+        if path is not None:
+            for suffix in _SQLITE_SIDECARS:
+                path.with_name(path.name + suffix).unlink(missing_ok=True)
+            return f"deleted {path}"
+        if self.url.startswith("sqlite:///"):
+            return f"deleted {self.workdir}"
+        return f"left its data in {self.label}: the demo can only clean up SQLite and Redis"
+
+    def kept(self) -> str:
+        if self.is_redis:
+            pattern = f"{self.key_prefix}:*"
+            return (
+                f'Kept the keys under "{self.key_prefix}:" in {self.label}; delete them with '
+                f"redis-cli -u URL --scan --pattern '{pattern}' | xargs redis-cli -u URL del"
+            )
+        path = self.sqlite_file
+        return f"Kept {path}." if path is not None else ""
+
+
+def _is_redis(url: str) -> bool:
+    return url.lower().startswith(_REDIS_SCHEMES)
+
+
+async def _delete_keys(url: str, prefix: str) -> int:
+    """SCAN and DEL every ``<prefix>:*`` key, in batches (never KEYS: it blocks a shared
+    Redis). Bounded: an unreachable Redis must not hang the demo's exit."""
+    from redis import asyncio as aioredis  # only when the demo ran on Redis
+
+    client = aioredis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    deleted = 0
+    try:
+        async with asyncio.timeout(30):
+            batch: list[bytes] = []
+            async for key in client.scan_iter(match=f"{prefix}:*", count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    deleted += await client.delete(*batch)
+                    batch = []
+            if batch:
+                deleted += await client.delete(*batch)
+    finally:
+        await client.aclose()
+    return deleted
+
 
 @contextlib.asynccontextmanager
-async def _gateway(store_url: str, shop_url: str) -> AsyncIterator[str]:
+async def _gateway(store: DemoStore, shop_url: str) -> AsyncIterator[str]:
     config = Config.model_validate(
         {
-            "store": {"url": store_url, "redis_key_prefix": f"demo{uuid.uuid4().hex[:8]}"},
+            "store": {"url": store.url, "redis_key_prefix": store.key_prefix},
             "proxy": {"prepared_margin_ms": 1000},
             "downstreams": [{"name": "shop", "url": shop_url, "timeout_ms": SHOP_TIMEOUT_MS}],
         }
@@ -709,40 +855,50 @@ def _log_to(path: Path) -> IO[str]:
 
 
 async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | None = None) -> int:
-    """Play every story; 0 if every verdict was the expected one, else 1."""
+    """Play every story; 0 if every verdict was the expected one, 1 if not, 2 if it would not
+    start. Whatever happens (a failure, Ctrl-C), what it wrote is removed unless ``keep``."""
     n = Narrator(out or sys.stdout)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="fencegate-demo-"))
-    store_url = store or f"sqlite:///{workdir / 'fencegate.db'}"
+    where = DemoStore.choose(store, workdir)
+    refusal = where.refusal()
+    if refusal is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        n.line(f"fencegate demo: {refusal}")
+        return 2
     log_file = _log_to(workdir / "gateway.log")
     shop = await Shop().start()
     try:
         # Bounded as a whole, start and shutdown included: a smoke test must not hang.
         async with (
             asyncio.timeout(45),
-            _gateway(store_url, shop.url) as url,
+            _gateway(where, shop.url) as url,
             Client(url, timeout=10) as client,
         ):
-            where = "the embedded SQLite store" if store is None else store.split("@")[-1]
-            n.line(f"fencegate demo: a real gateway on {url}, on {where},")
+            n.line(f"fencegate demo: a real gateway on {url},")
             n.line(f'in front of a small "shop" API on {shop.url} that records every call.')
+            n.line(where.describe(keep))
             n.line(
                 f"Leases last {TTL_MS} ms, so they run out while you watch; the shop gets "
                 f"{SHOP_TIMEOUT_MS} ms to answer."
             )
             stories = (story_takeover, story_lost_answer, story_duplicates, story_epoch_bump)
-            for story in (*stories, summary):
-                try:
-                    await story(n, client, shop)
-                except FencegateError as exc:
-                    n.check(False, "", f"the story stopped on {type(exc).__name__}: {exc}")
+            try:
+                for story in (*stories, summary):
+                    try:
+                        await story(n, client, shop)
+                    except FencegateError as exc:
+                        n.check(False, "", f"the story stopped on {type(exc).__name__}: {exc}")
+            finally:  # before the client closes: a call left running would open another
+                await _cancel_background()
     except Exception as exc:  # the demo is a smoke test: say what broke, exit non-zero
         n.check(False, "", f"the demo broke: {type(exc).__name__}: {exc}")
     finally:
+        # Also on Ctrl-C (asyncio.run cancels this task first): the gateway has stopped, so
+        # nothing writes to the store any more.
         await shop.stop()
         log_file.close()
-        if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        await _clean_up(n, where, keep)
     n.line()
     took = time.monotonic() - started
     if n.mismatches:
@@ -754,6 +910,26 @@ async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | 
             n.line(f"  - {problem}")
         return 1
     n.line(f"All {n.checked} verdicts as expected ({took:.1f} s). Every effect happened once.")
-    if keep:
-        n.line(f"Kept {workdir}: the store, and the gateway's decisions in gateway.log.")
     return 0
+
+
+async def _clean_up(n: Narrator, where: DemoStore, keep: bool) -> None:
+    """Remove the store's data and the temporary directory, and say so; a failure to clean up
+    fails the demo (it would otherwise leave a shared Redis dirty without a word)."""
+    n.line()
+    if keep:
+        n.line(f"Kept {where.workdir}: the store, and the gateway's decisions in gateway.log.")
+        kept = where.kept()
+        if kept:
+            n.line(kept)
+        return
+    try:
+        removed = await where.remove()
+    except Exception as exc:  # report it and go on to the temporary directory
+        problem = f"could not clean up {where.label}: {type(exc).__name__}: {exc}"
+        n.mismatches.append(problem)
+        n.line(f"Cleaning up: !! {problem}")
+        n.line(where.kept())
+    else:
+        n.line(f"Cleaning up: {removed}.")
+    shutil.rmtree(where.workdir, ignore_errors=True)

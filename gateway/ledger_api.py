@@ -143,26 +143,39 @@ async def resolve_effect(request: web.Request) -> web.Response:
         response_json = responses.response_json(
             given.status, given.headers.items(), given.body.encode()
         )
+    outcome = EffectState(body.outcome)
+    decided: list[effects.Resolution] = []
+
+    def settle(record: Effect | None, now: int) -> Effect:
+        # The store may run this more than once (compare-and-set); the last run is written.
+        decided.append(effects.resolution(record, outcome, body.note, operator, response_json,
+                                          now))  # fmt: skip
+        return decided[-1].effect
+
     try:
-        effect = await request.app[STORE].update_effect(
-            effect_id,
-            lambda record, now: effects.resolve(
-                record, EffectState(body.outcome), body.note, operator, response_json, now
-            ),
-        )
+        effect = await request.app[STORE].update_effect(effect_id, settle)
     except Exception as exc:
         log.info("operator.resolve_rejected", effect_id=effect_id, operator=operator,
                  reason=str(exc))  # fmt: skip
         raise
-    log.warning(
-        "operator.resolve",
-        effect_id=effect_id,
-        task=effect.task_id,
-        operator=operator,
-        outcome=body.outcome,
-        note=body.note,
-    )
-    return web.json_response(effect_to_json(effect))
+    done = decided[-1]
+    fields = {
+        "effect_id": effect_id,
+        "task": effect.task_id,
+        "operator": operator,
+        "outcome": body.outcome,
+        "note": body.note,
+        "response_digest": effects.response_identity(response_json),
+        "empty_replay": done.empty_replay,
+    }
+    if done.unchanged:
+        # A retry of the same resolve (a CLI whose answer was lost): nothing was recorded.
+        log.info("operator.resolve_unchanged", **fields)
+    else:
+        log.warning("operator.resolve", **fields)
+    answer = {**effect_to_json(effect), "unchanged": done.unchanged,
+              "warnings": list(done.warnings)}  # fmt: skip
+    return web.json_response(answer)
 
 
 @routes.post("/v1/effects/{effect_id}/reconcile")

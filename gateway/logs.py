@@ -8,6 +8,11 @@ Everything else that would write to stderr goes through the same renderer: the s
 library's loggers (aiohttp's ``aiohttp.*``, ``asyncio``, warnings) are forwarded as
 ``python.log`` events, and the access log is ``http.access`` (debug level). So every line a
 running ``fencegate serve`` writes is one JSON object.
+
+Every line has ``event``, ``level`` and ``ts`` (added here); each event's own fields are the
+keywords of its call. The list of events, levels and fields an operator can rely on is the
+"## Audit log" table of docs/operations.md; tests/test_log_events.py fails when an event or
+field the code emits is missing from it, so a new event is documented with its code.
 """
 
 from __future__ import annotations

@@ -14,22 +14,42 @@ that skips the checks (or a store that did not answer).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from fencegate.ledger.store import Gauges
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "FORWARD_OUTCOMES", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _HUMAN = (0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 
 
+#: ``fencegate_forward_seconds`` outcomes: what the ledger's outcome of the answer was, or
+#: how the forward failed (no answer: the slowest forwards, so never left out).
+FORWARD_OUTCOMES = ("committed", "not_applied", "unknown", "timeout", "unreachable")
+
+
+class _Registry(CollectorRegistry):
+    """A registry without the ``*_created`` series: one timestamp per counter and histogram
+    label set is noise on a dashboard and in the scrape. prometheus_client can only turn
+    them off process-wide (``disable_created_metrics``); this keeps it to our registry."""
+
+    def collect(self) -> Iterator[Metric]:
+        for family in super().collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family
+
+
 class Metrics:
     """One registry per app, so several apps in one process (tests) do not collide."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry = _Registry(auto_describe=True)
         self.claims = Counter(
             "fencegate_claims",
             "Claims by outcome (granted or the problem code)",
@@ -39,7 +59,12 @@ class Metrics:
         self.renewals = Counter(
             "fencegate_renewals", "Renewals by outcome", ["outcome"], registry=r
         )
-        self.commits = Counter("fencegate_commits", "Commits by outcome", ["outcome"], registry=r)
+        self.commits = Counter(
+            "fencegate_commits",
+            "Commits by outcome (committed, replayed, or the problem code)",
+            ["outcome"],
+            registry=r,
+        )
         self.rejections = Counter(
             "fencegate_rejections",
             "Refusals by acceptance point and code",
@@ -102,8 +127,9 @@ class Metrics:
         )
         self.forward_seconds = Histogram(
             "fencegate_forward_seconds",
-            "Forwards to downstreams",
-            ["downstream"],
+            "Every forward to a downstream, by outcome (committed, not_applied, unknown: the "
+            "answer's; timeout, unreachable: no answer)",
+            ["downstream", "outcome"],
             buckets=_LATENCY,
             registry=r,
         )
@@ -115,12 +141,15 @@ class Metrics:
             registry=r,
         )
 
-    def decision(self, point: str, code: str | None, *, validated: bool) -> None:
-        """One acceptance point's decision: ``code`` None means granted."""
+    def decision(
+        self, point: str, code: str | None, *, validated: bool, granted: str = "granted"
+    ) -> None:
+        """One acceptance point's decision: ``code`` None means granted, counted as
+        ``granted`` (a commit says what happened: ``committed`` or ``replayed``)."""
         self.requests.labels(point).inc()
         if validated:
             self.validations.labels(point).inc()
-        outcome = code or "granted"
+        outcome = code or granted
         counter = {"claim": self.claims, "renew": self.renewals, "commit": self.commits}.get(point)
         if counter is not None:
             counter.labels(outcome).inc()

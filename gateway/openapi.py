@@ -25,6 +25,7 @@ from fencegate.gateway.api_models import (
     PutTaskBody,
     RenewBody,
 )
+from fencegate.gateway.coordination import MAX_TASK_PAGE
 from fencegate.gateway.ledger_api import MAX_PAGE, ApproveBody, ResolveBody
 
 __all__ = ["document", "document_bytes", "serve"]
@@ -72,6 +73,10 @@ _PROBLEM: Schema = _object(
         "effectState": {"type": "string"},
         "retryAfterMs": {"type": "integer", "minimum": 0},
         "fields": {"type": "array", "items": {"type": "string"}},
+        "leaseExpiresAt": {**_TIME, "description": "CLAIMED, LEASE_EXPIRED: the lease's end"},
+        "runtimeEndsAt": {**_TIME, "description": "RUNTIME_EXCEEDED: the attempt's last instant"},
+        "probeUntil": {**_TIME, "description": "EFFECT_IN_FLIGHT: another reconciler's probe"},
+        "resolvedAt": {**_TIME, "description": "EFFECT_SETTLED: when an operator resolved it"},
     },
 )
 
@@ -86,10 +91,12 @@ _COMMIT: Schema = _object(
     {"result": {}},
 )
 
+_TASK_STATE: Schema = {"enum": ["READY", "CLAIMED", "COMMITTED", "CANCELLED"]}
+
 _TASK: Schema = _object(
     {
         "taskId": _TEXT,
-        "state": {"enum": ["READY", "CLAIMED", "COMMITTED", "CANCELLED"]},
+        "state": _TASK_STATE,
         "revision": {"type": "integer", "minimum": 1},
         "inputDigest": _TEXT,
         "claimGeneration": _COUNTER,
@@ -229,7 +236,33 @@ _ANSWERS: dict[str, Schema] = {
             "nextCursor": _nullable({"type": "string"}),
         }
     ),
-    "Health": _object({"status": {"const": "ok"}}),
+    "TaskPage": _object(
+        {
+            "tasks": {"type": "array", "items": _ref("Task")},
+            "nextCursor": _nullable({"type": "string"}),
+        }
+    ),
+    "Resolved": {
+        "allOf": [
+            _ref("Effect"),
+            _object(
+                {
+                    "unchanged": {
+                        "type": "boolean",
+                        "description": "true: this repeated the resolution that settled the "
+                        "effect; nothing was recorded",
+                    },
+                    "warnings": {
+                        "type": "array",
+                        "items": {"type": "string"},
+                        "description": "what duplicates of the call will be answered, when "
+                        "the operator should know (no response stored: an empty 204)",
+                    },
+                }
+            ),
+        ]
+    },
+    "Health": _object({"status": {"const": "ok"}, "version": _TEXT}),
     "Ready": _object({"status": {"const": "ready"}, "store": {"enum": ["sqlite", "redis"]}}),
 }
 
@@ -366,7 +399,29 @@ _OK_EFFECT = {404: ("NO_SUCH_EFFECT", "NO_SUCH_DOWNSTREAM"), 409: _EFFECT_CODES}
 
 def _task_paths() -> dict[str, Any]:
     ident = {"parameters": [_TASK_ID]}
+    query = [
+        {"name": "state", "in": "query", "schema": _TASK_STATE},
+        {"name": "owner", "in": "query", "schema": {"type": "string", "minLength": 1,
+                                                    "maxLength": 200}},
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TASK_PAGE,
+                       "default": 100},
+        },
+        {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 400}},
+    ]  # fmt: skip
     return {
+        "/v1/tasks": {
+            "get": _op(
+                "listTasks",
+                "Page through tasks in task id order (a short page may still have a "
+                "nextCursor); scoped principals see only their task prefixes",
+                "coordination",
+                {"200": _json("TaskPage", "one page")},
+                params=query,
+            )
+        },
         "/v1/tasks/{task_id}": {
             **ident,
             "put": _op(
@@ -507,9 +562,9 @@ def _ledger_paths() -> dict[str, Any]:
             **one,
             "post": _op(
                 "resolveEffect",
-                "Settle an UNKNOWN effect by hand",
+                "Settle an UNKNOWN effect by hand (once: an identical repeat is a no-op)",
                 "ledger",
-                {"200": _json("Effect", "the record")},
+                {"200": _json("Resolved", "the record, whether this changed it, warnings")},
                 body=_body(ResolveBody),
                 params=acting,
                 extra=_OK_EFFECT,

@@ -3,20 +3,40 @@
 
 The commands themselves (SDK calls) are in ``fencegate.gateway.ops_commands``, what they
 print in ``fencegate.gateway.ops_render``. See ``docs/cli.md``.
+
+The gateway options (``--url``, ``--config``, ``--json``...) are accepted before the command
+(``fencegate --url U effects list``) and after it. argparse lets a subcommand's defaults
+overwrite what the main parser read, so both copies default to "not given" and the ones before
+the command live under their own names (``global_*``) until ``merge_global_options`` joins
+them: after the command wins, then before it, then the default.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fencegate.gateway import ops_commands as commands
 from fencegate.gateway.ops_commands import DEFAULT_URL, Command
 
-__all__ = ["register"]
+__all__ = ["add_global_options", "merge_global_options", "register"]
 
 _STATES = ("PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED")
+_TASK_STATES = ("READY", "CLAIMED", "COMMITTED", "CANCELLED")
+#: The gateway options and their values when given neither before nor after the command.
+_DEFAULTS: dict[str, object] = {
+    "url": None,
+    "config": None,
+    "operator": None,
+    "token_file": None,
+    "cacert": None,
+    "cert": None,
+    "key": None,
+    "json": False,
+    "timeout": 30.0,
+}
+_GLOBAL = "global_"
 _EFFECT_HELP = "64 hex characters, or a unique prefix of at least 6"
 
 if TYPE_CHECKING:
@@ -45,36 +65,79 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _common() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    group = common.add_argument_group("gateway")
-    group.add_argument(
+def _gateway_options(group: argparse._ActionsContainer, prefix: str = "") -> None:
+    """The gateway options, every one defaulting to "not given" (see the module docstring)."""
+
+    def add(flag: str, **options: Any) -> None:
+        dest = prefix + flag.removeprefix("--").replace("-", "_")
+        group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, **options)
+
+    add(
         "--url",
         metavar="URL",
         help="the gateway (default: --config's server.listen, else $FENCEGATE_URL, "
         f"else {DEFAULT_URL})",
     )
-    group.add_argument("--config", metavar="FILE", help="take the gateway's address from FILE")
-    group.add_argument(
+    add("--config", metavar="FILE", help="take the gateway's address and TLS from FILE")
+    add(
         "--operator",
         metavar="NAME",
         help="recorded with every change (default: $FENCEGATE_OPERATOR, else the login user)",
     )
-    group.add_argument(
+    add(
         "--token-file",
         metavar="PATH",
         help="the gateway credential (a gateway with [auth]): a file holding the bearer token "
         "(default: $FENCEGATE_TOKEN)",
     )
-    group.add_argument("--json", action="store_true", help="print the gateway's JSON")
-    group.add_argument(
+    add(
+        "--cacert",
+        metavar="FILE",
+        help="PEM CA certificate(s) to verify an https gateway with (default: $FENCEGATE_CACERT, "
+        "else the system's)",
+    )
+    add("--cert", metavar="FILE", help="PEM client certificate, for a gateway that asks for one")
+    add("--key", metavar="FILE", help="the unencrypted PEM key of --cert")
+    add("--json", action="store_true", help='print the gateway\'s JSON (with a "gateway" field)')
+    add(
         "--timeout",
         metavar="SECONDS",
         type=_positive_float,
-        default=30.0,
         help="longest wait for one answer (default: 30)",
     )
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _gateway_options(common.add_argument_group("gateway"))
     return common
+
+
+def add_global_options(parser: argparse.ArgumentParser) -> None:
+    """The gateway options on ``fencegate`` itself, for ``fencegate --url U effects list``."""
+    group = parser.add_argument_group(
+        "gateway (operator commands; also accepted after the command)"
+    )
+    _gateway_options(group, _GLOBAL)
+
+
+def merge_global_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Give an operator command each gateway option from after it, else from before it, else
+    its default. Before a command that takes none of them (``serve``...) they are a usage
+    error rather than silently ignored: ``fencegate --config F serve`` must not serve the
+    embedded store."""
+    given = {name: vars(args).pop(_GLOBAL + name) for name in _DEFAULTS if _GLOBAL + name in args}
+    if not getattr(args, "operator_command", False):
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            parser.error(
+                f"{flag} goes with the operator commands (effects, tasks, epoch, claims, "
+                f"rollout), not with {args.command!r}"
+            )
+        return
+    for name, default in _DEFAULTS.items():
+        if name not in args:
+            setattr(args, name, given.get(name, default))
 
 
 def _leaf(
@@ -85,7 +148,7 @@ def _leaf(
     command: Command,
 ) -> argparse.ArgumentParser:
     parser = parent.add_parser(name, help=help_text, description=help_text, parents=[common])
-    parser.set_defaults(func=functools.partial(commands.run, command))
+    parser.set_defaults(func=functools.partial(commands.run, command), operator_command=True)
     return parser
 
 
@@ -114,7 +177,8 @@ def register(sub: SubParsers) -> None:
     )
     resolve.add_argument("--note", required=True, help="why (recorded with your name)")
     replay = resolve.add_argument_group(
-        "what duplicates replay (COMMITTED only; without it they get an empty 200)"
+        "what duplicates replay (COMMITTED only; give it now, a later resolve cannot add one; "
+        "without it they get what the forward recorded, else 204 with Fence-Replay-Body: none)"
     )
     replay.add_argument("--response-status", metavar="STATUS", type=_status)
     replay.add_argument("--response-body", metavar="TEXT")
@@ -133,10 +197,39 @@ def register(sub: SubParsers) -> None:
     )  # fmt: skip
     reconcile.add_argument("effect_id", metavar="EFFECT_ID", help=_EFFECT_HELP)
 
-    tasks = sub.add_parser("tasks", help="read tasks")
+    tasks = sub.add_parser("tasks", help="read, list and claim tasks")
     task_actions = tasks.add_subparsers(dest="action", required=True, metavar="ACTION")
     task_show = _leaf(task_actions, "show", "show one task", common, commands.tasks_show)
     task_show.add_argument("task_id", metavar="TASK_ID")
+    task_list = _leaf(task_actions, "list", "list tasks in taskId order", common,
+                      commands.tasks_list)  # fmt: skip
+    task_list.add_argument("--state", type=str.upper, choices=_TASK_STATES)
+    task_list.add_argument("--owner", metavar="NAME", help="claimed by NAME")
+    task_list.add_argument(
+        "--limit", type=_positive_int, default=50, help="most tasks shown (default: 50)"
+    )
+    task_claim = _leaf(
+        task_actions,
+        "claim",
+        "claim a task as a worker (a bare lease: nothing renews it)",
+        common,
+        commands.tasks_claim,
+    )
+    task_claim.add_argument("task_id", metavar="TASK_ID")
+    task_claim.add_argument("--owner", required=True, metavar="NAME", help="the worker's name")
+    task_claim.add_argument(
+        "--ttl-ms", required=True, type=_positive_int, metavar="N", help="lease length asked for"
+    )
+    task_claim.add_argument(
+        "--headers",
+        action="store_true",
+        help="print only the claim's Fence-* request headers, one 'Name: value' a line "
+        "(for curl -H @FILE)",
+    )
+    task_claim.add_argument(
+        "--slot", metavar="SLOT", help="add Fence-Slot (unsafe methods need one)"
+    )
+    task_claim.add_argument("--node", metavar="NODE", help="add Fence-Node (default node: main)")
 
     epoch = sub.add_parser("epoch", help="the scheduler epoch")
     epoch_actions = epoch.add_subparsers(dest="action", required=True, metavar="ACTION")

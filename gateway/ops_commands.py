@@ -5,6 +5,11 @@ decoding workers use) to a running gateway, never the store, so it works the sam
 SQLite and Redis and goes through the gateway's own checks and logs. ``ops_render`` turns the
 answers into text; ``ops_cli`` registers the commands with ``fencegate``'s parser.
 
+Every answer names the gateway it came from and why that one (``--url``, ``--config``,
+``$FENCEGATE_URL`` or the default): a first line ``gateway URL (from ...)`` before text, a
+``"gateway"`` field in ``--json``, a last stderr line after a refusal. An operator who reached
+the wrong gateway must see it before acting on its ``no effects``.
+
 Exit codes: 0 done; 1 the gateway refused (its problem code and detail on stderr, as
 ``fencegate: CODE: detail``) or answered something unexpected; 2 bad usage; 3 the gateway
 could not be reached or did not answer in time; 4 ``rollout status``: not safe yet. See
@@ -21,8 +26,11 @@ import json
 import os
 import re
 import socket
+import ssl
 import sys
+import tomllib
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -32,7 +40,7 @@ from fencegate._http import RawAnswer, gateway_problem
 from fencegate.client import TOKEN_ENV, Client
 from fencegate.errors import EffectUnknown, GatewayUnreachable, ProblemError
 from fencegate.gateway import ops_render as render
-from fencegate.gateway.config import ConfigError, load_config, parse_listen
+from fencegate.gateway.config import ServerConfig, parse_listen
 
 __all__ = [
     "DEFAULT_URL",
@@ -41,7 +49,9 @@ __all__ = [
     "EXIT_USAGE",
     "CliError",
     "Command",
+    "Gateway",
     "OperatorClient",
+    "gateway",
     "gateway_token",
     "gateway_url",
     "operator_name",
@@ -50,6 +60,8 @@ __all__ = [
 
 #: Where ``fencegate serve`` listens without a config.
 DEFAULT_URL = "http://127.0.0.1:8700"
+#: Where the CA certificate(s) of an https gateway are found when ``--cacert`` is not given.
+CACERT_ENV = "FENCEGATE_CACERT"
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
@@ -79,26 +91,117 @@ class CliError(Exception):
 # --- which gateway, who is asking ---------------------------------------------------------------
 
 
-def gateway_url(args: argparse.Namespace) -> str:
-    """``--url``, else ``--config``'s ``server.listen``, else ``$FENCEGATE_URL``, else the
-    default listen address of ``fencegate serve``."""
-    if args.url:
-        url = str(args.url)
-    elif args.config:
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """The gateway a command talks to, why that one (``origin``, as the answer's first line
+    says it) and the TLS context of an https one."""
+
+    url: str
+    origin: str
+    ssl: ssl.SSLContext | None = None
+
+
+def _config_listen(path: str) -> tuple[str, bool]:
+    """(url, asks for a client certificate) from the config file at ``path``.
+
+    Only ``[server]``'s ``listen`` and TLS keys are read, not the whole config as ``serve``
+    validates it: the operator's host need not have the gateway's secrets (the store's
+    ``password_env``, the TLS private key), only its address."""
+
+    def bad(what: str) -> CliError:
+        return CliError(f"config error: {path}: {what}", EXIT_USAGE)
+
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.loads(file.read().decode("utf-8"))
+    except OSError as exc:
+        raise bad(f"cannot read: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"not valid TOML: {exc}") from None
+    server = data.get("server", {})
+    if not isinstance(server, dict):
+        raise bad("[server] must be a table")
+    listen = server.get("listen", ServerConfig().listen)
+    if not isinstance(listen, str):
+        raise bad(f'server.listen: expected "HOST:PORT", got {listen!r}')
+    try:
+        host, port = parse_listen(listen)
+    except ValueError as exc:
+        raise bad(f"server.listen: {exc}") from None
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    scheme = "https" if server.get("tls_cert_file") is not None else "http"
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    return url, server.get("tls_client_ca_file") is not None
+
+
+def _tls(args: argparse.Namespace, url: str, config_wants_cert: bool) -> ssl.SSLContext | None:
+    """The client TLS context of an https ``url``: the system's CAs or ``--cacert``'s, and
+    ``--cert``/``--key`` when given (required when the config has ``tls_client_ca_file``)."""
+    cacert, cert, key = args.cacert, args.cert, args.key
+    if (cert is None) != (key is None):
+        raise CliError("--cert and --key go together (a PEM certificate and its key)", EXIT_USAGE)
+    if not url.startswith("https://"):
+        if cacert or cert:
+            raise CliError(
+                f"--cacert, --cert and --key need an https gateway, not {url}", EXIT_USAGE
+            )
+        return None
+    if config_wants_cert and cert is None:
+        raise CliError(
+            f"{args.config}: server.tls_client_ca_file is set: the gateway asks every client "
+            "for a certificate; pass --cert FILE --key FILE",
+            EXIT_USAGE,
+        )
+    source = "--cacert" if cacert else f"${CACERT_ENV}"
+    cacert = cacert or os.environ.get(CACERT_ENV) or None
+    try:
+        context = ssl.create_default_context(cafile=cacert)
+    except (OSError, ssl.SSLError) as exc:
+        raise CliError(f"{source}: cannot load {cacert}: {_ssl_reason(exc)}", EXIT_USAGE) from None
+    if cert is not None:
         try:
-            config = load_config(args.config)
-        except ConfigError as exc:
-            raise CliError(f"config error: {exc}", EXIT_USAGE) from None
-        host, port = parse_listen(config.server.listen)
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            # An encrypted key is refused rather than prompted for.
+            context.load_cert_chain(cert, key, password=b"")
+        except (OSError, ssl.SSLError) as exc:
+            raise CliError(
+                f"--cert/--key: cannot load {cert}, {key} (an unencrypted PEM key matching the "
+                f"certificate): {_ssl_reason(exc)}",
+                EXIT_USAGE,
+            ) from None
+    return context
+
+
+def _ssl_reason(exc: BaseException | None) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    return str(exc)
+
+
+def gateway(args: argparse.Namespace) -> Gateway:
+    """``--url``, else ``--config``'s ``server.listen`` (https with its ``tls_cert_file``),
+    else ``$FENCEGATE_URL``, else the default listen address of ``fencegate serve``."""
+    wants_cert = False
+    if args.url:
+        url, origin = str(args.url), "from --url"
+    elif args.config:
+        url, wants_cert = _config_listen(str(args.config))
+        origin = f"from --config {args.config}"
+    elif os.environ.get("FENCEGATE_URL"):
+        url, origin = os.environ["FENCEGATE_URL"], "from $FENCEGATE_URL"
     else:
-        url = os.environ.get("FENCEGATE_URL") or DEFAULT_URL
+        url, origin = DEFAULT_URL, "default; pass --url or --config"
     url = url.rstrip("/")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
         raise CliError(f"--url: expected http://HOST:PORT, got {url!r}", EXIT_USAGE)
-    return url
+    return Gateway(url, origin, _tls(args, url, wants_cert))
+
+
+def gateway_url(args: argparse.Namespace) -> str:
+    """The URL of ``gateway(args)``."""
+    return gateway(args).url
 
 
 def gateway_token(args: argparse.Namespace) -> str:
@@ -144,7 +247,16 @@ class OperatorClient(Client):
     such (exit 1) instead of being retried as ``GatewayUnreachable``; no answer at all is a
     ``CliError`` with exit 3 that says why (refused, no such host, or silent past
     ``--timeout``). ``timeout`` bounds connecting and each wait for data, not the whole call.
+    ``origin`` says why this gateway (``Gateway.origin``).
     """
+
+    def __init__(self, url: str, *, origin: str = "from --url", **options: Any) -> None:
+        super().__init__(url, **options)
+        self.origin = origin
+
+    def gateway_line(self) -> str:
+        """``gateway URL (ORIGIN)``: the first line of every answer."""
+        return render.gateway_line(self.url, self.origin)
 
     def _timeout(self, seconds: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(
@@ -166,6 +278,18 @@ class OperatorClient(Client):
             raise self._unreachable(method, exc.__cause__) from exc
 
     def _unreachable(self, method: str, cause: BaseException | None) -> CliError:
+        if isinstance(cause, aiohttp.ClientConnectorCertificateError):
+            return CliError(
+                f"the gateway at {self.url} is not trusted ({_ssl_reason(cause.certificate_error)}"
+                f"): pass the CA that signed its certificate with --cacert FILE or ${CACERT_ENV}",
+                EXIT_UNREACHABLE,
+            )
+        if isinstance(cause, aiohttp.ClientSSLError):
+            return CliError(
+                f"TLS with the gateway at {self.url} failed ({_ssl_reason(cause.os_error)}): "
+                "does it ask for a client certificate (--cert FILE --key FILE)?",
+                EXIT_UNREACHABLE,
+            )
         if isinstance(cause, TimeoutError) and not isinstance(
             cause, aiohttp.ConnectionTimeoutError
         ):
@@ -269,11 +393,8 @@ async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
     records = [record async for record in found]
     more = len(records) > args.limit
     records = records[: args.limit]
-    if args.json:
-        print(render.json_text(records))
-        return 0
-    print(render.effects_table(records))
-    if more:
+    _answer(client, args, records, render.effects_table(records), key="effects")
+    if more and not args.json:
         print(f"(first {args.limit} shown; more match: use --limit)", file=sys.stderr)
     return 0
 
@@ -298,7 +419,7 @@ def _replay_response(args: argparse.Namespace) -> dict[str, Any] | None:
 
 async def effects_show(client: OperatorClient, args: argparse.Namespace) -> int:
     record = await client.get_effect(await _effect_id(client, args.effect_id))
-    print(render.json_text(record) if args.json else render.effect(record))
+    _answer(client, args, record, render.effect(record))
     return 0
 
 
@@ -309,7 +430,12 @@ async def effects_resolve(client: OperatorClient, args: argparse.Namespace) -> i
     )
     effect_id = await _effect_id(client, args.effect_id)
     record = await client.resolve_effect(effect_id, outcome, args.note, response=response)
-    print(render.json_text(record) if args.json else render.resolved(effect_id, record))
+    _answer(client, args, record, render.resolved(effect_id, record))
+    # The gateway's warnings (COMMITTED without a response: what duplicates will get); an
+    # older gateway sends none.
+    warnings = record.get("warnings")
+    for warning in warnings if isinstance(warnings, list) else []:
+        print(f"fencegate: warning: {render.printable(warning)}", file=sys.stderr)
     return 0
 
 
@@ -318,7 +444,7 @@ async def effects_approve(client: OperatorClient, args: argparse.Namespace) -> i
     record = await client.approve_effect(
         effect_id, args.note or "", payload_digest=args.payload_digest or None
     )
-    print(render.json_text(record) if args.json else render.approved(effect_id, record))
+    _answer(client, args, record, render.approved(effect_id, record))
     return 0
 
 
@@ -333,7 +459,7 @@ async def effects_reconcile(client: OperatorClient, args: argparse.Namespace) ->
             "--outcome COMMITTED|NOT_APPLIED --note '...'"
         )
         raise refused from None
-    print(render.json_text(record) if args.json else render.reconciled(effect_id, record))
+    _answer(client, args, record, render.reconciled(effect_id, record))
     return 0
 
 
@@ -342,63 +468,147 @@ async def effects_reconcile(client: OperatorClient, args: argparse.Namespace) ->
 
 async def tasks_show(client: OperatorClient, args: argparse.Namespace) -> int:
     task = (await client.get_task(args.task_id)).raw
-    print(render.json_text(task) if args.json else render.task(task))
+    _answer(client, args, task, render.task(task))
+    return 0
+
+
+async def tasks_list(client: OperatorClient, args: argparse.Namespace) -> int:
+    """Pages of ``GET /v1/tasks`` until ``--limit`` tasks are shown or none are left."""
+    tasks: list[dict[str, Any]] = []
+    cursor: str | None = None
+    while True:
+        page = await client.list_tasks(
+            state=args.state or None,
+            owner=args.owner or None,
+            cursor=cursor,
+            limit=min(_PAGE, args.limit - len(tasks)),
+        )
+        tasks.extend(page.get("tasks") or [])
+        cursor = page.get("nextCursor") or None
+        if cursor is None or len(tasks) >= args.limit:
+            break
+    tasks = tasks[: args.limit]
+    _answer(client, args, tasks, render.tasks_table(tasks), key="tasks")
+    if cursor is not None and not args.json:
+        print(f"(first {args.limit} shown; more may match: use --limit)", file=sys.stderr)
+    return 0
+
+
+async def tasks_claim(client: OperatorClient, args: argparse.Namespace) -> int:
+    """A bare lease through the SDK (``Client.acquire``), so the printed headers are the
+    SDK's own ``Lease.fence_headers``: the CLI never lists header names of its own."""
+    lease = await client.acquire(args.task_id, owner=args.owner, ttl_ms=args.ttl_ms)
+    claim = {
+        "taskId": lease.task_id,
+        "attemptId": lease.attempt_id,
+        "claimGeneration": lease.claim_generation,
+        "schedulerEpoch": lease.scheduler_epoch,
+        "cancelGeneration": lease.cancel_generation,
+        "leaseExpiresAt": lease.lease_expires_at,
+        "grantedTtlMs": lease.granted_ttl_ms,
+        "revision": lease.revision,
+        "inputDigest": lease.input_digest,
+        "owner": lease.owner,
+    }
+    if not args.headers:
+        _answer(client, args, claim, render.claimed(claim))
+        return 0
+    # stdout holds the headers and nothing else (curl -H @FILE); the rest goes to stderr.
+    print(render.header_lines(lease.fence_headers(slot=args.slot, node=args.node)))
+    print(f"fencegate: {render.claimed_line(claim)}; {client.gateway_line()}", file=sys.stderr)
+    if args.slot is None:
+        print(
+            "fencegate: no --slot: POST, PUT, PATCH and DELETE also need -H 'Fence-Slot: NAME'",
+            file=sys.stderr,
+        )
     return 0
 
 
 async def epoch_show(client: OperatorClient, args: argparse.Namespace) -> int:
     scheduler = (await client.get_epoch()).raw
-    print(render.json_text(scheduler) if args.json else render.scheduler_line(scheduler))
+    _answer(client, args, scheduler, render.scheduler_line(scheduler))
     return 0
 
 
 async def epoch_bump(client: OperatorClient, args: argparse.Namespace) -> int:
     scheduler = (await client.bump_epoch()).raw
-    print(render.json_text(scheduler) if args.json else render.epoch_bumped(scheduler))
+    _answer(client, args, scheduler, render.epoch_bumped(scheduler))
     return 0
 
 
 async def claims_pause(client: OperatorClient, args: argparse.Namespace) -> int:
     scheduler = (await client.pause_claims()).raw
-    print(render.json_text(scheduler) if args.json else render.claims_paused(scheduler))
+    _answer(client, args, scheduler, render.claims_paused(scheduler))
     return 0
 
 
 async def claims_resume(client: OperatorClient, args: argparse.Namespace) -> int:
     scheduler = (await client.resume_claims()).raw
-    print(render.json_text(scheduler) if args.json else render.claims_resumed(scheduler))
+    _answer(client, args, scheduler, render.claims_resumed(scheduler))
     return 0
 
 
 async def rollout_status(client: OperatorClient, args: argparse.Namespace) -> int:
     """The rollback checklist: exit 0 only when it is safe to switch worker pools."""
     status = await client.get_rollout()
-    print(render.json_text(status) if args.json else render.rollout(status))
+    _answer(client, args, status, render.rollout(status))
     return 0 if status.get("safeToSwitchPools") else EXIT_NOT_SAFE
 
 
 # --- running one ----------------------------------------------------------------------------
 
 
+def _answer(
+    client: OperatorClient, args: argparse.Namespace, data: Any, text: str, *, key: str = ""
+) -> None:
+    """Print an answer: the gateway line then ``text``, or with ``--json`` the gateway's JSON
+    with a top-level ``"gateway"`` (a list is wrapped as ``{"gateway": ..., key: [...]}``)."""
+    if args.json:
+        print(render.json_text(render.with_gateway(data, client.url, key)))
+    else:
+        print(f"{client.gateway_line()}\n{text}")
+
+
 async def _against(
-    command: Command, args: argparse.Namespace, url: str, operator: str | None, token: str
+    command: Command, args: argparse.Namespace, where: Gateway, operator: str | None, token: str
 ) -> int:
     headers = {"Accept": "application/json"}
-    async with OperatorClient(
-        url, timeout=args.timeout, operator=operator, headers=headers, token=token
-    ) as c:
-        try:
-            return await command(c, args)
-        except ProblemError as exc:
-            raise _problem(exc) from None
+    # Our own session only to carry the TLS context; without one the client makes its own.
+    session = None
+    if where.ssl is not None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=where.ssl))
+    try:
+        async with OperatorClient(
+            where.url,
+            origin=where.origin,
+            session=session,
+            timeout=args.timeout,
+            operator=operator,
+            headers=headers,
+            token=token,
+        ) as c:
+            try:
+                return await command(c, args)
+            except ProblemError as exc:
+                refused = _problem(exc)
+            except CliError as exc:
+                if exc.exit_code != EXIT_REFUSED:
+                    raise
+                refused = exc
+            # A refusal names its gateway too: NO_SUCH_EFFECT from the wrong one misleads.
+            refused.message += f"\nfencegate: {c.gateway_line()}"
+            raise refused from None
+    finally:
+        if session is not None:
+            await session.close()
 
 
 def run(command: Command, args: argparse.Namespace) -> int:
     """Run ``command`` against the gateway ``args`` name; failures go to stderr as
     ``fencegate: ...`` and become the exit code."""
     try:
-        url, operator, token = gateway_url(args), operator_name(args), gateway_token(args)
-        return asyncio.run(_against(command, args, url, operator, token))
+        where, operator, token = gateway(args), operator_name(args), gateway_token(args)
+        return asyncio.run(_against(command, args, where, operator, token))
     except CliError as exc:
         # The message may quote the gateway's detail, which may quote the store: escaped.
         lines = exc.message.split("\n")  # the CLI's own hints go on lines of their own

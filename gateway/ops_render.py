@@ -17,12 +17,16 @@ from typing import Any
 __all__ = [
     "approved",
     "cell",
+    "claimed",
+    "claimed_line",
     "claims_paused",
     "claims_resumed",
     "effect",
     "effects_table",
     "epoch_bumped",
     "fields",
+    "gateway_line",
+    "header_lines",
     "json_text",
     "printable",
     "reconciled",
@@ -31,12 +35,15 @@ __all__ = [
     "scheduler_line",
     "table",
     "task",
+    "tasks_table",
     "time_text",
+    "with_gateway",
 ]
 
 #: A stored response body up to this size is shown as text (if it is printable UTF-8).
 SHOW_BODY_BYTES = 400
 EFFECTS_HEADERS = ("EFFECT", "STATE", "TASK", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED")
+TASKS_HEADERS = ("TASK", "STATE", "OWNER", "GEN", "REVISION", "LEASE EXPIRES")
 
 
 # --- building blocks ----------------------------------------------------------------------------
@@ -95,6 +102,25 @@ def json_text(data: Any) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+def gateway_line(url: str, origin: str) -> str:
+    """The first line of every answer: which gateway answered, and why that one."""
+    return f"gateway {printable(url)} ({printable(origin)})"
+
+
+def with_gateway(data: Any, url: str, key: str = "") -> dict[str, Any]:
+    """``--json``'s answer: ``data`` with a top-level ``"gateway"`` first; data that is not an
+    object (a list) goes under ``key``."""
+    if isinstance(data, Mapping):
+        return {"gateway": url, **data}
+    return {"gateway": url, key or "answer": data}
+
+
+def header_lines(headers: Mapping[str, str]) -> str:
+    """``Name: value`` lines, as ``curl -H @FILE`` reads them (values escaped: a claim's
+    task id must not start a header of its own)."""
+    return "\n".join(f"{printable(name)}: {printable(value)}" for name, value in headers.items())
 
 
 # --- effects ------------------------------------------------------------------------------------
@@ -217,7 +243,14 @@ def effect(r: Mapping[str, Any]) -> str:
 
 
 def resolved(effect_id: str, r: Mapping[str, Any]) -> str:
-    """``effects resolve``: the outcome, and what it means for the next call."""
+    """``effects resolve``: the outcome, and what it means for the next call. An identical
+    repeat (``unchanged``, a retry after a lost answer) says that nothing changed rather than
+    claim to have resolved it again."""
+    if r.get("unchanged") is True:
+        return (
+            f"effect {printable(effect_id)} already resolved as {cell(r.get('state'))}; "
+            "nothing changed"
+        )
     text = f"effect {printable(effect_id)} resolved as {cell(r.get('state'))}"
     if r.get("state") == "NOT_APPLIED":
         text += "\nthe same payload may now be sent again under the same key"
@@ -278,6 +311,53 @@ def task(t: Mapping[str, Any]) -> str:
     else:
         pairs.append(("commit", "none"))
     return fields(pairs)
+
+
+def tasks_table(tasks: Sequence[Mapping[str, Any]]) -> str:
+    """``tasks list``: one row per task."""
+    if not tasks:
+        return "no tasks"
+    rows = [
+        [
+            cell(t.get("taskId"), 40),
+            cell(t.get("state")),
+            cell(t.get("owner"), 24),
+            cell(t.get("claimGeneration")),
+            cell(t.get("revision")),
+            time_text(t.get("leaseExpiresAt")) if t.get("state") == "CLAIMED" else "-",
+        ]
+        for t in tasks
+    ]
+    return table(TASKS_HEADERS, rows)
+
+
+def claimed_line(claim: Mapping[str, Any]) -> str:
+    """One line: which claim, and until when nothing else may claim the task."""
+    return (
+        f"claimed {cell(claim.get('taskId'))} for {cell(claim.get('owner'))} "
+        f"(claimGeneration {cell(claim.get('claimGeneration'))}, lease until "
+        f"{time_text(claim.get('leaseExpiresAt'), precise=True)})"
+    )
+
+
+def claimed(claim: Mapping[str, Any]) -> str:
+    """``tasks claim``: the claim's fencing token, and that nothing renews it."""
+    pairs: list[tuple[str, object]] = [
+        ("task", claim.get("taskId")),
+        ("owner", claim.get("owner")),
+        ("attempt", claim.get("attemptId")),
+        ("claimGeneration", claim.get("claimGeneration")),
+        ("schedulerEpoch", claim.get("schedulerEpoch")),
+        ("cancelGeneration", claim.get("cancelGeneration")),
+        ("revision", claim.get("revision")),
+        ("inputDigest", claim.get("inputDigest")),
+        ("leaseExpires", time_text(claim.get("leaseExpiresAt"), precise=True)),
+        ("grantedTtlMs", claim.get("grantedTtlMs")),
+    ]
+    return (
+        fields(pairs) + "\nnothing renews this lease: renew it before it expires, or another "
+        "worker may claim the task (--headers prints its Fence-* headers for curl)"
+    )
 
 
 def scheduler_line(scheduler: Mapping[str, Any]) -> str:

@@ -8,15 +8,25 @@ a logged 500 without a stack trace on the wire.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from fencegate.ledger.clock import iso_utc
 from fencegate.ledger.errors import FencegateError, PayloadTooLarge
 
-__all__ = ["PROBLEM_TYPE_BASE", "error_middleware", "problem_body", "problem_response"]
+__all__ = [
+    "PROBLEM_TYPE_BASE",
+    "TIME_MEMBERS",
+    "error_middleware",
+    "problem_body",
+    "problem_response",
+    "readable_detail",
+    "retry_after",
+]
 
 log = structlog.get_logger("fencegate.http")
 
@@ -34,8 +44,38 @@ def problem_body(status: int, code: str, title: str, detail: str, **extra: Any) 
     }
 
 
+#: Problem members that hold a store time (ms since the Unix epoch). A detail names such a
+#: time as ``<member> <ms>``; the answer shows it as ``<ISO 8601> (<member> <ms>)``. The
+#: stores (Python and Lua alike) write only the number, so their texts cannot drift.
+TIME_MEMBERS = ("leaseExpiresAt", "runtimeEndsAt", "probeUntil", "resolvedAt")
+
+
+def readable_detail(detail: str, extra: Mapping[str, Any]) -> str:
+    """``detail`` with every store time it names (``TIME_MEMBERS``) also in ISO 8601 UTC:
+    ``held until leaseExpiresAt 1796041642452`` becomes ``held until
+    2026-11-30T12:27:22.452Z (leaseExpiresAt 1796041642452)``."""
+    for name in TIME_MEMBERS:
+        value = extra.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            named = f"{name} {value}"
+            detail = detail.replace(named, f"{iso_utc(value)} ({named})")
+    return detail
+
+
+def retry_after(retry_after_ms: int) -> str:
+    """``Retry-After`` for a wait of ``retry_after_ms``: whole seconds, rounded up, at least
+    1 (``0`` would invite a client to hammer)."""
+    return str(max(1, -(-retry_after_ms // 1000)))
+
+
 def problem_response(error: FencegateError, headers: dict[str, str] | None = None) -> web.Response:
-    body = problem_body(error.status, error.code, error.title, error.detail, **error.extra)
+    """The problem for ``error``. A ``retryAfterMs`` member sets ``Retry-After`` unless the
+    caller set it (the proxy bounds its own)."""
+    detail = readable_detail(error.detail, error.extra)
+    body = problem_body(error.status, error.code, error.title, detail, **error.extra)
+    retry_ms = error.extra.get("retryAfterMs")
+    if isinstance(retry_ms, int) and not (headers and "Retry-After" in headers):
+        headers = {**(headers or {}), "Retry-After": retry_after(retry_ms)}
     return web.Response(
         status=error.status,
         body=json.dumps(body).encode(),

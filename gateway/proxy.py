@@ -36,6 +36,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fencegate.adapters import Adapter, ProbeAdapter
+from fencegate.adapters.http import NOT_APPLIED_STATUSES, UNKNOWN_STATUSES, HttpAdapter
 from fencegate.gateway import failpoints
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.http_client import PoolWait, ResendRefused, send_once
@@ -220,7 +221,7 @@ def _refusal(error: FencegateError) -> web.Response:
 
 
 def _subject(call: _Call, fields: dict[str, Any]) -> Subject:
-    return Subject(call.downstream.name, fields, call.shadow)
+    return Subject(call.downstream.name, fields, call.shadow, call.adapter.kind)
 
 
 async def proxy_answer_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -599,6 +600,13 @@ class _ForwardFailed(Exception):
         self.cause = cause
         self.busy = busy
 
+    @property
+    def metric_outcome(self) -> str:
+        """The ``fencegate_forward_seconds`` outcome of a forward that got no answer."""
+        if self.busy or self.outcome is EffectState.NOT_APPLIED:
+            return "unreachable"
+        return "timeout" if isinstance(self.cause, TimeoutError) else "unknown"
+
 
 #: Called once the downstream's answer is read (up to ``replay_max_bytes``): the response,
 #: that much of its body, whether that was all of it; returns the Fence-* headers to add to
@@ -613,10 +621,14 @@ async def _forward(
     data: bytes | None,
     limits: aiohttp.ClientTimeout,
     on_answer: _OnAnswer,
+    outcome_of: Callable[[int], EffectState],
 ) -> web.StreamResponse:
     """The one forward: send the call once (``send_once``: nothing below the ledger re-sends),
     read its answer up to ``replay_max_bytes``, let ``on_answer`` act on it, and pass it to
-    the agent, streaming a larger body. A client failure raises ``_ForwardFailed``."""
+    the agent, streaming a larger body. A client failure raises ``_ForwardFailed``.
+
+    Every forward is observed in ``fencegate_forward_seconds``, answered or not: with
+    ``outcome_of(status)`` (what the answer means for an effect), or how it failed."""
     headers = downstream_request_headers(
         request.headers.items(),
         identity,
@@ -626,6 +638,7 @@ async def _forward(
     )
     status: int | None = None
     started = time.monotonic()
+    observed = False
     pool = PoolWait()
     try:
         async with request.app[HTTP_CLIENT].request(
@@ -640,9 +653,12 @@ async def _forward(
         ) as resp:
             status = resp.status
             body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
-            request.app[METRICS].forward_seconds.labels(call.downstream.name).observe(
-                time.monotonic() - started
+            seconds = time.monotonic() - started
+            outcome = outcome_of(status).value.lower()
+            request.app[METRICS].forward_seconds.labels(call.downstream.name, outcome).observe(
+                seconds
             )
+            observed = True
             fence = await on_answer(resp, body, whole)
             live = without_secret_values(
                 upstream_response_headers(resp.headers.items()), _credential_values(call)
@@ -652,7 +668,12 @@ async def _forward(
                 return await _stream(request, resp, live, body)
             return web.Response(status=status, body=body, headers=live)
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
-        raise _failure(exc, status, pool.waiting) from exc
+        failed = _failure(exc, status, pool.waiting)
+        if not observed:  # a body that broke off while streaming was observed already
+            request.app[METRICS].forward_seconds.labels(
+                call.downstream.name, failed.metric_outcome
+            ).observe(time.monotonic() - started)
+        raise failed from exc
 
 
 def _failure(exc: Exception, status: int | None, waiting: bool) -> _ForwardFailed:
@@ -672,6 +693,20 @@ def _failure(exc: Exception, status: int | None, waiting: bool) -> _ForwardFaile
     return _ForwardFailed(EffectState.UNKNOWN, reason, exc)
 
 
+def _plain_outcome(adapter: Adapter, status: int) -> EffectState:
+    """What an answer to an unrecorded forward (a safe method, shadow mode) would have meant
+    for an effect: the adapter's configured outcome for the status, else the defaults every
+    kind shares (adapters/http.py). No earlier attempt exists, so no kind's history rule
+    applies."""
+    if isinstance(adapter, HttpAdapter) and status in adapter.overrides:
+        return adapter.overrides[status]
+    if status in UNKNOWN_STATUSES:
+        return EffectState.UNKNOWN
+    if status in NOT_APPLIED_STATUSES:
+        return EffectState.NOT_APPLIED
+    return EffectState.COMMITTED
+
+
 async def _forward_plain(
     request: web.Request,
     call: _Call,
@@ -687,7 +722,8 @@ async def _forward_plain(
 
     limits = _client_timeout(call.downstream)
     try:
-        return await _forward(request, call, identity, call.body or None, limits, unrecorded)
+        return await _forward(request, call, identity, call.body or None, limits, unrecorded,
+                              lambda status: _plain_outcome(call.adapter, status))  # fmt: skip
     except _ForwardFailed as failed:
         exc = failed.cause
         if failed.busy:
@@ -725,7 +761,13 @@ async def _forward_effect(
     identity = call.adapter.outbound_headers(effect.effect_id, _token(call))
     try:
         return await _forward(
-            request, call, identity, call.body, window.timeout(call.downstream), record
+            request,
+            call,
+            identity,
+            call.body,
+            window.timeout(call.downstream),
+            record,
+            lambda status: call.adapter.classify(status, effect)[0],
         )
     except _ForwardFailed as failed:
         exc = failed.cause

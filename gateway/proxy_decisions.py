@@ -21,7 +21,7 @@ contract (tests/test_operations.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fencegate.ledger.effects import Action, Effect, Fence, PrepareOutcome
@@ -45,6 +45,8 @@ __all__ = [
     "call_fields",
     "decide_effect",
     "decide_safe",
+    "next_step",
+    "with_next_step",
 ]
 
 #: The acceptance point the proxy's decisions are counted under.
@@ -56,6 +58,53 @@ EFFECT_REFUSALS = {
     "EFFECT_UNKNOWN": "unknown_refused",
     "APPROVAL_REQUIRED": "approval_required",
 }
+
+
+# --- what an operator does next ----------------------------------------------------------
+
+#: The adapter kinds whose UNKNOWN effects the gateway can settle by asking the downstream
+#: (``gateway.reconcile``); every other kind's reconcile refuses, and an operator resolves.
+PROBING_KINDS = frozenset({"probe"})
+
+
+def next_step(
+    code: str, effect_id: str, kind: str, payload_digest: str | None = None
+) -> str | None:
+    """What to do about a refusal on an effect of a downstream of adapter ``kind``, with the
+    exact command; None when the code needs no operator. Pure: the stores' texts stay
+    generic (and identical), and the gateway, which knows the kind, adds this."""
+    if code == "EFFECT_UNKNOWN":
+        if kind in PROBING_KINDS:
+            return (
+                f"the gateway probes the {kind} downstream again by itself; to ask it now: "
+                f"fencegate effects reconcile {effect_id}"
+            )
+        return (
+            f"a {kind} downstream cannot be asked (reconcile would refuse): check the "
+            f"downstream's own records by hand, then: fencegate effects resolve {effect_id} "
+            "--outcome COMMITTED|NOT_APPLIED --note '...'"
+        )
+    if code == "APPROVAL_REQUIRED":
+        digest = f" --payload-digest {payload_digest}" if payload_digest else ""
+        return (
+            "another operator approves it once, then the call is sent again: "
+            f"fencegate effects approve {effect_id}{digest} --note '...'"
+        )
+    return None
+
+
+def with_next_step(
+    error: FencegateError, kind: str, payload_digest: str | None = None
+) -> FencegateError:
+    """``error`` with ``next_step`` appended to its detail (a copy: the store's error is
+    left as it is); ``error`` itself when there is nothing to add."""
+    effect_id = error.extra.get("effectId")
+    if not isinstance(effect_id, str):
+        return error
+    step = next_step(error.code, effect_id, kind, payload_digest)
+    if step is None or step in error.detail:
+        return error
+    return type(error)(f"{error.detail}. Next: {step}", **error.extra)
 
 
 # --- what to do ----------------------------------------------------------------------------
@@ -170,6 +219,8 @@ class Subject:
     fields: Mapping[str, Any]
     #: Shadow mode: refusals are recorded and let through.
     shadow: bool
+    #: The downstream's adapter kind: what an operator does about a refusal depends on it.
+    kind: str = field(default="http")
 
 
 # --- the decisions -------------------------------------------------------------------------
@@ -192,6 +243,7 @@ def decide_effect(subject: Subject, prepared: PrepareOutcome | FencegateError) -
     validation = Validation(POINT, error.code if error else None, validated=True)
     if prepared.action is Action.REJECT:
         assert error is not None
+        error = with_next_step(error, subject.kind, effect.payload_digest)
         code = error.code
         rejected = LogRecord(
             "info",

@@ -29,6 +29,7 @@ from fencegate.adapters import ProbeAdapter
 from fencegate.adapters.kinds import UnsafeProbePath
 from fencegate.gateway.http_client import ResendRefused, send_once
 from fencegate.gateway.http_rules import stored_response_headers
+from fencegate.gateway.proxy_decisions import next_step
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
@@ -99,9 +100,11 @@ async def reconcile(
         return effect
     adapter = app[ADAPTERS].get(effect.downstream)
     if not isinstance(adapter, ProbeAdapter) or adapter.probe is None:
+        # A downstream no longer configured cannot be asked either: an operator settles it.
+        step = next_step("EFFECT_UNKNOWN", effect_id, adapter.kind if adapter else "removed")
         raise EffectUnknown(
             f"downstream {effect.downstream!r} has no probe; an operator settles this effect "
-            f"with POST /v1/effects/{effect_id}/resolve",
+            f"with POST /v1/effects/{effect_id}/resolve. Next: {step}",
             effectId=effect_id,
             effectState=effect.state.value,
         )

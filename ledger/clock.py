@@ -30,7 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ClockMark", "ClockSources", "StoreClock"]
+__all__ = ["ClockMark", "ClockSources", "StoreClock", "iso_utc"]
+
+
+def iso_utc(ms: int) -> str:
+    """Store time (ms since the Unix epoch) as ISO 8601 UTC with milliseconds, e.g.
+    ``2026-11-30T16:07:22.452Z``: what a person reading a problem detail at 3 a.m. can use
+    without a converter (the number stays beside it for programs)."""
+    seconds, millis = divmod(ms, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def _boot_id() -> str | None:

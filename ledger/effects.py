@@ -39,6 +39,7 @@ from typing import Any
 from fencegate.ledger.errors import (
     AlreadyCommitted,
     ApprovalRequired,
+    BadRequest,
     EffectInFlight,
     EffectSettled,
     EffectUnknown,
@@ -59,6 +60,7 @@ __all__ = [
     "Fence",
     "PrepareOutcome",
     "ProbeVerdict",
+    "Resolution",
     "abort",
     "approve",
     "begin_probe",
@@ -77,7 +79,9 @@ __all__ = [
     "may_have_executed",
     "payload_digest",
     "prepare",
+    "resolution",
     "resolve",
+    "response_identity",
 ]
 
 #: Reason recorded on an attempt whose PREPARED record outlived its deadline.
@@ -240,7 +244,10 @@ def check_fence(task: Task | None, scheduler: Scheduler, fence: Fence, now: int)
         raise AlreadyCommitted("the task is committed; its attempt may produce no more effects")
     assert task.lease_expires_at is not None
     if now >= task.lease_expires_at:
-        raise LeaseExpired(f"lease expired at {task.lease_expires_at}")
+        raise LeaseExpired(
+            f"lease expired at leaseExpiresAt {task.lease_expires_at}",
+            leaseExpiresAt=task.lease_expires_at,
+        )
     return task
 
 
@@ -397,9 +404,9 @@ def prepare(
             retryAfterMs=max(current.deadline_at - now, 0),
         )
     else:
-        error = EffectUnknown(
-            "an earlier forward of this effect has an unknown outcome; reconcile it first"
-        )
+        # What to do next depends on the downstream's kind: the gateway adds it
+        # (``gateway.proxy_decisions.next_step``), so this text stays the Lua mirror's.
+        error = EffectUnknown("an earlier forward of this effect has an unknown outcome")
     return PrepareOutcome(Action.REJECT, current, write=changed, error=_rejection(error, current))
 
 
@@ -481,29 +488,125 @@ def _settled_error(effect: Effect, doing: str) -> FencegateError:
     return _rejection(error, effect)
 
 
-def resolve(
+#: Why a duplicate of a COMMITTED effect gets no answer of the downstream's: nothing stored.
+EMPTY_REPLAY = (
+    "no response is stored: duplicates of this call will be answered 204 with no body and "
+    "Fence-Replay-Body: none (not the downstream's answer); a later resolve cannot add one"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """What an operator's resolve did: the record to write, whether it repeated the
+    resolution that settled the effect (nothing to write, nothing recorded), and what
+    duplicates of the call will be answered (``warnings``, for the operator)."""
+
+    effect: Effect
+    unchanged: bool
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def empty_replay(self) -> bool:
+        """COMMITTED with no response at all: duplicates get an empty 204."""
+        return self.effect.state is EffectState.COMMITTED and self.effect.response_json is None
+
+
+def response_identity(response_json: str | None) -> str | None:
+    """A digest of what an operator gave as the response (status, headers by lowercased
+    name, body), so a repeated resolve can be told from a different one; None: none given.
+    Header order and name case do not count: they change nothing a duplicate is answered."""
+    if response_json is None:
+        return None
+    record = json.loads(response_json)
+    headers = sorted([str(name).lower(), str(value)] for name, value in record["headers"])
+    canonical = [record["status"], headers, record.get("bodyDigest")]
+    return hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
+
+
+def _warnings(effect: Effect, given: str | None) -> tuple[str, ...]:
+    """What the operator should know about what duplicates will now be answered."""
+    if effect.state is not EffectState.COMMITTED:
+        return ()
+    if effect.response_json is None:
+        return (EMPTY_REPLAY,)
+    if given is None:
+        status = json.loads(effect.response_json).get("status")
+        return (
+            f"no response given: duplicates of this call will replay the answer the forward "
+            f"recorded (status {status})",
+        )
+    return ()
+
+
+def _last_resolve(effect: Effect) -> dict[str, Any] | None:
+    actions = json.loads(effect.actions_json) if effect.actions_json else []
+    found = [a for a in actions if a.get("action") == "resolve"]
+    return found[-1] if found else None
+
+
+def _holds(effect: Effect, last: dict[str, Any] | None) -> str:
+    """What a settled record holds, in words, for the refusal of a different resolve."""
+    if last is None or last.get("outcome") != effect.state.value:
+        return f"the effect is already {effect.state.value}, settled by a forward or a probe"
+    how = f"the effect was resolved {effect.state.value} by {last.get('by')} at resolvedAt "
+    how += f"{last.get('at')}"
+    if effect.state is EffectState.COMMITTED:
+        if last.get("response") is not None:
+            how += " with the operator's response"
+        elif effect.response_json is not None:
+            status = json.loads(effect.response_json).get("status")
+            how += f" keeping the forward's recorded answer (status {status})"
+        else:
+            how += " without a response (duplicates get 204, Fence-Replay-Body: none)"
+    return how
+
+
+def resolution(
     effect: Effect | None,
     outcome: EffectState,
     note: str,
     operator: str,
     response_json: str | None,
     now: int,
-) -> Effect:
-    """An operator settles an UNKNOWN effect. Resolving again to the same outcome is a no-op."""
+) -> Resolution:
+    """An operator settles an UNKNOWN effect, once: the decision is final.
+
+    Repeating exactly the resolution that settled it (the same outcome, and the same
+    response or again none: a CLI retried after a lost answer) changes nothing and is
+    ``unchanged``. Anything else on a settled effect (another outcome, a response where the
+    first gave none, a different response) is ``EFFECT_SETTLED``: a duplicate may already
+    have been answered what the record holds, and two duplicates must never get different
+    answers (docs/decisions.md, "Resolve"). ``response_json`` goes with COMMITTED only."""
     if effect is None:
         raise NoSuchEffect()
     if outcome not in (EffectState.COMMITTED, EffectState.NOT_APPLIED):
         raise ValueError("an operator resolves to COMMITTED or NOT_APPLIED")
+    if response_json is not None and outcome is not EffectState.COMMITTED:
+        raise BadRequest(
+            "response: only with outcome COMMITTED (duplicates of a NOT_APPLIED effect are "
+            "forwarded again, nothing is replayed)"
+        )
+    given = response_identity(response_json)
     current = effective(effect, now)
     if current.state is not EffectState.UNKNOWN:
-        actions = json.loads(current.actions_json) if current.actions_json else []
-        last = actions[-1] if actions else {}
+        last = _last_resolve(current)
         if (
             current.state is outcome
-            and last.get("action") == "resolve"
+            and last is not None
             and last.get("outcome") == outcome.value
+            and last.get("response") == given
         ):
-            return current
+            return Resolution(current, unchanged=True, warnings=_warnings(current, given))
+        if current.state in (EffectState.COMMITTED, EffectState.NOT_APPLIED):
+            extra = {"resolvedAt": last["at"]} if last and "at" in last else {}
+            raise _rejection(
+                EffectSettled(
+                    f"{_holds(current, last)}; a resolve cannot change it (asked: "
+                    f"{outcome.value}, {'with' if given else 'without'} a response)",
+                    **extra,
+                ),
+                current,
+            )
         raise _settled_error(current, "resolve")
     if outcome is EffectState.COMMITTED:
         # Without a response from the operator, keep what the forward recorded (if anything).
@@ -511,7 +614,7 @@ def resolve(
     else:
         kept = None
     settled = len(current.attempts) if outcome is EffectState.NOT_APPLIED else None
-    return replace(
+    done = replace(
         current,
         state=outcome,
         response_json=kept,
@@ -526,10 +629,24 @@ def resolve(
                 "at": now,
                 "note": note,
                 "outcome": outcome.value,
+                "response": given,
             },
         ),
         updated_at=now,
     )
+    return Resolution(done, unchanged=False, warnings=_warnings(done, given))
+
+
+def resolve(
+    effect: Effect | None,
+    outcome: EffectState,
+    note: str,
+    operator: str,
+    response_json: str | None,
+    now: int,
+) -> Effect:
+    """``resolution``'s record: the store transition (``Store.update_effect``)."""
+    return resolution(effect, outcome, note, operator, response_json, now).effect
 
 
 def approve(
@@ -636,7 +753,8 @@ def begin_probe(effect: Effect | None, holder: str, lease_ms: int, now: int) -> 
     ):
         raise _rejection(
             EffectInFlight(
-                f"another reconciler is probing this effect until {current.probe_until}"
+                f"another reconciler is probing this effect until probeUntil {current.probe_until}",
+                probeUntil=current.probe_until,
             ),
             current,
         )

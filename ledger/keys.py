@@ -34,6 +34,29 @@ class Keys:
         return f"{self.prefix}:effects:index"
 
     @property
+    def tasks_index(self) -> str:
+        """Sorted set (all scores 0) of every task id: lexical order is task id order, so
+        ``GET /v1/tasks`` pages with ZRANGEBYLEX. ``put.lua`` adds a task as it creates it."""
+        return f"{self.prefix}:tasks:index"
+
+    @property
+    def tasks_indexed(self) -> str:
+        """Set once every task created before the index existed has been added to it."""
+        return f"{self.prefix}:tasks:indexed"
+
+    def task_pattern(self) -> str:
+        """SCAN pattern of every task hash (the prefix's glob characters escaped)."""
+        escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self.prefix)
+        return f"{escaped}:{{*}}:task"
+
+    def task_id_of(self, key: str) -> str | None:
+        """The task id of a task hash key (``task_pattern``'s matches), else None."""
+        head, tail = f"{self.prefix}:{{", "}:task"
+        if key.startswith(head) and key.endswith(tail) and len(key) > len(head) + len(tail):
+            return key[len(head) : -len(tail)]
+        return None
+
+    @property
     def leases(self) -> str:
         """Sorted set: taskId scored by leaseExpiresAt, for every CLAIMED task."""
         return f"{self.prefix}:leases"

@@ -12,7 +12,7 @@ No I/O here: records and ``now`` in, answers out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fencegate.ledger.effects import (
@@ -26,10 +26,12 @@ from fencegate.ledger.tasks import Task, TaskState
 
 __all__ = [
     "Gauges",
+    "TaskFilter",
     "find_forward",
     "gauges",
     "is_lease_active",
     "is_probe_due",
+    "page_tasks",
     "unsettled_effects",
 ]
 
@@ -125,3 +127,45 @@ def unsettled_effects(
         key=lambda e: (e.next_probe_at or 0, e.created_at, e.effect_id),
     )[:limit]
     return [effective(e, now) for e in overdue + due]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFilter:
+    """What ``GET /v1/tasks`` asks for: the stored state, the owner (the current or last
+    claim's label), and the task id prefixes the caller's scope allows (None: any)."""
+
+    state: TaskState | None = None
+    owner: str | None = None
+    prefixes: tuple[str, ...] | None = None
+
+    def admits_id(self, task_id: str) -> bool:
+        """Decidable from the id alone, before the record is read."""
+        return self.prefixes is None or task_id.startswith(self.prefixes)
+
+    def admits(self, task: Task) -> bool:
+        return (
+            self.admits_id(task.task_id)
+            and (self.state is None or task.state is self.state)
+            and (self.owner is None or task.owner == self.owner)
+        )
+
+
+def page_tasks(
+    scanned: Sequence[tuple[str, Task | None]], more: bool, wanted: TaskFilter, limit: int
+) -> tuple[list[Task], str | None]:
+    """One page of ``GET /v1/tasks`` from the ids a store scanned after the cursor, in task
+    id order, each with its record (None: not read, e.g. outside the caller's scope);
+    ``more``: the store stopped scanning before the end. Returns the matching tasks (at
+    most ``limit``) and the task id to continue after, None at the end.
+
+    A store scans a bounded number of ids per request, so a filter that matches little
+    answers a short (even empty) page with a cursor instead of reading the whole table.
+    Both stores page through this function."""
+    found: list[Task] = []
+    for i, (task_id, task) in enumerate(scanned):
+        if task is not None and wanted.admits(task):
+            found.append(task)
+            if len(found) == limit:
+                rest = more or i < len(scanned) - 1
+                return found, task_id if rest else None
+    return found, scanned[-1][0] if more and scanned else None

@@ -25,8 +25,9 @@ from fencegate.ledger import effects, queries, tasks
 from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
-from fencegate.ledger.queries import Gauges
+from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
 from fencegate.ledger.store import (
+    TASK_SCAN,
     EffectTransition,
     Store,
     StoreKind,
@@ -292,6 +293,24 @@ class SQLiteStore(Store):
             return task
 
         return await self._run(step, "get_task")
+
+    async def list_tasks(
+        self, wanted: TaskFilter, limit: int, after: str | None
+    ) -> tuple[list[Task], str | None]:
+        def step(conn: sqlite3.Connection, now: int) -> tuple[list[Task], str | None]:
+            # Keyset pagination on the primary key: at most TASK_SCAN rows read per call,
+            # however little the filter matches (ledger.queries.page_tasks decides the page).
+            rows = conn.execute(
+                "SELECT task_id, fields FROM tasks WHERE task_id > ? ORDER BY task_id LIMIT ?",
+                ("" if after is None else after, TASK_SCAN + 1),
+            ).fetchall()
+            scanned = [
+                (task_id, tasks.task_from_fields(json.loads(raw)))
+                for task_id, raw in rows[:TASK_SCAN]
+            ]
+            return page_tasks(scanned, len(rows) > TASK_SCAN, wanted, limit)
+
+        return await self._run(step, "list_tasks")
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         attempt_id = new_id()

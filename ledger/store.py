@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import abc
 import base64
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import BadRequest
-from fencegate.ledger.queries import Gauges
+from fencegate.ledger.queries import Gauges, TaskFilter
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -38,12 +39,18 @@ __all__ = [
     "StoreKind",
     "StoreOptions",
     "decode_cursor",
+    "decode_task_cursor",
     "encode_cursor",
+    "encode_task_cursor",
     "new_id",
 ]
 
 #: An operator or reconciler step over one effect record: (record or None, now) -> new record.
 EffectTransition = Callable[[Effect | None, int], Effect]
+
+
+#: The contract's task id grammar (a cursor must decode to one).
+_TASK_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
 
 
 def new_id() -> str:
@@ -93,6 +100,28 @@ def decode_cursor(cursor: str) -> tuple[int, str]:
         raise BadRequest("cursor: not a cursor this gateway issued") from exc
 
 
+#: Most task records one ``list_tasks`` call reads before it answers (with a cursor).
+TASK_SCAN = 1000
+_TASK_CURSOR = "task:"
+
+
+def encode_task_cursor(task_id: str) -> str:
+    """Position after one task in task id order, opaque to clients."""
+    return base64.urlsafe_b64encode((_TASK_CURSOR + task_id).encode()).decode().rstrip("=")
+
+
+def decode_task_cursor(cursor: str) -> str:
+    """The task id a cursor continues after; a cursor this gateway did not issue is 400."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except ValueError as exc:
+        raise BadRequest("cursor: not a cursor this gateway issued") from exc
+    task_id = raw.removeprefix(_TASK_CURSOR)
+    if task_id == raw or not _TASK_ID.fullmatch(task_id):
+        raise BadRequest("cursor: not a cursor this gateway issued")
+    return task_id
+
+
 class Store(abc.ABC):
     """Durable lease state. ``clock_offset_ms`` exists for tests only (see ``tests/``): it is
     added to the store's time source so expiry can be driven without sleeping, and no config
@@ -136,6 +165,14 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def get_task(self, task_id: str) -> Task: ...
+
+    @abc.abstractmethod
+    async def list_tasks(
+        self, wanted: TaskFilter, limit: int, after: str | None
+    ) -> tuple[list[Task], str | None]:
+        """Tasks in task id order after ``after``, filtered (``ledger.queries.page_tasks``),
+        and the task id to continue after (None at the end). Reads at most ``TASK_SCAN``
+        records per call, so a page may be short while the answer says to go on."""
 
     @abc.abstractmethod
     async def claim(self, task_id: str, request: ClaimRequest) -> Task: ...

@@ -258,7 +258,11 @@ def claim(
         and task.lease_expires_at is not None
         and now < task.lease_expires_at
     ):
-        raise Claimed(f"held until leaseExpiresAt {task.lease_expires_at}")
+        raise Claimed(
+            f"held until leaseExpiresAt {task.lease_expires_at}",
+            leaseExpiresAt=task.lease_expires_at,
+            retryAfterMs=task.lease_expires_at - now,
+        )
     runtime = task.max_runtime_ms or policy.default_max_runtime_ms
     ttl = min(request.ttl_ms, policy.max_ttl_ms, runtime)
     taken_over = task.lease_expires_at if task.state is TaskState.CLAIMED else None
@@ -359,10 +363,15 @@ def renew(
         raise AlreadyCommitted()
     assert task.lease_expires_at is not None and task.attempt_started_at is not None
     if now >= task.lease_expires_at:
-        raise LeaseExpired(f"lease expired at {task.lease_expires_at}")
+        raise LeaseExpired(
+            f"lease expired at leaseExpiresAt {task.lease_expires_at}",
+            leaseExpiresAt=task.lease_expires_at,
+        )
     deadline = task.attempt_started_at + (task.max_runtime_ms or policy.default_max_runtime_ms)
     if task.lease_expires_at >= deadline:
-        raise RuntimeExceeded(f"the attempt may not run past {deadline}")
+        raise RuntimeExceeded(
+            f"the attempt may not run past runtimeEndsAt {deadline}", runtimeEndsAt=deadline
+        )
     expires = min(now + min(request.ttl_ms, policy.max_ttl_ms), deadline)
     return replace(task, lease_expires_at=expires, updated_at=now)
 

@@ -7,11 +7,14 @@ Expiry is driven by the store's test clock offset (``api.advance``), never by sl
 from __future__ import annotations
 
 import io
+import re
+from importlib import metadata
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+from fencegate.ledger.clock import iso_utc
 from tests.api import Api
 from tests.conftest import DEFAULT_MAX_RUNTIME_MS, MAX_TTL_MS
 
@@ -456,3 +459,44 @@ async def test_unknown_route_and_wrong_method_are_problems(api: Api) -> None:
     assert missing.status == 404 and missing.content_type == "application/problem+json"
     wrong = await api.call("DELETE", "/v1/epoch")
     assert wrong.status == 405 and wrong.content_type == "application/problem+json"
+
+
+async def test_claimed_says_when_the_lease_ends_and_when_to_retry(api: Api) -> None:
+    await api.put("t1")
+    lease = await api.claim("t1", "w1", ttl_ms=30_000)
+    async with api.client.post(
+        "/v1/tasks/t1/claim", json={"owner": "w2", "ttlMs": 1000, "schedulerEpoch": 1}
+    ) as resp:
+        assert resp.status == 409
+        retry_after = int(resp.headers["Retry-After"])
+        problem = await resp.json(content_type=None)
+    assert problem["code"] == "CLAIMED"
+    assert problem["leaseExpiresAt"] == lease.lease_expires_at
+    assert 29 <= retry_after <= 30 and 29_000 <= problem["retryAfterMs"] <= 30_000
+    iso = iso_utc(lease.lease_expires_at)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", iso)
+    assert problem["detail"] == f"held until {iso} (leaseExpiresAt {lease.lease_expires_at})"
+    # A lease about to end still says at least 1 second.
+    api.advance(29_990)
+    async with api.client.post(
+        "/v1/tasks/t1/claim", json={"owner": "w2", "ttlMs": 1000, "schedulerEpoch": 1}
+    ) as resp:
+        assert resp.headers["Retry-After"] == "1"
+
+
+async def test_lease_and_runtime_ends_are_also_in_iso(api: Api) -> None:
+    await api.put("t1", maxRuntimeMs=20_000)
+    lease = await api.claim("t1", "w1", ttl_ms=20_000)
+    refused = await api.renew(lease, ttl_ms=10_000)
+    assert refused.code == "RUNTIME_EXCEEDED"
+    ends = refused.body["runtimeEndsAt"]
+    assert refused.body["detail"].endswith(f"{iso_utc(ends)} (runtimeEndsAt {ends})")
+    api.advance(20_000)
+    expired = await api.renew(lease)
+    assert expired.code == "LEASE_EXPIRED"
+    assert f"{iso_utc(lease.lease_expires_at)} (leaseExpiresAt " in expired.body["detail"]
+
+
+async def test_healthz_names_the_version(api: Api) -> None:
+    health = await api.call("GET", "/healthz")
+    assert health.body == {"status": "ok", "version": metadata.version("fencegate")}

@@ -1,15 +1,20 @@
 """``fencegate demo`` as a user runs it: one command, no set-up, a real gateway and downstream.
 
 It exits 0 only if every story ended as it should, so running it is a smoke test of the
-gateway and the SDK together.
+gateway and the SDK together. It must also leave nothing behind on any store, not even when
+interrupted, and touch nothing it did not write.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +37,9 @@ KEY_LINES = {
     "every effect reached the shop exactly once": 1,
 }
 SUMMARY_ROW = re.compile(r"^\s+(\d+)\s+[0-9a-f]{12}\.\.\.\s+(\S+)/(\S+)\s", re.MULTILINE)
+#: The narration's store line on Redis names the run's own key prefix.
+PREFIX_LINE = re.compile(r'every key under the prefix "(demo[0-9a-f]{8}):"')
+STORY_TITLES = 4
 
 
 def run_demo(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -64,6 +72,22 @@ def check_narration(done: subprocess.CompletedProcess[str], tmp_path: Path) -> N
     }  # fmt: skip
     assert not list(tmp_path.glob("fencegate-demo-*")), "the demo left its temp dir behind"
     assert not list(tmp_path.glob("*.db*")), "the demo wrote a store outside its temp dir"
+    check_stories_explain_themselves(out)
+
+
+def check_stories_explain_themselves(out: str) -> None:
+    """Each story says in its own words what failure it shows: no citation of notes a user
+    cannot read (``(note "Multi-Agent Task Claims")``), and under each title a plain-words
+    paragraph of one or two sentences before the first actor speaks."""
+    assert not re.search(r'\bnote\s+"', out), out
+    assert "(note" not in out, out
+    blocks = re.findall(r"^== \d\. .+ ==\n((?:   \S.*\n)+)", out, re.MULTILINE)
+    assert len(blocks) == STORY_TITLES, out
+    for block in blocks:
+        text = " ".join(line.strip() for line in block.splitlines())
+        assert not text.startswith("("), text
+        assert 1 <= len(re.findall(r"[.!?](?:\s|$)", text)) <= 2, text
+        assert "gateway" in text, text
 
 
 def demo_command() -> list[str]:
@@ -76,11 +100,140 @@ def demo_command() -> list[str]:
 def test_demo_runs_with_no_set_up_and_exits_0(tmp_path: Path) -> None:
     done = run_demo([*demo_command(), "demo"], tmp_path)
     check_narration(done, tmp_path)
-    assert "on the embedded SQLite store" in done.stdout
+    assert "Store: the embedded SQLite store in " in done.stdout
 
 
 @pytest.mark.slow
 def test_demo_on_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     done = run_demo([*demo_command(), "demo", "--store", redis_server.url], tmp_path)
     check_narration(done, tmp_path)
-    assert f"on redis://127.0.0.1:{redis_server.port}/0," in done.stdout
+    assert f"Store: redis://127.0.0.1:{redis_server.port}/0," in done.stdout
+
+
+def keys_under(server: RedisServer, prefix: str) -> list[str]:
+    client = server.client()
+    try:
+        return sorted(client.scan_iter(match=f"{prefix}*", count=1000))
+    finally:
+        client.close()
+
+
+def plant_other_keys(server: RedisServer) -> dict[str, str]:
+    """Keys of other prefixes in the same Redis (a gateway's ``fg:``, a look-alike
+    ``demo-...``): the demo must not touch them."""
+    client = server.client()
+    planted = {
+        "fg:{invoice-42}:task": "another gateway's task",
+        "fg:scheduler": "another gateway's epoch",
+        "demo-not-the-demo:{x}:task": "someone else's",
+        "demo:scheduler": "someone else's",
+    }
+    try:
+        for key, value in planted.items():
+            client.set(key, value)
+    finally:
+        client.close()
+    return planted
+
+
+def check_untouched(server: RedisServer, planted: dict[str, str]) -> None:
+    client = server.client()
+    try:
+        assert {key: client.get(key) for key in planted} == planted
+    finally:
+        client.delete(*planted)
+        client.close()
+
+
+def test_demo_on_redis_deletes_its_keys_and_only_its_keys(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Against a Redis that holds other data, the demo prints the prefix it writes under and
+    leaves no key under it, and every other key as it was."""
+    planted = plant_other_keys(redis_server)
+    done = run_demo([*demo_command(), "demo", "--store", redis_server.url], tmp_path)
+    check_narration(done, tmp_path)
+    found = PREFIX_LINE.search(done.stdout)
+    assert found, done.stdout
+    prefix = found.group(1)
+    deleted = re.search(rf'Cleaning up: deleted the (\d+) keys under "{prefix}:"', done.stdout)
+    assert deleted and int(deleted.group(1)) > 0, done.stdout  # it did write, then delete
+    assert keys_under(redis_server, prefix) == []
+    check_untouched(redis_server, planted)
+
+
+def test_demo_refuses_an_existing_sqlite_file(tmp_path: Path) -> None:
+    """A ``--store sqlite:///FILE`` that exists holds someone's tasks: the demo deletes its
+    store at the end, so it must not play on that one (nor leave it changed)."""
+    existing = tmp_path / "mine.db"
+    existing.write_bytes(b"not the demo's")
+    done = run_demo([*demo_command(), "demo", "--store", f"sqlite:///{existing}"], tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "already exists" in done.stdout, done.stdout
+    assert existing.read_bytes() == b"not the demo's"
+    assert not list(tmp_path.glob("fencegate-demo-*"))
+
+
+def _lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        into.put(line)
+    into.put("")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "sqlite-file", "redis"])
+def test_demo_cleans_up_when_interrupted(
+    kind: str, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Ctrl-C in the middle of a story (the store holds tasks and effects by then): the demo
+    still deletes what it wrote, says so, and exits 130 without a traceback."""
+    argv = [*demo_command(), "demo"]
+    named = tmp_path / "demo.db"
+    planted: dict[str, str] = {}
+    if kind == "sqlite-file":
+        argv += ["--store", f"sqlite:///{named}"]
+    elif kind == "redis":
+        argv += ["--store", redis_server.url]
+        planted = plant_other_keys(redis_server)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        while not any(line.startswith("== 2.") for line in seen):
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line, "the demo ended before story 2:\n" + "".join(seen)
+            seen.append(line)
+        if kind == "sqlite-file":
+            assert named.exists(), "".join(seen)  # the store is in use: there is data to delete
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    while (line := lines.get(timeout=10)) != "":
+        seen.append(line)
+    out = "".join(seen)
+    assert proc.stdout is not None and proc.stderr is not None
+    stderr = proc.stderr.read()
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.returncode == 130, out + stderr
+    assert "Traceback" not in stderr and "fencegate demo: interrupted" in stderr, stderr
+    assert "Cleaning up: deleted" in out, out
+    assert not list(tmp_path.glob("fencegate-demo-*")), "the demo left its temp dir behind"
+    if kind == "sqlite-file":
+        assert not list(tmp_path.glob("demo.db*")), out
+    if kind == "redis":
+        found = PREFIX_LINE.search(out)
+        assert found, out
+        assert keys_under(redis_server, found.group(1)) == []
+        check_untouched(redis_server, planted)

@@ -130,7 +130,7 @@ async def test_real_answers_match_their_schemas(api: Api) -> None:
         "POST", "/v1/tasks/t1/claim", task + "/claim", {"owner": "w2", "ttlMs": 1000,
                                                         "schedulerEpoch": lease.scheduler_epoch},
     )  # fmt: skip
-    assert claimed.code == "CLAIMED"
+    assert claimed.code == "CLAIMED" and claimed.body["leaseExpiresAt"] == lease.lease_expires_at
     renew = {**lease.identity(), "ttlMs": 5000}
     assert (await call("POST", "/v1/tasks/t1/renew", task + "/renew", renew)).status == 200
 
@@ -181,5 +181,10 @@ async def test_real_answers_match_their_schemas(api: Api) -> None:
     reconciled = await call("POST", f"/v1/effects/{effect_id}/reconcile", one + "/reconcile")
     assert reconciled.status == 200
 
+    tasks = await call("GET", "/v1/tasks?limit=2", "/v1/tasks")
+    assert [t["taskId"] for t in tasks.body["tasks"]] == ["t1", "t3"]
+    assert (await call("GET", "/v1/tasks?state=DONE", "/v1/tasks")).status == 400
+
     for path in ("/healthz", "/readyz"):
         await call("GET", path, path)
+    assert (await call("GET", "/healthz", "/healthz")).body["version"]

@@ -94,7 +94,8 @@ async def test_metric_families_move_and_validation_coverage_is_complete(
     assert value(m, "fencegate_claims_total", outcome="CLAIMED") == 1
     assert value(m, "fencegate_claims_total", outcome="STALE_EPOCH") == 1
     assert value(m, "fencegate_renewals_total", outcome="FENCED") == 1
-    assert value(m, "fencegate_commits_total", outcome="granted") == 1
+    assert value(m, "fencegate_commits_total", outcome="committed") == 1
+    assert value(m, "fencegate_commits_total", outcome="granted") == 0
     assert value(m, "fencegate_commits_total", outcome="CANCELLED") == 1
     assert value(m, "fencegate_rejections_total", point="proxy", code="LEASE_EXPIRED") == 1
     assert value(m, "fencegate_rejections_total", point="commit", code="FENCED") == 1
@@ -109,7 +110,10 @@ async def test_metric_families_move_and_validation_coverage_is_complete(
     assert value(m, "fencegate_attempts_per_task_count") == 1
     assert value(m, "fencegate_attempts_per_task_sum") == 2  # t1 took two claims
     assert value(m, "fencegate_ready_to_commit_seconds_count") == 1
-    assert value(m, "fencegate_forward_seconds_count", downstream="api") >= 3
+    forwards = {
+        labels: v for (name, labels), v in m.items() if name == "fencegate_forward_seconds_count"
+    }
+    assert sum(v for labels, v in forwards.items() if ("downstream", "api") in labels) >= 3
     assert any(name == "fencegate_store_seconds_count" and v > 0 for (name, _), v in m.items())
 
 

@@ -35,9 +35,31 @@ NO_EFFECT = "0" * 64
 
 @dataclass
 class Run:
+    """What a command printed, without the gateway it names (every answer starts with
+    ``gateway URL (...)``, has a ``"gateway"`` field in ``--json``, and a refusal ends with
+    it on stderr): ``gateway`` holds that line, or the JSON's URL.
+    tests/test_cli_operability.py checks those lines themselves."""
+
     code: int
     out: str
     err: str
+    gateway: str = ""
+
+    @classmethod
+    def of(cls, code: int, out: str, err: str) -> Run:
+        gateway = ""
+        if out.startswith("gateway "):
+            gateway, _, out = out.partition("\n")
+        elif out.startswith("{"):
+            answer = json.loads(out)
+            gateway = answer.pop("gateway")
+            # A list is wrapped as {"gateway": URL, "effects": [...]}.
+            (data,) = answer.values() if list(answer) == ["effects"] else (answer,)
+            out = json.dumps(data)
+        lines = err.splitlines(keepends=True)
+        if code == 1 and lines and lines[-1].startswith("fencegate: gateway "):
+            gateway, err = lines[-1][len("fencegate: ") :].rstrip("\n"), "".join(lines[:-1])
+        return cls(code, out, err, gateway)
 
     def json(self) -> Any:
         return json.loads(self.out)
@@ -57,7 +79,12 @@ class Env:
         args = [*argv, "--url", self.url] if url else list(argv)
         code = await asyncio.to_thread(main, args)
         out, err = self.capsys.readouterr()
-        return Run(code, out, err)
+        run = Run.of(code, out, err)
+        if url and run.gateway.startswith("gateway "):
+            assert run.gateway == f"gateway {self.url} (from --url)"
+        elif url and run.gateway:
+            assert run.gateway == self.url
+        return run
 
     async def lease(self, task_id: str = "t1") -> Lease:
         await self.api.put(task_id)
@@ -519,7 +546,7 @@ async def test_the_installed_command_as_a_process(env: Env) -> None:
         )  # fmt: skip
         out, err = await proc.communicate()
         assert proc.returncode is not None
-        return Run(proc.returncode, out.decode(), err.decode())
+        return Run.of(proc.returncode, out.decode(), err.decode())
 
     dead = f"http://127.0.0.1:{free_port()}"
     ok, gone = await asyncio.gather(

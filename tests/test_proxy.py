@@ -178,13 +178,16 @@ async def test_in_flight_duplicate_waits_and_conflict_is_refused(
     api: Api, downstream: Downstream
 ) -> None:
     lease = await task_with_lease(api)
-    first = asyncio.create_task(send(api, lease, "/slow/300/pay", body={"x": 1}))
+    # Through "small" (10 s timeout): a loaded machine must not time the first call out while
+    # the duplicate and the conflict are answered.
+    path = "/proxy/small/slow/500/pay"
+    first = asyncio.create_task(send(api, lease, path, body={"x": 1}))
     await downstream.arrived.wait()
-    dup = await send(api, lease, "/slow/300/pay", body={"x": 1})
+    dup = await send(api, lease, path, body={"x": 1})
     assert dup.status == 409 and dup.code == "EFFECT_IN_FLIGHT"
     assert 1 <= int(dup.headers["Retry-After"]) <= 60
     assert dup.headers["Fence-Effect-State"] == "PREPARED"
-    conflict = await send(api, lease, "/slow/300/pay", body={"x": 2})
+    conflict = await send(api, lease, path, body={"x": 2})
     assert conflict.status == 422 and conflict.code == "PAYLOAD_CONFLICT"
     assert (await first).status == 200
     assert len(downstream.calls()) == 1

@@ -34,7 +34,7 @@ from fencegate.ledger.errors import ERRORS_BY_CODE as GATEWAY_CODES
 from fencegate.ledger.store import Store
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import free_port
+from tests.servers import Gateways, free_port
 
 TIMEOUT_MS = 400
 SDK_WORKER = Path(__file__).with_name("sdk_worker.py")
@@ -455,13 +455,15 @@ async def test_wait_in_flight_gets_the_replay_and_is_bounded(env: Env) -> None:
 
 async def test_guarded_lease_stays_alive_through_a_long_body(env: Env) -> None:
     await new_task(env)
-    ttl_ms = 450
+    # A TTL a loaded 2-core machine can keep renewing (a renewal stalled for over 600 ms
+    # loses it), short enough that the body outlives three of them.
+    ttl_ms = 900
     started = time.monotonic()
     async with env.client.claim("t1", owner="w1", ttl_ms=ttl_ms) as lease:
-        assert lease.renew_interval == pytest.approx(0.15)
-        for i in range(16):  # 1.6 s: over three TTLs
+        assert lease.renew_interval == pytest.approx(0.3)
+        for i in range(16):  # 3.2 s: over three TTLs
             await pay(lease, slot=f"s{i}")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.2)
         assert lease.expires_in > 0 and lease.lost is None
         done = await lease.commit({"slots": 16})
     assert time.monotonic() - started > 3 * ttl_ms / 1000
@@ -669,6 +671,73 @@ async def test_worker_frozen_past_its_ttl_is_refused_and_the_takeover_commits(
     assert record.commit is not None and record.commit["commitId"] == done.commit_id
     assert record.commit["claimGeneration"] == 2
     assert env.sent_keys() == [effect_id("job-1", 1, "main", "s1")]
+
+
+# --- the SDK's own timeout ------------------------------------------------------------------------
+
+
+async def test_sdk_timeout_below_the_downstreams_says_whose_it_is_and_the_retry_replays(
+    store_url: str, key_prefix: str, downstream: Downstream, gateways: Gateways
+) -> None:
+    """A Client whose timeout fires while a real ``fencegate serve`` still (rightly) waits for
+    a slow downstream: ``ClientTimeout`` (still a ``GatewayUnreachable``) naming the SDK's
+    timeout, the downstream and the fix, never an empty reason; the gateway finishes the
+    forward anyway, so the same call again is a replay and the downstream saw it once.
+    (A real process: aiohttp's in-process test server cancels a handler whose client hung up,
+    which ``serve`` does not.)"""
+    gateway = gateways.start(
+        "g",
+        store_url,
+        key_prefix=key_prefix,
+        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 5000}],
+    )
+    async with Client(gateway.url, timeout=10) as client:
+        await client.put_task("t1", "in-1")
+    async with Client(gateway.url, timeout=0.2) as hasty:
+        lease = await hasty.acquire("t1", owner="w1", ttl_ms=30_000)
+        with pytest.raises(fencegate.ClientTimeout) as raised:
+            await pay(lease, path="/slow/600/pay")
+        error = raised.value
+        assert isinstance(error, fencegate.GatewayUnreachable)  # old handlers still catch it
+        assert (error.timeout_s, error.downstream, error.url) == (0.2, "api", gateway.url)
+        message = str(error)
+        assert "SDK's timeout_s=0.2 " in message and "Client(timeout=...)" in message, message
+        assert "'api'" in message and "timeout_ms" in message, message
+        assert "retrying the same call is safe" in message, message
+        assert ": )" not in message and "()" not in message, message
+        # The gateway did forward it: the same call again is answered from the ledger.
+        again = await lease.request(
+            "api", "POST", "/slow/600/pay", slot="s1", json={"slot": "s1"},
+            wait_in_flight=10, timeout_s=10,
+        )  # fmt: skip
+        assert again.status == 200 and again.replayed
+    assert [r.headers.get("Idempotency-Key") for r in downstream.received] == [
+        effect_id("t1", 1, "main", "s1")
+    ]
+
+
+async def test_no_answer_names_the_gateway_and_the_error_class() -> None:
+    """A gateway that is not there: the message says which URL and what failed (by class
+    when the error has no text), so "unreachable" can be told from a timeout."""
+    url = f"http://127.0.0.1:{free_port()}"
+    async with Client(url, timeout=2) as client:
+        with pytest.raises(fencegate.GatewayUnreachable) as raised:
+            await client.get_epoch()
+    assert not isinstance(raised.value, fencegate.ClientTimeout)
+    message = str(raised.value)
+    assert f"no answer from the gateway at {url} (Client" in message, message
+    assert not message.rstrip(")").rstrip().endswith(":"), message
+
+
+def test_every_sdk_error_class_is_exported_and_documented() -> None:
+    """Every class a caller may catch, problem or not (``ClientTimeout``), is importable from
+    ``fencegate`` and named in docs/sdk.md."""
+    doc = SDK_DOC.read_text()
+    for name in fencegate.errors.__all__:
+        cls = getattr(fencegate.errors, name)
+        if isinstance(cls, type) and issubclass(cls, fencegate.FencegateError):
+            assert name in fencegate.__all__, name
+            assert re.search(rf"\b{name}\b", doc), name
 
 
 # --- the documentation's example -----------------------------------------------------------------

@@ -20,7 +20,8 @@ if t.state == 'COMMITTED' then return err('ALREADY_COMMITTED') end
 if t.state == 'CANCELLED' then return err('CANCELLED') end
 if t.state == 'CLAIMED' and num(t.claim_epoch) == epoch and t.lease_expires_at
     and now < tonumber(t.lease_expires_at) then
-  return err('CLAIMED', 'held until leaseExpiresAt ' .. t.lease_expires_at)
+  return err('CLAIMED', 'held until leaseExpiresAt ' .. t.lease_expires_at,
+    'leaseExpiresAt', t.lease_expires_at, 'retryAfterMs', s(tonumber(t.lease_expires_at) - now))
 end
 local runtime = num(t.max_runtime_ms) or tonumber(ARGV[8])
 local ttl = math.min(tonumber(ARGV[3]), tonumber(ARGV[7]), runtime)

@@ -22,8 +22,12 @@ local function num(x)
   return tonumber(x)
 end
 
-local function err(code, detail)
-  return {'ERR', code, detail or ''}
+-- Extra problem members follow as name, value pairs (integers, as strings): the gateway
+-- composes what people read from them (ISO times), so this text stays the Python model's.
+local function err(code, detail, ...)
+  local out = {'ERR', code, detail or ''}
+  for _, v in ipairs({...}) do out[#out + 1] = v end
+  return out
 end
 
 local function load_hash(key)
@@ -99,8 +103,10 @@ local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_
       .. ', current is ' .. s(epoch))
   end
   if t.state == 'CANCELLED' or cancel_gen ~= tonumber(t.cancel_generation) then
+    local cancelled = ''
+    if t.state == 'CANCELLED' then cancelled = ' and is cancelled' end
     return err('CANCELLED', 'cancelGeneration ' .. s(cancel_gen) .. ', task has '
-      .. t.cancel_generation)
+      .. t.cancel_generation .. cancelled)
   end
   if num(t.claim_revision) ~= tonumber(t.revision) then
     return err('STALE_INPUT', 'claim was for revision ' .. tostring(t.claim_revision)

@@ -14,6 +14,7 @@ if t.state == 'COMMITTED' then
   return err('ALREADY_COMMITTED', 'the task is committed; its attempt may produce no more effects')
 end
 if now >= tonumber(t.lease_expires_at) then
-  return err('LEASE_EXPIRED', 'lease expired at ' .. t.lease_expires_at)
+  return err('LEASE_EXPIRED', 'lease expired at leaseExpiresAt ' .. t.lease_expires_at,
+    'leaseExpiresAt', t.lease_expires_at)
 end
 return answer('OK', t)

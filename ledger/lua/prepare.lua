@@ -43,7 +43,8 @@ if t.state == 'COMMITTED' then
   return err('ALREADY_COMMITTED', 'the task is committed; its attempt may produce no more effects')
 end
 if now >= tonumber(t.lease_expires_at) then
-  return err('LEASE_EXPIRED', 'lease expired at ' .. t.lease_expires_at)
+  return err('LEASE_EXPIRED', 'lease expired at leaseExpiresAt ' .. t.lease_expires_at,
+    'leaseExpiresAt', t.lease_expires_at)
 end
 
 local eid = effect_id(t.task_id, t.revision, node, slot)
@@ -117,7 +118,7 @@ elseif e.state == 'PREPARED' then
   retry = s(math.max(tonumber(e.deadline_at) - now, 0))
 else
   code = 'EFFECT_UNKNOWN'
-  detail = 'an earlier forward of this effect has an unknown outcome; reconcile it first'
+  detail = 'an earlier forward of this effect has an unknown outcome'
 end
 if changed then save_effect(index, effects_key, e) end
 local out = answer('REJECT', e)

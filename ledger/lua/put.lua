@@ -1,5 +1,5 @@
 -- Create a task or open a new revision (mirror of ledger.tasks.put).
--- KEYS[1] task hash, KEYS[2] leases index
+-- KEYS[1] task hash, KEYS[2] leases index, KEYS[3] tasks index (every task id, score 0)
 -- ARGV[1] test clock (see now_ms), ARGV[2] taskId, ARGV[3] inputDigest, ARGV[4] maxRuntimeMs or ''
 -- Returns {'CREATED'|'REVISED'|'UNCHANGED', fields...}
 local now = now_ms(ARGV[1])
@@ -10,6 +10,7 @@ if not t then
        ready_at = s(now)}
   if ARGV[4] ~= '' then t.max_runtime_ms = ARGV[4] end
   save_hash(KEYS[1], t)
+  redis.call('ZADD', KEYS[3], 0, ARGV[2])
   return answer('CREATED', t)
 end
 if t.input_digest == ARGV[3] then

@@ -12,10 +12,14 @@ local bad = check_holder(t, ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6
 if bad then return bad end
 if t.state == 'COMMITTED' then return err('ALREADY_COMMITTED') end
 local expires = tonumber(t.lease_expires_at)
-if now >= expires then return err('LEASE_EXPIRED', 'lease expired at ' .. t.lease_expires_at) end
+if now >= expires then
+  return err('LEASE_EXPIRED', 'lease expired at leaseExpiresAt ' .. t.lease_expires_at,
+    'leaseExpiresAt', t.lease_expires_at)
+end
 local deadline = tonumber(t.attempt_started_at) + (num(t.max_runtime_ms) or tonumber(ARGV[9]))
 if expires >= deadline then
-  return err('RUNTIME_EXCEEDED', 'the attempt may not run past ' .. s(deadline))
+  return err('RUNTIME_EXCEEDED', 'the attempt may not run past runtimeEndsAt ' .. s(deadline),
+    'runtimeEndsAt', s(deadline))
 end
 t.lease_expires_at = s(math.min(now + math.min(tonumber(ARGV[7]), tonumber(ARGV[8])), deadline))
 t.updated_at = s(now)

@@ -1,0 +1,88 @@
+"""``/metrics`` of a real gateway after real forwards: every forward is in
+``fencegate_forward_seconds`` with its outcome (the slow ones that timed out and the ones
+that never connected included), no ``*_created`` series, and commits counted for what
+happened (``committed``, ``replayed``, the code)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from fencegate.gateway.app import create_app
+from tests.api import Api, Lease
+from tests.conftest import build_test_store, make_config
+from tests.downstream import Downstream
+from tests.test_operations import metrics, value
+from tests.test_proxy import Sent, fence_headers, task_with_lease
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Api]:
+    config = make_config(
+        store_url,
+        key_prefix,
+        downstreams=[
+            {"name": "api", "url": downstream.url, "timeout_ms": 300},
+            {"name": "down", "url": f"http://127.0.0.1:{closed_port()}", "timeout_ms": 300},
+        ],
+        proxy={"prepared_margin_ms": 200},
+        reconciler={"enabled": False},
+    )
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client)
+
+
+async def post(api: Api, lease: Lease, target: str, slot: str) -> Sent:
+    async with api.client.post(
+        f"/proxy/{target}", json={"n": 1}, headers=fence_headers(lease, slot)
+    ) as resp:
+        return Sent(resp.status, resp.headers, await resp.read())
+
+
+async def test_every_forward_is_observed_with_its_outcome(api: Api) -> None:
+    lease = await task_with_lease(api)
+    assert (await post(api, lease, "api/ok/a", "a")).status == 200
+    assert (await post(api, lease, "api/status/500", "b")).status == 500
+    assert (await post(api, lease, "api/status/429", "c")).status == 429
+    assert (await post(api, lease, "api/slow/1500/d", "d")).code == "DOWNSTREAM_TIMEOUT"
+    assert (await post(api, lease, "down/e", "e")).code == "DOWNSTREAM_UNREACHABLE"
+    async with api.client.get("/proxy/api/ok/read", headers=fence_headers(lease, None)) as r:
+        assert r.status == 200  # a safe method: forwarded unrecorded, observed all the same
+    m = await metrics(api)
+    count = "fencegate_forward_seconds_count"
+    assert value(m, count, downstream="api", outcome="committed") == 2
+    assert value(m, count, downstream="api", outcome="unknown") == 1
+    assert value(m, count, downstream="api", outcome="not_applied") == 1
+    assert value(m, count, downstream="api", outcome="timeout") == 1
+    assert value(m, count, downstream="down", outcome="unreachable") == 1
+    # The timeout is the slowest forward, and it is there: about the downstream's timeout.
+    timed = value(m, "fencegate_forward_seconds_sum", downstream="api", outcome="timeout")
+    assert 0.25 <= timed < 1.5
+
+
+async def test_no_created_series_and_commits_are_named_for_what_happened(api: Api) -> None:
+    lease = await task_with_lease(api)
+    assert (await api.commit(lease)).status == 200
+    assert (await api.commit(lease)).status == 200  # the same commit again: a replay
+    assert (await api.commit(lease, result_digest="other")).code == "ALREADY_COMMITTED"
+    async with api.client.get("/metrics") as resp:
+        text = await resp.text()
+    assert "_created" not in text
+    m = await metrics(api)
+    assert value(m, "fencegate_commits_total", outcome="committed") == 1
+    assert value(m, "fencegate_commits_total", outcome="replayed") == 1
+    assert value(m, "fencegate_commits_total", outcome="ALREADY_COMMITTED") == 1
+    assert value(m, "fencegate_commits_total", outcome="granted") == 0
+    assert value(m, "fencegate_attempts_per_task_count") == 1  # a replay is not a new commit

@@ -1,0 +1,149 @@
+"""Operator resolves are honest, on both stores: an identical repeat is a 200 that changes
+nothing (``unchanged: true``, no second action, ``operator.resolve_unchanged``), anything
+else on a settled effect is ``409 EFFECT_SETTLED`` saying what the record holds, and a
+COMMITTED without any response warns what duplicates will get, which is exactly what a
+duplicate through the proxy then gets (docs/decisions.md, "Resolve")."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from structlog.testing import capture_logs
+
+from fencegate.gateway.app import create_app
+from tests.api import Answer, Api
+from tests.conftest import build_test_store, make_config
+from tests.downstream import Downstream
+from tests.test_proxy import Sent, send, task_with_lease
+
+
+@pytest.fixture
+async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Api]:
+    config = make_config(
+        store_url,
+        key_prefix,
+        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 300}],
+        proxy={"prepared_margin_ms": 200},
+        reconciler={"enabled": False},
+    )
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client)
+
+
+async def unknown_effect(api: Api, task_id: str) -> tuple[Any, str]:
+    """A lease and an effect whose forward timed out: UNKNOWN, no response recorded."""
+    lease = await task_with_lease(api, task_id)
+    timed_out = await send(api, lease, "/slow/1500/pay", body={"amount": 1})
+    assert timed_out.code == "DOWNSTREAM_TIMEOUT"
+    return lease, timed_out.headers["Fence-Effect-Id"]
+
+
+async def resolve(api: Api, effect_id: str, outcome: str, **body: Any) -> Answer:
+    return await api.call(
+        "POST", f"/v1/effects/{effect_id}/resolve", {"outcome": outcome, "note": "n", **body}
+    )
+
+
+def resolves(record: dict[str, Any]) -> int:
+    return sum(1 for a in record["actions"] if a["action"] == "resolve")
+
+
+async def test_committed_without_a_response_warns_and_a_repeat_changes_nothing(
+    api: Api, downstream: Downstream
+) -> None:
+    lease, effect_id = await unknown_effect(api, "t-none")
+    with capture_logs() as first_logs:
+        first = await resolve(api, effect_id, "COMMITTED")
+    assert first.status == 200, first.body
+    assert first.body["unchanged"] is False
+    assert first.body["state"] == "COMMITTED" and first.body["response"] is None
+    [warning] = first.body["warnings"]
+    assert "204" in warning and "Fence-Replay-Body: none" in warning
+    [event] = [e for e in first_logs if e["event"].startswith("operator.resolve")]
+    assert event["event"] == "operator.resolve" and event["empty_replay"] is True
+
+    # A CLI retried after a lost answer: 200, nothing recorded, a different event.
+    with capture_logs() as again_logs:
+        again = await resolve(api, effect_id, "COMMITTED")
+    assert again.status == 200 and again.body["unchanged"] is True
+    assert again.body["warnings"] == first.body["warnings"]
+    assert resolves(again.body) == 1
+    assert [e["event"] for e in again_logs if e["event"].startswith("operator.")] == [
+        "operator.resolve_unchanged"
+    ]
+
+    # A response where the first resolve gave none: refused, saying what the record holds.
+    late = await resolve(api, effect_id, "COMMITTED", response={"status": 201, "body": "ok"})
+    assert late.status == 409 and late.code == "EFFECT_SETTLED"
+    assert "without a response" in late.body["detail"]
+    assert "Z (resolvedAt " in late.body["detail"]  # the time also in ISO 8601
+    other = await resolve(api, effect_id, "NOT_APPLIED")
+    assert other.code == "EFFECT_SETTLED"
+    record = await api.call("GET", f"/v1/effects/{effect_id}")
+    assert resolves(record.body) == 1 and record.body["response"] is None
+
+    # What the warning said is what two duplicates get, and the downstream is not called.
+    before = len(downstream.received)
+    duplicates = [await send(api, lease, "/slow/1500/pay", body={"amount": 1}) for _ in "ab"]
+    for duplicate in duplicates:
+        assert duplicate.status == 204 and duplicate.body == b""
+        assert duplicate.headers["Fence-Replay-Body"] == "none"
+        assert duplicate.headers["Fence-Replayed"] == "true"
+    assert len(downstream.received) == before
+
+
+async def test_a_given_response_is_final_and_every_duplicate_replays_it(
+    api: Api, downstream: Downstream
+) -> None:
+    lease, effect_id = await unknown_effect(api, "t-given")
+    given = {"status": 201, "headers": {"X-A": "1", "Content-Type": "text/plain"}, "body": "ok"}
+    first = await resolve(api, effect_id, "COMMITTED", response=given)
+    assert first.status == 200 and first.body["unchanged"] is False
+    assert first.body["warnings"] == []
+    [action] = first.body["actions"]
+    assert isinstance(action["response"], str)  # what was supplied, so identity is decidable
+
+    # The same response (header order and name case do not matter) is a no-op...
+    same = {**given, "headers": {"content-type": "text/plain", "x-a": "1"}}
+    again = await resolve(api, effect_id, "COMMITTED", response=same)
+    assert again.status == 200 and again.body["unchanged"] is True
+    # ...a different one, or none at all, is refused.
+    changed = await resolve(api, effect_id, "COMMITTED", response={**given, "body": "other"})
+    assert changed.code == "EFFECT_SETTLED"
+    assert "with the operator's response" in changed.body["detail"]
+    assert (await resolve(api, effect_id, "COMMITTED")).code == "EFFECT_SETTLED"
+    assert resolves((await api.call("GET", f"/v1/effects/{effect_id}")).body) == 1
+
+    before = len(downstream.received)
+    replays: list[Sent] = [
+        await send(api, lease, "/slow/1500/pay", body={"amount": 1}) for _ in "ab"
+    ]
+    assert [(r.status, r.body, r.headers["X-A"]) for r in replays] == [(201, b"ok", "1")] * 2
+    assert len(downstream.received) == before
+
+
+async def test_not_applied_repeats_are_no_ops_and_take_no_response(api: Api) -> None:
+    _, effect_id = await unknown_effect(api, "t-not")
+    refused = await resolve(api, effect_id, "NOT_APPLIED", response={"status": 200})
+    assert refused.status == 400 and "only with outcome COMMITTED" in refused.body["detail"]
+    first = await resolve(api, effect_id, "NOT_APPLIED")
+    assert first.body["unchanged"] is False and first.body["warnings"] == []
+    again = await resolve(api, effect_id, "NOT_APPLIED")
+    assert again.status == 200 and again.body["unchanged"] is True
+    assert (await resolve(api, effect_id, "COMMITTED")).code == "EFFECT_SETTLED"
+
+
+async def test_keeping_the_forwards_answer_says_so(api: Api) -> None:
+    lease = await task_with_lease(api, "t-500")
+    answered = await send(api, lease, "/status/500", body={"amount": 1})
+    assert answered.status == 500 and answered.headers["Fence-Effect-State"] == "UNKNOWN"
+    effect_id = answered.headers["Fence-Effect-Id"]
+    first = await resolve(api, effect_id, "COMMITTED")
+    [warning] = first.body["warnings"]
+    assert "status 500" in warning
+    refused = await resolve(api, effect_id, "COMMITTED", response={"status": 200})
+    assert "keeping the forward's recorded answer (status 500)" in refused.body["detail"]
