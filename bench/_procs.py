@@ -10,6 +10,7 @@ answers on the port is the process it started.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -24,7 +25,7 @@ from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -42,6 +43,10 @@ __all__ = [
     "gateway_origin",
     "percentile",
     "progress",
+    "redis_script_names",
+    "redis_script_stats",
+    "redis_stats_reset",
+    "render_redis_scripts",
     "scan_gateway_log",
     "spawn",
     "start_gateway",
@@ -82,14 +87,23 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User+system CPU of a live process (all its threads), from /proc; None off Linux."""
+    """User+system CPU of a live process (all its threads) and of its children, live or
+    reaped (``fencegate serve --workers N`` serves from its children), from /proc; None off
+    Linux."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
-    # fields[0] is field 3 (state) of proc(5): utime is field 14, stime field 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    # fields[0] is field 3 (state) of proc(5): utime, stime, cutime, cstime are fields 14-17.
+    total = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        total += cpu_seconds(int(child)) or 0.0
+    return total
 
 
 @dataclass
@@ -256,12 +270,16 @@ def start_gateway(
     store_timeout_ms: int | None,
     extra_toml: str = "",
     python_args: Sequence[str] = (),
+    workers: int = 1,
+    event_loop: str | None = None,
 ) -> tuple[Proc, str]:
     """``fencegate serve`` with a temporary config: (process, base URL).
 
     ``extra_toml`` is appended to the config (whole sections: ``[leases]``,
     ``[[downstreams]]``...); ``python_args`` go between the interpreter and
-    ``-m fencegate.gateway.cli`` (e.g. ``-m cProfile -o FILE``).
+    ``-m fencegate.gateway.cli`` (e.g. ``-m cProfile -o FILE``); ``workers`` above 1 is
+    ``server.workers`` and ``event_loop`` is ``server.event_loop`` (a tree from before them
+    refuses the keys).
     """
     directory.mkdir(parents=True)
     port = free_port()
@@ -269,6 +287,8 @@ def start_gateway(
     lines = [
         "[server]",
         f'listen = "{HOST}:{port}"',
+        *([f"workers = {workers}"] if workers > 1 else []),
+        *([f'event_loop = "{event_loop}"'] if event_loop else []),
         "[store]",
         f"url = {json.dumps(store_url)}",
         f'sqlite_synchronous = "{sqlite_synchronous}"',
@@ -298,12 +318,18 @@ def start_gateway(
 
 
 def start_module_server(
-    name: str, module: str, flag: str, directory: Path, extra_args: Sequence[str] = ()
+    name: str,
+    module: str,
+    flag: str,
+    directory: Path,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
 ) -> tuple[Proc, str]:
     """``python -m MODULE FLAG HOST:PORT [extra_args]`` from the repository root, in its own
-    process, answering ``GET /readyz``: (process, base URL)."""
+    process, answering ``GET /readyz``: (process, base URL). ``port``: one more process on
+    the port of another (both listen with SO_REUSEPORT); default a free one."""
     directory.mkdir(parents=True)
-    port = free_port()
+    port = port or free_port()
     args = [sys.executable, "-m", module, flag, f"{HOST}:{port}", *extra_args]
     proc = spawn(name, args, directory / f"{name}.log", REPO_ROOT)
     base = f"http://{HOST}:{port}"
@@ -426,3 +452,140 @@ def align(rows: Sequence[Sequence[str]]) -> str:
 
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# --- Redis CPU per script --------------------------------------------------------------------
+
+#: SLOWLOG entries kept while a phase is measured (~0.5-2 KB each).
+_SLOWLOG_KEEP = 100_000
+#: The SLOWLOG threshold while a phase is measured, in usec: low enough to log every script
+#: run, high enough to skip most commands a script runs (each ~1-3 us). A logged entry costs
+#: Redis time, and a nested one is paid inside its script's time, so logging every command
+#: (threshold 0) would inflate the very figure measured (commit ~60 -> ~250 us here).
+_SLOWLOG_USEC = 5
+#: Commands the benchmark itself sends around a measured phase (not the gateway's).
+_ADMIN = {"CONFIG", "SLOWLOG", "INFO", "CLIENT", "HELLO", "PING"}
+#: The client address the SLOWLOG gives the commands a script runs.
+_SCRIPT_CLIENT = "?:0"
+
+_NAMES_PROBE = """
+import hashlib, json
+from fencegate.ledger import redis_store as r
+print(json.dumps({hashlib.sha1(r.load_script_source(n).encode()).hexdigest(): n
+                  for n in r._SCRIPTS}))
+"""
+
+
+@functools.cache
+def redis_script_names(source: Path | None) -> dict[str, str]:
+    """SHA-1 -> script name for the gateway that runs from ``source`` (its own Lua files, so
+    an old tree's scripts are named too), computed the way redis-py's ``register_script``
+    does; {} when that tree cannot say."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NAMES_PROBE],
+        env=gateway_env(source),
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        return {}
+    names: dict[str, str] = json.loads(done.stdout)
+    return names
+
+
+def redis_stats_reset(url: str, expected_entries: int, slowlog_usec: int = _SLOWLOG_USEC) -> None:
+    """Start counting a measured phase: ``CONFIG RESETSTAT`` (INFO commandstats: the exact
+    time of all EVALSHA runs together) and a SLOWLOG of every script run (which script each
+    was: commandstats has one line for all of them). A script run faster than
+    ``slowlog_usec`` is missed (``slowlogCoverage`` shows it); 0 logs every command."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        client.config_set("slowlog-log-slower-than", slowlog_usec)
+        client.config_set("slowlog-max-len", max(128, min(expected_entries, _SLOWLOG_KEEP)))
+        client.slowlog_reset()
+        client.config_resetstat()
+    finally:
+        client.close()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def redis_script_stats(url: str, names: dict[str, str], calls: int) -> dict[str, Any]:
+    """Redis CPU of a measured phase, read right after it (before any read-back).
+
+    ``usecPerCall`` is INFO commandstats' EVALSHA time (every script run, the commands it ran
+    included) over ``calls``, and ``callsPerSecondOneRedis`` what one Redis could serve at
+    that cost. Per script, from the SLOWLOG: runs, usec per run, and usec per call, scaled so
+    the scripts add up to commandstats' exact total (``slowlogCoverage`` says how much of it
+    the SLOWLOG saw). Commands the gateway sent outside scripts are listed apart. Switches the
+    SLOWLOG back to Redis's default."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        stats = client.info("commandstats")
+        entries: Any = client.slowlog_get(-1)
+        client.config_set("slowlog-log-slower-than", 10_000)
+        client.slowlog_reset()
+    finally:
+        client.close()
+    scripts: dict[str, list[int]] = {}
+    other = [0, 0]
+    for entry in entries:
+        # redis-py joins the arguments with spaces; the command and the SHA-1 have none.
+        argv = _text(entry["command"]).split(" ", 2)
+        if argv[0].upper() in _ADMIN or _text(entry["client_address"]) == _SCRIPT_CLIENT:
+            continue  # the benchmark's own, or run by a script (counted in the script's time)
+        if argv[0].upper() == "EVALSHA" and len(argv) > 1:
+            runs_usec = scripts.setdefault(names.get(argv[1], argv[1][:12]), [0, 0])
+        else:
+            runs_usec = other
+        runs_usec[0] += 1
+        runs_usec[1] += int(entry["duration"])
+    evalsha = stats.get("cmdstat_evalsha", {})
+    exact_usec = int(evalsha.get("usec", 0))
+    logged_usec = sum(usec for _, usec in scripts.values())
+    scale = exact_usec / logged_usec if logged_usec else 1.0
+    per_call = exact_usec / calls if calls else None
+
+    def line(runs: int, usec: int, factor: float) -> dict[str, float | int | None]:
+        return {
+            "runs": runs,
+            "usecPerRun": round(usec / runs, 1) if runs else None,
+            "usecPerCall": round(usec * factor / calls, 1) if calls else None,
+        }
+
+    split = {name: line(runs, usec, scale) for name, (runs, usec) in sorted(scripts.items())}
+    if other[0]:
+        split["(not in a script)"] = line(other[0], other[1], 1.0)
+    return {
+        "calls": calls,
+        "usecPerCall": None if per_call is None else round(per_call, 1),
+        "callsPerSecondOneRedis": round(1e6 / per_call) if per_call else None,
+        "evalshaRuns": int(evalsha.get("calls", 0)),
+        "evalshaUsecPerRun": float(evalsha.get("usec_per_call", 0.0)),
+        "slowlogCoverage": round(logged_usec / exact_usec, 3) if exact_usec else None,
+        "scripts": split,
+    }
+
+
+def render_redis_scripts(phase: str, report: dict[str, Any], unit: str) -> str:
+    """The per-script lines a benchmark prints for one measured Redis phase."""
+    rows = [("script", "runs", "usec/run", f"usec/{unit}")]
+    for name, line in report["scripts"].items():
+        rows.append(
+            (
+                name,
+                str(line["runs"]),
+                fmt(line["usecPerRun"], ".1f"),
+                fmt(line["usecPerCall"], ".1f"),
+            )
+        )
+    head = (
+        f"{phase}: Redis CPU in scripts {fmt(report['usecPerCall'], '.1f')} usec per {unit} "
+        f"(INFO commandstats), so one Redis serves at most ~{report['callsPerSecondOneRedis']} "
+        f"{unit}s/s; split by script from the SLOWLOG (coverage {report['slowlogCoverage']})"
+    )
+    return head + "\n" + align(rows)

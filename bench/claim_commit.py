@@ -56,6 +56,10 @@ from bench._procs import (
     gateway_origin,
     percentile,
     progress,
+    redis_script_names,
+    redis_script_stats,
+    redis_stats_reset,
+    render_redis_scripts,
     scan_gateway_log,
     start_gateway,
     start_module_server,
@@ -314,6 +318,7 @@ class ClientRun:
     client_cpu_s: float
     states_done: Counter[str] | None
     states_failed: Counter[str] | None
+    redis_cpu: dict[str, Any] | None = None
 
 
 async def drive(
@@ -325,6 +330,8 @@ async def drive(
     concurrency: int,
     max_seconds: float,
     verify: bool,
+    redis_url: str | None = None,
+    script_names: dict[str, str] | None = None,
 ) -> ClientRun:
     run_id = uuid.uuid4().hex[:8]
     warm_ids = [f"bench.{run_id}.warm.{i:05d}" for i in range(warmup)]
@@ -350,6 +357,8 @@ async def drive(
         )
 
         # Measured: claim -> commit for every created task, bounded by --max-seconds.
+        if redis_url:
+            redis_stats_reset(redis_url, 16 * tasks + 1000)
         cpu_before = [p.cpu() for p in procs]
         client_cpu_before = time.process_time()
         measured = await _run_workers(
@@ -361,6 +370,9 @@ async def drive(
         )
         client_cpu = time.process_time() - client_cpu_before
         cpu_after = [p.cpu() for p in procs]
+        redis_cpu = None
+        if redis_url:
+            redis_cpu = redis_script_stats(redis_url, script_names or {}, len(measured.done))
         server_cpu: dict[str, float] | None = {}
         for proc, before, after in zip(procs, cpu_before, cpu_after, strict=True):
             if before is None or after is None or server_cpu is None:
@@ -372,7 +384,9 @@ async def drive(
         if verify:
             states_done = await _states(client, measured.done, concurrency)
             states_failed = await _states(client, measured.failed, concurrency)
-    return ClientRun(put, warm, measured, server_cpu, client_cpu, states_done, states_failed)
+    return ClientRun(
+        put, warm, measured, server_cpu, client_cpu, states_done, states_failed, redis_cpu
+    )
 
 
 # --- phases ----------------------------------------------------------------------------------
@@ -399,6 +413,8 @@ class PhaseResult:
     log_events: dict[str, int]
     exit_codes: dict[str, int | None]
     notes: list[str]
+    #: Redis CPU of the measured part, per script (``_procs.redis_script_stats``).
+    redis_cpu: dict[str, Any] | None = None
 
     @property
     def rate(self) -> float:
@@ -448,6 +464,7 @@ class PhaseResult:
             "serverLogEvents": self.log_events,
             "exitCodes": self.exit_codes,
             "notes": self.notes,
+            "redisCpu": self.redis_cpu,
         }
 
 
@@ -456,8 +473,14 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 
 
 def run_phase(
-    name: str, base: str, procs: Sequence[Proc], args: argparse.Namespace, verify: bool
+    name: str,
+    base: str,
+    procs: Sequence[Proc],
+    args: argparse.Namespace,
+    verify: bool,
+    redis_url: str | None = None,
 ) -> PhaseResult:
+    names = redis_script_names(args.gateway_src) if redis_url else None
     run = asyncio.run(
         terminable(
             drive(
@@ -468,6 +491,8 @@ def run_phase(
                 concurrency=args.concurrency,
                 max_seconds=args.max_seconds,
                 verify=verify,
+                redis_url=redis_url,
+                script_names=names,
             )
         )
     )
@@ -514,6 +539,7 @@ def run_phase(
         log_events={},
         exit_codes={},
         notes=notes,
+        redis_cpu=run.redis_cpu,
     )
 
 
@@ -572,7 +598,7 @@ def phase_redis(work: Path, args: argparse.Namespace) -> tuple[PhaseResult, str]
             store_timeout_ms=args.store_timeout_ms,
         )
         procs.append(gateway)
-        result = run_phase("redis", base, procs, args, verify=not args.no_verify)
+        result = run_phase("redis", base, procs, args, verify=not args.no_verify, redis_url=url)
     except BaseException:
         for proc in reversed(procs):
             proc.stop()
@@ -819,6 +845,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rounds > 1:
         print(f"\nmedians over {args.rounds} rounds\n", file=out)
         print(render_medians(summaries, args.stores), file=out)
+    for s in summaries:
+        if s["redisCpu"]:
+            print("\n" + render_redis_scripts(s["phase"], s["redisCpu"], "cycle"), file=out)
     for s in summaries:
         for note in s["notes"]:
             print(f"note: {s['phase']}: {note}", file=out)

@@ -76,6 +76,10 @@ from bench._procs import (
     gateway_origin,
     percentile,
     progress,
+    redis_script_names,
+    redis_script_stats,
+    redis_stats_reset,
+    render_redis_scripts,
     scan_gateway_log,
     start_gateway,
     start_module_server,
@@ -119,8 +123,9 @@ def _run(app: web.Application, listen: str) -> int:
     if host not in (HOST, "localhost"):
         print("bench servers listen on loopback only", file=sys.stderr)
         return 2
-    # The same run_app options as ``fencegate serve``.
-    web.run_app(app, host=host, port=int(port), print=None, access_log=None)
+    # The same run_app options as ``fencegate serve``; SO_REUSEPORT: with --workers N the
+    # passthrough is N such processes on one port, as the gateway is N workers.
+    web.run_app(app, host=host, port=int(port), print=None, access_log=None, reuse_port=True)
     return 0
 
 
@@ -455,6 +460,8 @@ class Target:
     procs: list[Proc]
     #: Headers every request to this proxy carries (``Fence-Authorization`` with ``--auth``).
     auth: dict[str, str] = field(default_factory=dict)
+    #: The private Redis of a fenced target on Redis, whose CPU per script a phase reports.
+    redis_url: str | None = None
 
 
 @dataclass
@@ -482,6 +489,8 @@ class PhaseResult:
     notes: list[str]
     warmup_calls: int = 0
     ledger_before: int = 0  # effects the gateway's store held before this phase
+    #: Redis CPU of the measured part, per script (``_procs.redis_script_stats``).
+    redis_cpu: dict[str, Any] | None = None
 
     @property
     def attempted(self) -> int:
@@ -600,6 +609,8 @@ async def run_phase(
             notes.append(f"warm-up errors: {dict(warm.errors)}")
 
         procs = [*target.procs, *downstream_procs]
+        if target.redis_url and not paced:
+            redis_stats_reset(target.redis_url, 20 * args.requests + 1000)
         cpu_before = [p.cpu() for p in procs]
         client_before = time.process_time()
         deadline = time.perf_counter() + args.max_seconds
@@ -612,12 +623,16 @@ async def run_phase(
             calls = await closed_loop(caller, args.warmup, count, args.concurrency, deadline)
         client_cpu = time.process_time() - client_before
         cpu_after = [p.cpu() for p in procs]
+        redis_cpu = None
+        if target.redis_url and not paced:
+            names = redis_script_names(args.gateway_src)
+            redis_cpu = redis_script_stats(target.redis_url, names, calls.ok)
         cpu: dict[str, float] | None = {}
         for proc, a, b in zip(procs, cpu_before, cpu_after, strict=True):
             if a is None or b is None or cpu is None:
                 cpu = None
             else:
-                cpu[proc.name] = b - a
+                cpu[proc.name] = cpu.get(proc.name, 0.0) + b - a  # --workers: N passthroughs
 
         stats = await downstream_stats(session, downstream)
         checks += verify_downstream(
@@ -649,6 +664,7 @@ async def run_phase(
         checks=checks,
         notes=notes,
         warmup_calls=warm.ok + sum(warm.errors.values()),
+        redis_cpu=redis_cpu,
     )
 
 
@@ -712,6 +728,18 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
         ["--downstream-url", setup.downstream_base],
     )
     setup.procs.append(proc)
+    passthroughs = [proc]
+    for n in range(1, args.workers):
+        more, _ = start_module_server(
+            "passthrough",
+            "bench.proxy",
+            "--serve-passthrough",
+            work / f"passthrough-{n}",
+            ["--downstream-url", setup.downstream_base],
+            port=int(base.rpartition(":")[2]),
+        )
+        setup.procs.append(more)
+        passthroughs.append(more)
     # With --auth the passthrough gets the same header too, so both proxies parse the same
     # requests (it forwards it like the other Fence-* headers; the gateway never does).
     auth: dict[str, str] = {}
@@ -721,7 +749,9 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
         auth = {AUTH_HEADER: f"Bearer {token}"}
         extra += _auth_toml(token)
     extra += "".join(f"{t}\n" for t in args.gateway_toml)
-    setup.targets["passthrough"] = Target("passthrough", False, None, None, base, [proc], auth)
+    setup.targets["passthrough"] = Target(
+        "passthrough", False, None, None, base, passthroughs, auth
+    )
     levels = [args.log_level] + ([] if args.no_info or args.log_level == "info" else ["info"])
     for store in args.stores:
         store_procs: list[Proc] = []
@@ -749,11 +779,14 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
                 store_timeout_ms=None,
                 extra_toml=extra,
                 python_args=python_args,
+                workers=args.workers,
+                event_loop=args.event_loop,
             )
             setup.procs.append(gateway)
             progress(f"gateway {name}: pid {gateway.pid}, {base}")
+            redis_url = url if store == "redis" else None
             setup.targets[name] = Target(
-                name, True, store, level, base, [gateway, *store_procs], auth
+                name, True, store, level, base, [gateway, *store_procs], auth, redis_url
             )
 
 
@@ -887,6 +920,7 @@ def phase_summary(results: Sequence[PhaseResult], i: int) -> dict[str, Any]:
         "passthroughP99Ms": _round(base_p99),
         "addedP99Ms": _round(p99 - base_p99) if p99 is not None and base_p99 is not None else None,
         "ledgerEffectsBefore": r.ledger_before if r.fenced else None,
+        "redisCpu": r.redis_cpu,
         "verified": r.verified,
         "checks": r.checks,
         "errors": dict(r.calls.errors),
@@ -1106,6 +1140,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="run every gateway under cProfile, writing DIR/gateway-NAME.prof when it stops "
         "(slows the gateway: use for where the time goes, not for the figures)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway worker processes (server.workers; Redis only), and as many passthrough "
+        "processes on one port (SO_REUSEPORT) for the baseline",
+    )
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="server.event_loop of every gateway (default: the gateway's own default)",
+    )
     add_run_options(parser, report="the tables then go")
     parser.add_argument("--serve-downstream", metavar="HOST:PORT", help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", metavar="HOST:PORT", help=argparse.SUPPRESS)
@@ -1120,6 +1167,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0, --max-in-flight >= 1")
     if not 0 < args.paced_fraction <= 1 or args.paced_seconds <= 0 or args.max_seconds <= 0:
         parser.error("--paced-fraction must be in (0, 1], --paced-seconds and --max-seconds > 0")
+    if args.workers < 1 or (args.workers > 1 and "sqlite" in args.stores):
+        parser.error("--workers must be >= 1, and 1 with sqlite (one process): --stores redis")
     check_run_options(parser, args, args.stores)
     return args
 
@@ -1157,6 +1206,9 @@ def _print_report(
             f"p99 {fmt(f['pacedClientLagP99Ms'], '.2f')} ms",
             file=out,
         )
+    for s in summaries:
+        if s["redisCpu"]:
+            print("\n" + render_redis_scripts(s["phase"], s["redisCpu"], "call"), file=out)
     for s in summaries:
         for note in s["notes"]:
             print(f"note: {s['phase']}: {note}", file=out)
@@ -1228,6 +1280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.log_level}, {os.cpu_count()} CPUs shared by client, proxy, downstream and store, "
         f"temp dir on {fs}, gateway from {origin}"
     )
+    if args.workers > 1:
+        settings += (
+            f", {args.workers} gateway workers against {args.workers} passthrough processes "
+            "(each on one port, SO_REUSEPORT)"
+        )
+    if args.event_loop:
+        settings += f", gateway event loop {args.event_loop}"
     if args.auth:
         settings += ", gateway [auth] on (1 principal, Fence-Authorization on every request)"
     if args.gateway_toml:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fencegate.gateway.config import (
@@ -24,9 +24,32 @@ from fencegate.gateway.version import gateway_version
 __all__ = ["main", "reload_auth", "server_ssl_context"]
 
 if TYPE_CHECKING:
+    import asyncio
+    import socket
     import ssl
 
     from aiohttp import web
+
+#: What builds the event loop of ``serve`` (None: asyncio's own).
+LoopFactory = Callable[[], "asyncio.AbstractEventLoop"] | None
+
+
+def _event_loop(choice: str) -> tuple[str, LoopFactory]:
+    """``server.event_loop``: uvloop (a dependency on Linux and macOS: less CPU per call in
+    the loop itself) for ``uvloop``, and for ``auto`` where it is installed; asyncio's loop
+    otherwise. The name goes into ``gateway.starting``. ConfigError for ``uvloop`` when it
+    is not installed."""
+    if choice == "asyncio":
+        return "asyncio", None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "uvloop":
+            raise ConfigError(
+                f"server.event_loop = 'uvloop': cannot import uvloop ({exc})"
+            ) from exc
+        return "asyncio", None
+    return "uvloop", uvloop.new_event_loop
 
 
 def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
@@ -77,14 +100,11 @@ def _serve(args: argparse.Namespace) -> int:
     ``--check`` is for a person at a terminal (and a deploy script's exit code): plain lines,
     the summary on stdout and the one error on stderr."""
     # Imported here: the operator commands should not pay for the server's imports.
-    import asyncio
-
     import structlog
 
-    from fencegate.gateway.app import create_app
-    from fencegate.gateway.config import with_listen
+    from fencegate.gateway.config import with_listen, with_workers
     from fencegate.gateway.logs import configure_logging
-    from fencegate.ledger.errors import StoreUnavailable
+    from fencegate.gateway.workers import check_platform
 
     configure_logging("error" if args.check else "info")
     log = structlog.get_logger("fencegate")
@@ -93,6 +113,12 @@ def _serve(args: argparse.Namespace) -> int:
         if args.listen:
             parse_listen(args.listen)
             config = with_listen(config, args.listen)
+        if args.workers is not None:
+            config = with_workers(config, args.workers)
+        unsupported = check_platform(config.server.workers)
+        if unsupported is not None:
+            raise ConfigError(unsupported)
+        loop_name, loop_factory = _event_loop(config.server.event_loop)
         ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:
         if args.check:
@@ -103,7 +129,6 @@ def _serve(args: argparse.Namespace) -> int:
     if args.check:
         return _check(config, args.config, ssl_context is not None)
     listen = config.server.listen
-    host, port = parse_listen(listen)
     configure_logging(config.logging.level)
     log = structlog.get_logger("fencegate")
     log.info(
@@ -112,6 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
         config=os.path.abspath(args.config) if args.config else None,
         listen=listen,
         store=_public_url(config.store.url),
+        workers=config.server.workers,
+        loop=loop_name,
     )
     for downstream in config.downstreams:
         log.info(
@@ -128,16 +155,81 @@ def _serve(args: argparse.Namespace) -> int:
             detail="no [auth] section: any client that reaches this address may use every "
             "endpoint (docs/security.md)",
         )
+    if config.server.workers == 1:
+        return _serve_one(config, args.config, ssl_context, loop_factory)
+    return _serve_workers(config, args.config, ssl_context, loop_factory)
+
+
+def _serve_one(
+    config: Config,
+    config_path: str | None,
+    ssl_context: ssl.SSLContext | None,
+    loop_factory: LoopFactory,
+    sockets: Sequence[socket.socket] | None = None,
+    listening: Callable[[], None] | None = None,
+) -> int:
+    """One gateway process (or one worker of several: on the supervisor's ``sockets``) until
+    SIGTERM or SIGINT; its exit code."""
+    import asyncio
+
+    import structlog
+
+    from fencegate.gateway.app import create_app
+    from fencegate.ledger.errors import StoreUnavailable
+
+    log = structlog.get_logger("fencegate")
+    host, port = parse_listen(config.server.listen)
     try:
         app = create_app(config)
-        asyncio.run(_run(app, host, port, config.server, args.config, ssl_context))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(
+                _run(app, host, port, config.server, config_path, ssl_context, sockets, listening)
+            )
     except StoreUnavailable as exc:
         log.error("gateway.store_error", error=exc.detail)
         return 1
     except OSError as exc:
-        log.error("gateway.cannot_listen", listen=listen, error=exc.strerror or str(exc))
+        log.error(
+            "gateway.cannot_listen", listen=config.server.listen, error=exc.strerror or str(exc)
+        )
         return 1
     return 0
+
+
+def _serve_workers(
+    config: Config,
+    config_path: str | None,
+    ssl_context: ssl.SSLContext | None,
+    loop_factory: LoopFactory,
+) -> int:
+    """``server.workers`` processes under one supervisor (gateway/workers.py says why this
+    shape); the metrics of all of them are answered by each (gateway/metrics.py)."""
+    import shutil
+    import tempfile
+
+    import structlog
+
+    from fencegate.gateway.metrics import share_between_processes
+    from fencegate.gateway.workers import Supervisor, bind_sockets
+
+    host, port = parse_listen(config.server.listen)
+    try:
+        slots = bind_sockets(host, port, config.server.workers)
+    except OSError as exc:
+        structlog.get_logger("fencegate").error(
+            "gateway.cannot_listen", listen=config.server.listen, error=exc.strerror or str(exc)
+        )
+        return 1
+    metrics_directory = tempfile.mkdtemp(prefix="fencegate-metrics-")
+    share_between_processes(metrics_directory)
+
+    def worker(index: int, sockets: Sequence[socket.socket], listening: Callable[[], None]) -> int:
+        return _serve_one(config, config_path, ssl_context, loop_factory, sockets, listening)
+
+    try:
+        return Supervisor(slots, worker).run()
+    finally:  # only the supervisor gets here: a worker leaves through os._exit
+        shutil.rmtree(metrics_directory, ignore_errors=True)
 
 
 def _check(config: Config, config_path: str | None, tls: bool) -> int:
@@ -184,6 +276,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
         f"store: {store_url} (reached)",
         *(f"warning: store: {w}" for w in warnings),
         f"listen: {scheme}://{config.server.listen} (not bound by --check)",
+        f"workers: {config.server.workers}",
         "auth: "
         + (
             f"{len(config.auth.principals)} principal(s)"
@@ -236,10 +329,14 @@ async def _run(
     server: ServerConfig,
     config_path: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    sockets: Sequence[socket.socket] | None = None,
+    listening: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, through the guarded listener (connection limit,
     parser errors as problem+json, JSON access log), then shut down gracefully. SIGHUP reloads
-    the ``[auth]`` principals from ``config_path`` (``reload_auth``)."""
+    the ``[auth]`` principals from ``config_path`` (``reload_auth``). A worker of several
+    serves on the ``sockets`` its supervisor bound and calls ``listening`` once it takes
+    calls and handles the signals."""
     import asyncio
     import logging
     import signal
@@ -250,6 +347,7 @@ async def _run(
 
     from fencegate.gateway.logs import AccessLog
     from fencegate.gateway.request_guard import ConnectionSlots, GuardedSite, handler_factory
+    from fencegate.gateway.workers import SocketSite, unblock_stop_signals
 
     options: dict[str, Any] = {
         "access_log_class": AccessLog,
@@ -261,18 +359,20 @@ async def _run(
     try:
         assert runner.server is not None
         slots = ConnectionSlots(server.max_connections)
-        site = GuardedSite(
-            runner,
-            host,
-            port,
-            handler_factory(runner.server, slots, **options),
-            ssl_context=ssl_context,
-            # A handshake is not yet a counted connection: bound how long one may take.
-            ssl_handshake_timeout=min(server.idle_timeout_ms / 1000, 30.0),
-        )
-        await site.start()
+        factory = handler_factory(runner.server, slots, **options)
+        # A handshake is not yet a counted connection: bound how long one may take.
+        handshake_timeout = min(server.idle_timeout_ms / 1000, 30.0)
+        sites: list[GuardedSite] = (
+            [GuardedSite(runner, host, port, factory, ssl_context=ssl_context,
+                         ssl_handshake_timeout=handshake_timeout)]
+            if sockets is None
+            else [SocketSite(runner, sock, host, port, factory, ssl_context=ssl_context,
+                             ssl_handshake_timeout=handshake_timeout) for sock in sockets]
+        )  # fmt: skip
+        for site in sites:
+            await site.start()
         log = structlog.get_logger("fencegate")
-        log.info("gateway.listening", listen=site.name, max_connections=server.max_connections)
+        log.info("gateway.listening", listen=sites[0].name, max_connections=server.max_connections)
         stop = asyncio.Event()
         received: list[str] = []
 
@@ -284,6 +384,9 @@ async def _run(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, reload_auth, app, config_path)
+        unblock_stop_signals()  # a worker's: blocked since the fork, so none was lost
+        if listening is not None:
+            listening()
         await stop.wait()
         log.info("gateway.stopping", signal=received[0])
         draining_since = time.monotonic()
@@ -300,6 +403,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--config", metavar="FILE", help="TOML config (default: embedded store)")
     serve.add_argument("--listen", metavar="HOST:PORT", help="override server.listen")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="override server.workers: N processes share the port and the store (Redis only)",
+    )
     serve.add_argument(
         "--check",
         action="store_true",

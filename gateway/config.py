@@ -39,6 +39,7 @@ __all__ = [
     "load_config",
     "parse_listen",
     "with_listen",
+    "with_workers",
 ]
 
 # Bounds on everything a config file controls, so a typo cannot make the gateway absurd.
@@ -69,6 +70,17 @@ def with_listen(config: Config, listen: str) -> Config:
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"--listen {listen}: {_describe(exc, data)}") from exc
+
+
+def with_workers(config: Config, workers: int) -> Config:
+    """``config`` with ``workers`` worker processes (``serve --workers``), validated again as a
+    whole (a SQLite store refuses more than one)."""
+    data = config.model_dump(exclude_unset=True)
+    data["server"] = {**data.get("server", {}), "workers": workers}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"--workers {workers}: {_describe(exc, data)}") from exc
 
 
 def is_loopback(host: str) -> bool:
@@ -116,6 +128,13 @@ class ServerConfig(_Section):
     #: (ssl.CERT_REQUIRED), and principals may be identified by its CN (``certificate_cn``).
     #: Needs tls_cert_file and tls_key_file. Only these CAs are trusted, never the system's.
     tls_client_ca_file: str | None = None
+    #: Worker processes serving ``listen`` (``serve --workers``): one supervisor forks them,
+    #: restarts one that dies, and drains them all on SIGTERM (docs/serve.md). More than one
+    #: needs a store several processes share (Redis) and Linux (SO_REUSEPORT).
+    workers: Annotated[int, Field(ge=1, le=64)] = 1
+    #: The event loop of ``serve``: ``uvloop`` (less CPU per call; must be installed),
+    #: ``asyncio`` (the standard library's), ``auto`` (uvloop where it is installed).
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
     @field_validator("listen")
     @classmethod
@@ -556,6 +575,10 @@ class AuthConfig(_Section):
         return self
 
 
+#: Store URL schemes whose store belongs to one process (``server.workers`` must be 1).
+_ONE_PROCESS_SCHEMES = ("sqlite:",)
+
+
 class Config(_Section):
     server: ServerConfig = ServerConfig()
     store: StoreConfig = StoreConfig()
@@ -600,6 +623,19 @@ class Config(_Section):
                 f"server.listen ({self.server.listen}) is not a loopback address and there is "
                 "no [auth] section: every client that reaches it could use every endpoint; "
                 "add [auth], listen on loopback, or set server.allow_unauthenticated = true"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers_share_the_store(self) -> Config:
+        # SQLite's store serialises transitions on one connection in one process and keeps
+        # its clock's high-water mark there (docs/stores.md): several processes on one file
+        # would queue on each other's write lock and fsync instead of adding capacity.
+        if self.server.workers > 1 and self.store.url.lower().startswith(_ONE_PROCESS_SCHEMES):
+            raise ValueError(
+                f"server.workers = {self.server.workers} needs a store that several processes "
+                f"share: the SQLite store ({self.store.url}) is opened by one gateway process; "
+                "use workers = 1, or a Redis store (docs/serve.md, docs/stores.md)"
             )
         return self
 

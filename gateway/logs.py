@@ -17,8 +17,10 @@ field the code emits is missing from it, so a new event is documented with its c
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+from typing import Any
 
 import structlog
 from aiohttp.abc import AbstractAccessLogger
@@ -32,6 +34,24 @@ _LEVELS = {
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+
+
+def _fallback(value: object) -> Any:
+    """What structlog's own renderer does with a value JSON cannot hold: ``__structlog__``,
+    else ``repr``."""
+    try:
+        return value.__structlog__()  # type: ignore[attr-defined]
+    except AttributeError:
+        return repr(value)
+
+
+#: Built once: ``json.dumps`` with a ``default`` builds a new encoder for every line. The
+#: same settings as ``json.dumps``, so a line reads exactly as it did.
+_ENCODER = json.JSONEncoder(default=_fallback)
+
+
+def _render(event: Any, **_: Any) -> str:
+    return _ENCODER.encode(event)
 
 
 class _ToStructlog(logging.Handler):
@@ -74,7 +94,7 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(sort_keys=False),
+            structlog.processors.JSONRenderer(_render),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),

@@ -5,6 +5,13 @@ the gauges (active leases, PREPARED and UNKNOWN effects, effects awaiting approv
 from the store at scrape time, from indexes the store keeps, so they are right across every
 gateway sharing it and cost one store round trip per scrape.
 
+With ``serve --workers N`` a scrape reaches whichever worker the kernel hands the connection
+to, so every worker answers for all of them: ``share_between_processes`` (called by the
+supervisor before it forks) puts each worker's values in files of a directory they share
+(prometheus_client's multiprocess mode), and ``render`` reads them all. Counters and
+histograms are summed over the workers, those that died and were restarted included (a total
+never goes down when one is replaced); the store-wide gauges are the most recent scrape's.
+
 ``fencegate_validations_total{point}`` counts acceptance points that reached a decision
 after comparing epoch, generation and cancel generation; ``fencegate_requests_total{point}``
 counts well-formed requests that reached the point. Their ratio is the coverage the rollout
@@ -14,14 +21,18 @@ that skips the checks (or a store that did not answer).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from fencegate.ledger.store import Gauges
 
-__all__ = ["CONTENT_TYPE", "FORWARD_OUTCOMES", "Metrics"]
+__all__ = ["CONTENT_TYPE", "FORWARD_OUTCOMES", "Metrics", "share_between_processes"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -31,6 +42,22 @@ _HUMAN = (0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 #: ``fencegate_forward_seconds`` outcomes: what the ledger's outcome of the answer was, or
 #: how the forward failed (no answer: the slowest forwards, so never left out).
 FORWARD_OUTCOMES = ("committed", "not_applied", "unknown", "timeout", "unreachable")
+
+
+#: The directory the workers of one ``serve --workers`` share (None: this process only).
+_SHARED_DIRECTORY: str | None = None
+
+
+def share_between_processes(directory: str) -> None:
+    """Metrics created from now on (in this process and the ones it forks) keep their values
+    in files under ``directory``, and every ``render`` answers for all of them. The directory
+    must be new and empty: files left there by an earlier run would be counted again."""
+    from prometheus_client import values
+
+    global _SHARED_DIRECTORY
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # where the value files are written
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+    _SHARED_DIRECTORY = directory
 
 
 class _Registry(CollectorRegistry):
@@ -43,6 +70,42 @@ class _Registry(CollectorRegistry):
             created = family.name + "_created"
             family.samples = [s for s in family.samples if s.name != created]
             yield family
+
+
+_W = TypeVar("_W", bound="_Counter | _Histogram")
+
+
+def _child(parent: _W, values: tuple[object, ...], make: Any) -> _W:
+    """The labelled child for ``values``, built by prometheus_client once and then taken from
+    a plain dict: its own ``labels`` validates, converts and locks on every call, which the
+    proxy paid several times per call for the same few label sets."""
+    cache: dict[tuple[object, ...], _W] = parent.__dict__.setdefault("_fg_children", {})
+    child = cache.get(values)
+    if child is None:
+        child = cache[values] = make(*values)
+    return child
+
+
+class _Counter(prometheus_client.Counter):
+    """A counter whose labelled children are cached (``_child``); none is ever removed."""
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> _Counter:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)
+        return _child(self, labelvalues, super().labels)
+
+
+class _Histogram(prometheus_client.Histogram):
+    """A histogram whose labelled children are cached (``_child``); none is ever removed."""
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> _Histogram:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)
+        return _child(self, labelvalues, super().labels)
+
+
+Counter = _Counter
+Histogram = _Histogram
 
 
 class Metrics:
@@ -94,18 +157,28 @@ class Metrics:
             registry=r,
         )
         self.unknown_effects = Gauge(
-            "fencegate_unknown_effects", "UNKNOWN effects (store-wide)", registry=r
+            "fencegate_unknown_effects",
+            "UNKNOWN effects (store-wide)",
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.prepared_effects = Gauge(
-            "fencegate_prepared_effects", "Effects being forwarded (store-wide)", registry=r
+            "fencegate_prepared_effects",
+            "Effects being forwarded (store-wide)",
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.active_leases = Gauge(
-            "fencegate_active_leases", "Unexpired leases (store-wide)", registry=r
+            "fencegate_active_leases",
+            "Unexpired leases (store-wide)",
+            registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.awaiting_approval = Gauge(
             "fencegate_awaiting_approval_effects",
             "Effects waiting for an operator's approval",
             registry=r,
+            multiprocess_mode="mostrecent",
         )
         self.reclaim_latency = Histogram(
             "fencegate_reclaim_latency_seconds",
@@ -163,4 +236,10 @@ class Metrics:
         self.awaiting_approval.set(gauges.awaiting_approval)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if _SHARED_DIRECTORY is None:
+            return generate_latest(self.registry)
+        # Every worker's files, this one's included (its own registry holds this worker
+        # alone); the store-wide gauges were just set here, so the most recent is this scrape's.
+        shared = CollectorRegistry()
+        MultiProcessCollector(shared, _SHARED_DIRECTORY)  # type: ignore[no-untyped-call]
+        return generate_latest(shared)

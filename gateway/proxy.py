@@ -609,9 +609,12 @@ class _ForwardFailed(Exception):
 
 
 #: Called once the downstream's answer is read (up to ``replay_max_bytes``): the response,
-#: that much of its body, whether that was all of it; returns the Fence-* headers to add to
-#: the live answer.
-_OnAnswer = Callable[[aiohttp.ClientResponse, bytes, bool], Awaitable[Mapping[str, str]]]
+#: that much of its body, whether that was all of it, and the headers the agent will get
+#: (already filtered: ``upstream_response_headers`` less the credential values); returns the
+#: Fence-* headers to add to the live answer.
+_OnAnswer = Callable[
+    [aiohttp.ClientResponse, bytes, bool, CIMultiDict[str]], Awaitable[Mapping[str, str]]
+]
 
 
 async def _forward(
@@ -659,10 +662,10 @@ async def _forward(
                 seconds
             )
             observed = True
-            fence = await on_answer(resp, body, whole)
             live = without_secret_values(
                 upstream_response_headers(resp.headers.items()), _credential_values(call)
             )
+            fence = await on_answer(resp, body, whole, live)
             live.update(fence)
             if not whole:
                 return await _stream(request, resp, live, body)
@@ -716,7 +719,7 @@ async def _forward_plain(
     """Forward without a ledger entry (safe methods, shadow mode); the answer passes through."""
 
     async def unrecorded(
-        resp: aiohttp.ClientResponse, body: bytes, whole: bool
+        resp: aiohttp.ClientResponse, body: bytes, whole: bool, live: CIMultiDict[str]
     ) -> Mapping[str, str]:
         return {**_fence_headers(None, None, False), **(answer_headers or {})}
 
@@ -740,7 +743,9 @@ async def _forward_effect(
     effect, seq, fields = forward.effect, forward.seq, forward.fields
     replay_max = call.downstream.replay_max_bytes
 
-    async def record(resp: aiohttp.ClientResponse, body: bytes, whole: bool) -> Mapping[str, str]:
+    async def record(
+        resp: aiohttp.ClientResponse, body: bytes, whole: bool, live: CIMultiDict[str]
+    ) -> Mapping[str, str]:
         await failpoints.hit("after_response")
         outcome, reason = call.adapter.classify(resp.status, effect)
         kept: bytes | None = None
@@ -751,9 +756,8 @@ async def _forward_effect(
             kept = body
         else:
             omitted = OMITTED_TOO_LARGE
-        headers = stored_response_headers(
-            resp.headers.items(), call.downstream.unstored_headers, _credential_values(call)
-        )
+        # The live headers (before the Fence-* ones are added) less what no record keeps.
+        headers = stored_response_headers(live.items(), call.downstream.unstored_headers, live=True)
         answer = response_json(resp.status, headers, kept, omitted_reason=omitted)
         recorded = await _record(request, call, effect, seq, outcome, reason, answer, fields)
         return _fence_headers(recorded, None, False)

@@ -25,6 +25,7 @@ info event, with no traceback.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import ssl
@@ -73,8 +74,10 @@ _VERSIONS = frozenset({(1, 0), (1, 1)})
 # --- Host and Origin ------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
 def _split_host(value: str) -> tuple[str, int | None] | None:
-    """``name[:port]`` as (lowercase name, port or None); None when it is not one."""
+    """``name[:port]`` as (lowercase name, port or None); None when it is not one. Cached:
+    every request names one of the same few hosts (and the result is immutable)."""
     value = value.strip().lower()
     if value.startswith("["):
         end = value.find("]")
@@ -95,14 +98,25 @@ def _split_host(value: str) -> tuple[str, int | None] | None:
     return (name, number) if number < 65536 else None
 
 
-def _listen_name(server: ServerConfig) -> tuple[str, int]:
-    host, port = parse_listen(server.listen)
+@functools.lru_cache(maxsize=16)
+def _listen_name(listen: str) -> tuple[str, int]:
+    host, port = parse_listen(listen)
     return (f"[{host}]" if ":" in host else host).lower(), port
 
 
 def _default_hosts(server: ServerConfig) -> tuple[str, ...]:
-    name, _ = _listen_name(server)
+    name, _ = _listen_name(server.listen)
     return tuple(dict.fromkeys((name, *_LOOPBACK_NAMES)))
+
+
+@functools.lru_cache(maxsize=16)
+def _host_entries(
+    listen: str, allowed_hosts: tuple[str, ...] | None
+) -> tuple[tuple[str, int | None], ...]:
+    """The parsed ``server.allowed_hosts`` (or the defaults for ``listen``), once per config
+    rather than once per request."""
+    entries = allowed_hosts or tuple(dict.fromkeys((_listen_name(listen)[0], *_LOOPBACK_NAMES)))
+    return tuple(parsed for parsed in map(_split_host, entries) if parsed is not None)
 
 
 def host_allowed(server: ServerConfig, host: str | None) -> bool:
@@ -114,9 +128,9 @@ def host_allowed(server: ServerConfig, host: str | None) -> bool:
     parsed = _split_host(host)
     if parsed is None:
         return False
-    for entry in server.allowed_hosts or _default_hosts(server):
-        allowed = _split_host(entry)
-        if allowed is not None and allowed[0] == parsed[0] and allowed[1] in (None, parsed[1]):
+    allowed_hosts = tuple(server.allowed_hosts) if server.allowed_hosts else None
+    for name, port in _host_entries(server.listen, allowed_hosts):
+        if name == parsed[0] and port in (None, parsed[1]):
             return True
     return False
 
@@ -144,7 +158,7 @@ def origin_allowed(server: ServerConfig, origin: str, local_port: int | None = N
         return False
     if server.allowed_origins is not None:
         return any(_split_origin(entry) == parsed for entry in server.allowed_origins)
-    _, listen_port = _listen_name(server)
+    _, listen_port = _listen_name(server.listen)
     return (
         parsed[0] == ("https" if server.tls else "http")
         and parsed[1] in _default_hosts(server)
@@ -241,8 +255,11 @@ async def _read_body(request: web.Request, server: ServerConfig) -> web.Response
         )
     started = time.monotonic()
     try:
-        async with asyncio.timeout(server.body_timeout_ms / 1000):
+        if request.content.is_eof():  # all of it arrived with the head: nothing to wait for
             await request.read()
+        else:
+            async with asyncio.timeout(server.body_timeout_ms / 1000):
+                await request.read()
     except TimeoutError:
         log.info("http.body_timeout", method=request.method, path=request.path,
                  peer=request.remote, timeout_ms=server.body_timeout_ms)  # fmt: skip
@@ -332,8 +349,10 @@ class _GuardedHandler(web.RequestHandler):
         if self._slots.open >= self._slots.limit:
             self._over_limit = True
             self._slots.refused()
-            if isinstance(transport, asyncio.WriteTransport):
-                transport.write(_BUSY)
+            # uvloop's transports do not subclass asyncio.WriteTransport: ask for the method.
+            write = getattr(transport, "write", None)
+            if write is not None:
+                write(_BUSY)
             transport.close()
             return
         self._slots.open += 1

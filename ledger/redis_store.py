@@ -93,6 +93,9 @@ _CAS_ATTEMPTS = 8
 #: Most index entries one list call scans before answering with what it found and a cursor.
 _LIST_SCAN = 2000
 _LIST_BATCH = 200
+#: Most (taskId, claimGeneration) -> revision entries kept to compute effectIds (cleared when
+#: full: a miss only costs one SHA-256 inside prepare.lua).
+_REVISIONS_KEPT = 4096
 #: How long the reconciler parks an UNKNOWN effect of a downstream without a probe (it waits
 #: for an operator) before looking at it again.
 _PARK_MS = 60_000
@@ -137,6 +140,11 @@ def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
         extra = {name: int(value) for name, value in _pairs(reply[3:]).items()}
         raise ERRORS_BY_CODE[code](detail or None, **extra)
     return status, _pairs(reply[1:])
+
+
+def _record(raw: str) -> Effect:
+    """An effect record as a script answers it: the stored cjson text, one bulk string."""
+    return effects.effect_from_fields(json.loads(raw))
 
 
 def _index_member_parts(member: str) -> tuple[int, str, str]:
@@ -187,6 +195,11 @@ class RedisStore(Store):
             retry=Retry(NoBackoff(), 0),
         )
         self._redis: aioredis.Redis = aioredis.Redis.from_pool(pool)  # owns and closes it
+        # (taskId, claimGeneration) -> the task revision that claim is for, learnt from claim
+        # and prepare answers, so the gateway computes effectIds (prepare.lua checks the
+        # revision). A generation is granted once with one revision, and any new revision sends
+        # the task back to READY, so the pair keeps its revision for good.
+        self._revisions: dict[tuple[str, int], int] = {}
         self._scripts: dict[str, AsyncScript] = {
             name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
         }
@@ -383,7 +396,14 @@ class RedisStore(Store):
                 request.principal or "",
             ],
         )
-        return task_from_fields(_parse(reply)[1])
+        task = task_from_fields(_parse(reply)[1])
+        self._remember_revision(task_id, task.claim_generation, task.revision)
+        return task
+
+    def _remember_revision(self, task_id: str, generation: int, revision: int) -> None:
+        if len(self._revisions) >= _REVISIONS_KEPT:
+            self._revisions.clear()
+        self._revisions[(task_id, generation)] = revision
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
         ident = request.identity
@@ -480,6 +500,12 @@ class RedisStore(Store):
         require_approval: bool = False,
     ) -> PrepareOutcome:
         fence = request.fence
+        revision = self._revisions.get((fence.task_id, fence.claim_generation))
+        eid = (
+            ""
+            if revision is None
+            else effects.effect_id(fence.task_id, revision, request.node, request.slot)
+        )
         reply = await self._script(
             "prepare",
             [
@@ -506,19 +532,26 @@ class RedisStore(Store):
                 "1" if require_approval else "0",
                 request.forward_id or "",
                 fence.principal or "",
+                "" if revision is None else revision,
+                eid,
             ],
         )
         status = reply[0]
+        if status == "ERR":
+            _parse(reply)  # raises
         if status == "REJECT":
             code, detail, retry = reply[1], reply[2], reply[3]
-            effect = effects.effect_from_fields(_pairs(reply[4:]))
+            effect = _record(reply[4])
             error = ERRORS_BY_CODE[code](detail or None)
             if retry:
                 error.extra["retryAfterMs"] = int(retry)
             error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
-            return PrepareOutcome(Action.REJECT, effect, write=False, error=error)
-        status, fields = _parse(reply)
-        return PrepareOutcome(Action(status), effects.effect_from_fields(fields), write=False)
+            outcome = PrepareOutcome(Action.REJECT, effect, write=False, error=error)
+        else:
+            outcome = PrepareOutcome(Action(status), _record(reply[1]), write=False)
+        if revision is None:
+            self._remember_revision(fence.task_id, fence.claim_generation, outcome.effect.revision)
+        return outcome
 
     async def complete_effect(
         self,
@@ -535,8 +568,10 @@ class RedisStore(Store):
             [self._keys.effects(task_id), *self._effect_indexes],
             [effect_id, seq, attempt_id, outcome.value, reason, response_json or ""],
         )
-        status, fields = _parse(reply)
-        return effects.effect_from_fields(fields), status == "OK"
+        status = reply[0]
+        if status == "ERR":
+            _parse(reply)  # raises
+        return _record(reply[1]), status == "OK"
 
     async def _read_effects(self, refs: Sequence[tuple[str, str]]) -> list[Effect | None]:
         """Records for (taskId, effectId) pairs as of the store's now (effective view), in

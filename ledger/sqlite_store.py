@@ -1,9 +1,11 @@
 """The embedded store: one SQLite file, one gateway process, zero set-up.
 
-Every transition runs as ``BEGIN IMMEDIATE`` -> read -> pure function -> write -> ``COMMIT`` on
-one connection owned by one worker thread, so transitions are serialised and a crash at any
-point leaves either the old record or the new one. The journal is WAL with
-``synchronous=FULL`` by default: a transition answered to a client survives power loss.
+Every transition runs as read -> pure function -> write inside ``BEGIN IMMEDIATE`` ...
+``COMMIT`` on one connection owned by one writer thread, so transitions are serialised and a
+crash at any point leaves either the old record or the new one. Transitions queued together
+share one transaction and one fsync (group commit, ``SQLiteStore._batch``), each in its own
+SAVEPOINT, and each caller is answered only after the COMMIT that holds its step. The journal
+is WAL with ``synchronous=FULL`` by default: a transition answered to a client survives power loss.
 ``NORMAL`` is offered for hosts that accept losing the last transactions on power loss (not on
 a process crash) in exchange for fewer fsyncs; see docs/stores.md.
 
@@ -14,12 +16,15 @@ high-water mark: it never runs backwards and ignores steps of the wall clock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from fencegate.ledger import effects, queries, tasks
 from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
@@ -101,6 +106,55 @@ CREATE TABLE IF NOT EXISTS clock (
 """
 
 
+class _Job:
+    """One caller's step, queued for the writer thread; its answer goes to ``future``."""
+
+    __slots__ = ("deadline", "fn", "future", "loop")
+
+    def __init__(
+        self,
+        fn: Callable[[sqlite3.Connection, int], object],
+        deadline: float,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[object],
+    ) -> None:
+        self.fn = fn
+        self.deadline = deadline
+        self.loop = loop
+        self.future = future
+
+
+#: (job, result, error): what one step answers, delivered only once its batch is settled.
+_Answer = tuple[_Job, object, BaseException | None]
+
+#: Most steps one transaction (one fsync) holds. The first caller of a batch waits for the
+#: steps that joined it, so this bounds that wait (a step runs in tens of microseconds).
+BATCH_MAX_STEPS = 64
+#: A batch stops taking new steps once it has been running steps for this long, for the
+#: same reason; steps left over start the next batch right after the COMMIT.
+BATCH_MAX_SECONDS = 0.002
+
+
+_NOTHING = "nothing was applied"
+_BUSY = f"SQLite store busy: waited longer than store.timeout_ms; {_NOTHING}"
+
+
+def _undone(answers: list[_Answer], why: str) -> list[_Answer]:
+    """The answers of a transaction that was rolled back: none of its steps happened."""
+    gone = StoreUnavailable(f"SQLite store: {why}; {_NOTHING}")
+    return [(job, None, gone) for job, _, _ in answers]
+
+
+def _settle(answers: list[_Answer]) -> None:
+    for job, result, error in answers:
+        if job.future.done():  # its caller gave up (timeout, cancelled)
+            continue
+        if error is None:
+            job.future.set_result(result)
+        else:
+            job.future.set_exception(error)
+
+
 class SQLiteStore(Store):
     def __init__(
         self,
@@ -118,11 +172,19 @@ class SQLiteStore(Store):
         self._timeout_s = timeout_ms / 1000
         self._synchronous = synchronous
         # One thread owns the connection: sqlite3 objects must not be shared across threads,
-        # and one writer at a time is all SQLite offers anyway.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fencegate-sqlite")
+        # and one writer at a time is all SQLite offers anyway. Callers queue their steps for
+        # it; it runs whatever is queued as one transaction (group commit, ``_batch``).
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._closing = False
+        self._stop_taken = False  # touched by the writer thread only
         self._conn: sqlite3.Connection | None = None
         self._clock_sources = clock_sources
         self._store_clock: StoreClock | None = None
+        #: A mark was written in a transaction that did not commit: the persisted ceiling may
+        #: be older than the clock believes, so the next step writes one before its instant.
+        self._mark_unsaved = False
 
     @property
     def kind(self) -> str:
@@ -159,47 +221,168 @@ class SQLiteStore(Store):
             (mark.now_ms, mark.boot_id, mark.boot_ms, mark.ceiling_ms, mark.windows_from),
         )
 
-    def _transaction(self, fn: Callable[[sqlite3.Connection, int], T], deadline: float) -> T:
-        conn = self._conn
-        if conn is None:
-            raise StoreUnavailable("the SQLite store is not open")
-        if time.monotonic() > deadline:
-            # Queued behind other transactions for longer than the timeout: give up before
-            # touching anything, so this 503 certainly changed nothing.
-            raise StoreUnavailable(
-                "SQLite store busy: waited longer than store.timeout_ms; nothing was applied"
-            )
-        conn.execute("BEGIN IMMEDIATE")
-        assert self._store_clock is not None
-        now = self._store_clock.now_ms()
-        # No instant is handed out (a refusal's included) unless the persisted ceiling is
-        # above it: store time then never runs back across a reboot (ledger/clock.py).
-        marked = self._store_clock.needs_mark(now)
+    def _serve(self, ready: concurrent.futures.Future[None]) -> None:
+        """The writer thread: open, then run batches until ``close`` queues the stop mark."""
         try:
-            if marked:
-                self._save_clock(conn)
-            result = fn(conn, now + self.clock_offset_ms)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            if marked:
-                self._save_clock(conn)  # on its own: the step refused, its instant counts
-            raise
-        conn.execute("COMMIT")
-        return result
+            self._connect()
+        except BaseException as exc:
+            ready.set_exception(exc)
+            self._stopped.set_result(None)
+            return
+        ready.set_result(None)
+        while not self._stop_taken:
+            first = self._queue.get()
+            if first is None:
+                self._stop_taken = True
+                break
+            jobs = [first]
+            self._take(jobs)
+            try:
+                self._batch(jobs)
+            except Exception as exc:  # a bug here must not strand every later caller
+                self._mark_unsaved = True
+                if self._conn is not None and self._conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                unknown = StoreUnavailable(
+                    f"SQLite store failed: {exc!r}; the step may or may not have been applied"
+                )
+                self._answer([(job, None, unknown) for job in jobs])
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._stopped.set_result(None)
+
+    def _take(self, jobs: list[_Job]) -> None:
+        """Add the steps already queued (never waits for more: a lone caller is not delayed),
+        up to the batch bound, and none after the stop mark."""
+        while len(jobs) < BATCH_MAX_STEPS and not self._stop_taken:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._stop_taken = True
+            else:
+                jobs.append(job)
+
+    def _batch(self, jobs: list[_Job]) -> None:
+        """Group commit: the queued steps share one ``BEGIN IMMEDIATE`` ... ``COMMIT`` (one
+        fsync), each in its own SAVEPOINT so a step that raises undoes only its own writes.
+
+        Every answer, a refusal's included, waits for the COMMIT: a step may have read what an
+        earlier step of the batch wrote, so its answer is only true once that is durable.
+        Steps that arrive while the batch runs join it, within the bounds.
+        """
+        conn = self._conn
+        assert conn is not None and self._store_clock is not None
+        clock = self._store_clock
+        answers: list[_Answer] = []
+        in_tx: list[_Answer] = []  # answers that hold only if the open transaction commits
+        marked = False  # this transaction wrote a clock mark
+        started = time.monotonic()
+        i = 0
+        while i < len(jobs):
+            job = jobs[i]
+            i += 1
+            if time.monotonic() > job.deadline:
+                # Queued behind other steps for longer than the timeout: give up before
+                # touching anything, so this 503 certainly changed nothing.
+                answers.append((job, None, StoreUnavailable(_BUSY)))
+            else:
+                if not conn.in_transaction:
+                    try:
+                        conn.execute("BEGIN IMMEDIATE")
+                    except sqlite3.Error as exc:
+                        # Locked by another process past the timeout: nothing of this batch
+                        # ran, and the steps still queued would wait for the same lock.
+                        gone = StoreUnavailable(f"SQLite store unavailable ({exc}); {_NOTHING}")
+                        answers += [(each, None, gone) for each in jobs[i - 1 :]]
+                        break
+                now = clock.now_ms()
+                # No instant is handed out (a refusal's included) unless the persisted
+                # ceiling is above it: store time then never runs back across a reboot
+                # (ledger/clock.py). The mark is written outside the step's savepoint, so it
+                # commits with the batch even when the step is undone.
+                if self._mark_unsaved or clock.needs_mark(now):
+                    self._save_clock(conn)
+                    self._mark_unsaved = False
+                    marked = True
+                answer = self._step(conn, job, now + self.clock_offset_ms)
+                if conn.in_transaction:
+                    in_tx.append(answer)
+                else:
+                    # SQLite rolled the whole transaction back (it does on some I/O errors):
+                    # the earlier steps of the batch are undone too. Say so, and start over;
+                    # the step that failed keeps its own error.
+                    answers += _undone(in_tx, "the transaction was rolled back")
+                    answers.append(answer)
+                    in_tx = []
+                    self._mark_unsaved = self._mark_unsaved or marked
+                    marked = False
+            if i == len(jobs) and time.monotonic() - started < BATCH_MAX_SECONDS:
+                self._take(jobs)
+        if conn.in_transaction:
+            try:
+                conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._mark_unsaved = self._mark_unsaved or marked
+                if conn.in_transaction:
+                    # The COMMIT did not happen (e.g. busy): undo it ourselves, certainly
+                    # unapplied.
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                    answers += _undone(in_tx, f"COMMIT failed ({exc})")
+                else:
+                    # SQLite gave up on the COMMIT itself (an I/O error): the WAL may hold it
+                    # all the same, so after a restart it may show up.
+                    unknown = StoreUnavailable(
+                        f"SQLite COMMIT failed ({exc}); the step may or may not have been applied"
+                    )
+                    answers += [(job, None, unknown) for job, _, _ in in_tx]
+                in_tx = []
+        answers += in_tx
+        self._answer(answers)
+
+    @staticmethod
+    def _step(conn: sqlite3.Connection, job: _Job, now: int) -> _Answer:
+        conn.execute("SAVEPOINT step")
+        try:
+            result = job.fn(conn, now)
+        except Exception as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK TO step")
+                conn.execute("RELEASE step")
+            return job, None, exc
+        conn.execute("RELEASE step")
+        return job, result, None
+
+    @staticmethod
+    def _answer(answers: list[_Answer]) -> None:
+        """Hand the answers to their event loops: one wake-up per loop and batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Answer]] = {}
+        for answer in answers:
+            by_loop.setdefault(answer[0].loop, []).append(answer)
+        for loop, settled in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, settled)
 
     async def _run(self, fn: Callable[[sqlite3.Connection, int], T], op: str = "other") -> T:
-        """One transaction on the store's thread.
+        """One atomic step, run by the writer thread (in a batch with the steps queued with it).
 
         ``store.timeout_ms`` bounds the wait in the queue and for SQLite's write lock; both
         give up before applying anything. The outer guard only catches a hung disk, and its
         503 says the outcome is unknown.
         """
+        if self._thread is None or self._closing:
+            raise StoreUnavailable("the SQLite store is not open")
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        deadline = started + self._timeout_s
+        future: asyncio.Future[object] = loop.create_future()
+        self._queue.put(_Job(fn, started + self._timeout_s, loop, future))
         try:
             async with asyncio.timeout(4 * self._timeout_s + 5):
-                result = await loop.run_in_executor(self._executor, self._transaction, fn, deadline)
+                result = cast(T, await future)
             self.observe(op, time.monotonic() - started)
             return result
         except FencegateError:
@@ -209,27 +392,28 @@ class SQLiteStore(Store):
                 "SQLite store hung past its timeout; the step may or may not have been applied"
             ) from exc
         except sqlite3.OperationalError as exc:
-            raise StoreUnavailable(
-                f"SQLite store unavailable ({exc}); nothing was applied"
-            ) from exc
+            raise StoreUnavailable(f"SQLite store unavailable ({exc}); {_NOTHING}") from exc
         except (sqlite3.Error, OSError) as exc:
             raise StoreUnavailable(f"SQLite store failed: {exc!r}") from exc
 
     async def open(self) -> None:
-        loop = asyncio.get_running_loop()
+        ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        thread = threading.Thread(
+            target=self._serve, args=(ready,), name="fencegate-sqlite", daemon=True
+        )
+        thread.start()
         try:
-            await loop.run_in_executor(self._executor, self._connect)
+            await asyncio.wrap_future(ready)
         except (sqlite3.Error, OSError) as exc:
             raise StoreUnavailable(f"cannot open SQLite store {self.path!r}: {exc}") from exc
+        self._thread = thread
 
     async def close(self) -> None:
-        def _close() -> None:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, _close)
-        self._executor.shutdown(wait=True)
+        if self._thread is None or self._closing:
+            return
+        self._closing = True
+        self._queue.put(None)  # after every step already queued
+        await asyncio.wrap_future(self._stopped)
 
     async def ping(self) -> None:
         await self._run(lambda conn, now: conn.execute("SELECT 1").fetchone(), "ping")

@@ -30,24 +30,56 @@ local function err(code, detail, ...)
   return out
 end
 
+-- What load_hash read, per key, so save_hash writes only the fields a step changed.
+local loaded = {}
+
 local function load_hash(key)
   local flat = redis.call('HGETALL', key)
   if #flat == 0 then return nil end
-  local h = {}
-  for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+  local h, was = {}, {}
+  for i = 1, #flat, 2 do
+    h[flat[i]] = flat[i + 1]
+    was[flat[i]] = flat[i + 1]
+  end
+  loaded[key] = was
   return h
 end
 
--- Rewrite the whole hash so fields set to nil disappear.
+-- Only the named fields of a hash (HMGET), for steps that read a task without changing it:
+-- nil when the hash has no task_id (no such task). Such a table must not go to save_hash.
+local function load_fields(key, names)
+  local values = redis.call('HMGET', key, unpack(names))
+  local h = {}
+  for i, name in ipairs(names) do
+    if values[i] then h[name] = values[i] end
+  end
+  if not h.task_id then return nil end
+  return h
+end
+
+-- Write a hash as `h` holds it: the fields that changed since load_hash read it (HSET), and
+-- those set to nil (HDEL); a hash that was not loaded is written whole. The outcome is the
+-- same as rewriting the whole hash (fields set to nil disappear), for far fewer field writes.
 local function save_hash(key, h)
+  local was = loaded[key]
   local flat = {}
   for k, v in pairs(h) do
-    flat[#flat + 1] = k
-    flat[#flat + 1] = v
+    if not was or was[k] ~= v then
+      flat[#flat + 1] = k
+      flat[#flat + 1] = v
+    end
   end
-  redis.call('DEL', key)
-  redis.call('HSET', key, unpack(flat))
-  return flat
+  if was then
+    local gone = {}
+    for k in pairs(was) do
+      if h[k] == nil then gone[#gone + 1] = k end
+    end
+    if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+  else
+    redis.call('DEL', key)
+  end
+  if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
+  loaded[key] = nil
 end
 
 local function answer(status, h)

@@ -4,7 +4,7 @@
 -- KEYS[4] awaiting-approval index, KEYS[5] probe-due index
 -- ARGV[1] test clock (see now_ms), ARGV[2] effectId, ARGV[3] seq, ARGV[4] attemptId,
 -- ARGV[5] outcome, ARGV[6] reason, ARGV[7] response JSON or '' to keep the stored one
--- Returns {'OK'|'STALE', effect fields...} or {'ERR', 'NO_SUCH_EFFECT', ''}
+-- Returns {'OK'|'STALE', record (cjson text, as stored)} or {'ERR', 'NO_SUCH_EFFECT', ''}
 local effects_key = KEYS[1]
 local index = effect_indexes(KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 local now = now_ms(ARGV[1])
@@ -18,11 +18,12 @@ local response = ARGV[7]
 local raw = redis.call('HGET', effects_key, effect_id)
 if not raw then return err('NO_SUCH_EFFECT') end
 local e = cjson.decode(raw)
-if seq ~= tonumber(e.attempt_count) - 1 then return answer('STALE', e) end
+if seq ~= tonumber(e.attempt_count) - 1 then return {'STALE', raw} end
 local p = 'a' .. s(seq) .. '_'
 local waiting = e.state == 'PREPARED'
   or (e.state == 'UNKNOWN' and e[p .. 'reason'] == DEADLINE_REASON)
-if e[p .. 'attempt_id'] ~= attempt_id or not waiting then return answer('STALE', e) end
+if e[p .. 'attempt_id'] ~= attempt_id or not waiting then return {'STALE', raw} end
+local prior = index_state(e)
 e[p .. 'ended_at'] = s(now)
 e[p .. 'outcome'] = outcome
 e[p .. 'reason'] = reason
@@ -30,5 +31,4 @@ e.state = state_after(e, seq, outcome)
 e.deadline_at = nil
 if response ~= '' then e.response = response end
 e.updated_at = s(now)
-save_effect(index, effects_key, e)
-return answer('OK', e)
+return {'OK', save_effect(index, effects_key, e, prior)}

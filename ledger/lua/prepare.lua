@@ -12,9 +12,12 @@
 -- ARGV[14] '1' when every forward needs an operator's approval of its payload digest,
 -- ARGV[15] the request's forward id ('' for none),
 -- ARGV[16] the caller's principal ('' for none): checked against the claim's
--- (check_principal), recorded as requested_by, and never the consumer of its own approval
--- Returns {'FORWARD'|'REPLAY', effect fields...}, {'REJECT', code, detail, retryAfterMs or '',
--- effect fields...}, or {'ERR', code, detail} when the claim itself is refused.
+-- (check_principal), recorded as requested_by, and never the consumer of its own approval,
+-- ARGV[17] the task revision the gateway believes this claim is for ('' when it does not
+-- know), ARGV[18] the effectId the gateway computed from that revision (ledger.effects.effect_id)
+-- Returns {'FORWARD'|'REPLAY', record}, {'REJECT', code, detail, retryAfterMs or '', record},
+-- or {'ERR', code, detail} when the claim itself is refused; record is the effect record as
+-- stored (cjson text): one bulk string instead of ~50 field/value pairs to build and parse.
 local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
 local index = effect_indexes(KEYS[6], KEYS[7], KEYS[8], KEYS[9])
@@ -35,7 +38,10 @@ local requester = nil
 if principal ~= '' then requester = principal end
 
 local epoch = scheduler(scheduler_key)
-local t = load_hash(task_key)
+-- Only the fields this step reads: prepare never writes the task.
+local t = load_fields(task_key, {'task_id', 'state', 'revision', 'attempt_id',
+  'claim_generation', 'principal', 'claim_epoch', 'cancel_generation', 'claim_revision',
+  'lease_expires_at'})
 local bad = check_holder(t, attempt_id, tonumber(generation), nil, cancel_gen, true, epoch,
   req_epoch, principal)
 if bad then return bad end
@@ -47,10 +53,22 @@ if now >= tonumber(t.lease_expires_at) then
     'leaseExpiresAt', t.lease_expires_at)
 end
 
-local eid = effect_id(t.task_id, t.revision, node, slot)
+-- The effectId is H(taskId, revision, node, slot). The pure-Lua SHA-256 cost ~75 us of Redis
+-- CPU per call, so the gateway computes it (in C) from the revision it believes the claim is
+-- for, and this step only checks that revision against the task's, inside the same atomic step
+-- that reads it: when they are equal the id is exactly the one computed here, and the check
+-- does not depend on how the gateway came by the revision (a stale or wrong guess, e.g. after
+-- Redis lost data and reissued a generation, just falls back to computing it here).
+local eid
+if ARGV[17] ~= '' and ARGV[17] == t.revision then
+  eid = ARGV[18]
+else
+  eid = effect_id(t.task_id, t.revision, node, slot)
+end
 local raw = redis.call('HGET', effects_key, eid)
 local e
 local changed
+local prior = NEW_RECORD
 if not raw then
   e = {effect_id = eid, task_id = t.task_id, revision = t.revision, node = node,
        slot = slot, downstream = downstream, method = method, path = path,
@@ -62,6 +80,7 @@ if not raw then
   changed = true
 else
   e = cjson.decode(raw)
+  prior = index_state(e)
   changed = expire_effect(e, now)
 end
 
@@ -82,13 +101,11 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
       and now < tonumber(e.approval_expires_at)
       and not (requester ~= nil and e.approval_by == requester)
     if not approved then
-      if moved then save_effect(index, effects_key, e) end
-      local out = answer('REJECT', e)
-      table.insert(out, 2, 'APPROVAL_REQUIRED')
-      table.insert(out, 3, 'an operator must approve payloadDigest ' .. digest
-        .. ': POST /v1/effects/' .. eid .. '/approve')
-      table.insert(out, 4, '')
-      return out
+      local stored = raw
+      if moved then stored = save_effect(index, effects_key, e, prior) end
+      if not stored then stored = cjson.encode(e) end
+      return {'REJECT', 'APPROVAL_REQUIRED', 'an operator must approve payloadDigest ' .. digest
+        .. ': POST /v1/effects/' .. eid .. '/approve', '', stored}
     end
     approver = e.approval_by
   end
@@ -101,8 +118,7 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
   local i = tonumber(e.attempt_count)
   add_attempt(e, now, attempt_id, generation, deadline_ms, forward_id)
   if approver then e['a' .. s(i) .. '_approved_by'] = approver end
-  save_effect(index, effects_key, e)
-  return answer('FORWARD', e)
+  return {'FORWARD', save_effect(index, effects_key, e, prior)}
 end
 
 local code, detail, retry = nil, nil, ''
@@ -110,8 +126,8 @@ if not same then
   code = 'PAYLOAD_CONFLICT'
   detail = 'effect ' .. eid .. ' is bound to payloadDigest ' .. e.payload_digest
 elseif e.state == 'COMMITTED' then
-  if changed then save_effect(index, effects_key, e) end
-  return answer('REPLAY', e)
+  if changed then raw = save_effect(index, effects_key, e, prior) end
+  return {'REPLAY', raw}
 elseif e.state == 'PREPARED' then
   code = 'EFFECT_IN_FLIGHT'
   detail = 'the same effect is being forwarded right now'
@@ -120,9 +136,5 @@ else
   code = 'EFFECT_UNKNOWN'
   detail = 'an earlier forward of this effect has an unknown outcome'
 end
-if changed then save_effect(index, effects_key, e) end
-local out = answer('REJECT', e)
-table.insert(out, 2, code)
-table.insert(out, 3, detail)
-table.insert(out, 4, retry)
-return out
+if changed then raw = save_effect(index, effects_key, e, prior) end
+return {'REJECT', code, detail, retry, raw}

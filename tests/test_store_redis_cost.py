@@ -1,0 +1,153 @@
+"""Issue 13, the cheap Redis script: what a fenced call costs the one Redis every gateway shares.
+
+Redis CPU is the fleet's ceiling, so the hot path's two scripts (prepare, complete) are held to
+a budget of Redis commands, counted exactly by INFO commandstats (no timing): the task is read
+by the fields prepare needs, and a step only writes the indexes whose membership it changes.
+The effectId the gateway computes (instead of a pure-Lua SHA-256 in the script) must never be
+trusted blindly: the script checks the revision it came from. And the benchmarks' per-script
+report (``bench._procs``) is checked against a real Redis, since its figures go into the
+notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from bench._procs import (
+    redis_script_names,
+    redis_script_stats,
+    redis_stats_reset,
+    render_redis_scripts,
+)
+from fencegate.ledger import effects
+from fencegate.ledger.effects import Action, EffectRequest, EffectState, Fence
+from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, Task
+from tests.servers import RedisServer
+
+POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
+RESPONSE = '{"status":200,"headers":{},"body":"ok"}'
+
+
+def _fence(task: Task) -> Fence:
+    assert task.attempt_id is not None
+    return Fence(task.task_id, task.attempt_id, task.claim_generation, 1, task.cancel_generation)
+
+
+def _request(task: Task, slot: str) -> EffectRequest:
+    return EffectRequest(_fence(task), "node", slot, "pay", "POST", "/pay", "d" * 64)
+
+
+async def _fenced_call(store: RedisStore, task: Task, slot: str) -> None:
+    """One proxied mutation as the gateway runs it: prepare, then complete COMMITTED."""
+    outcome = await store.prepare_effect(_request(task, slot), 30_000)
+    assert outcome.action is Action.FORWARD
+    assert task.attempt_id is not None
+    done, applied = await store.complete_effect(
+        task.task_id,
+        outcome.effect.effect_id,
+        outcome.seq,
+        task.attempt_id,
+        EffectState.COMMITTED,
+        "200",
+        RESPONSE,
+    )
+    assert applied and done.state is EffectState.COMMITTED
+
+
+def _commands(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last RESETSTAT, scripts' own commands included."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(s["calls"]) for name, s in stats.items()}
+
+
+async def test_a_fenced_call_runs_few_redis_commands(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = make_redis_server()
+    store = RedisStore(server.url, POLICY)
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        await store.put_task("t1", "in", None)
+        task = await store.claim("t1", ClaimRequest("w", 60_000, 1))
+        await _fenced_call(store, task, "warm")  # the durability check, script loading
+        client.config_resetstat()
+        await _fenced_call(store, task, "s1")
+        ran = _commands(client)
+    finally:
+        client.close()
+        await store.close()
+    ran.pop("config|resetstat", None)
+    ran.pop("info", None)
+    assert ran.pop("evalsha") == 2, ran
+    # prepare: TIME, HMGET scheduler, HMGET task, HGET record, ZADD creation index, HSET
+    # effectId -> taskId, HSET record, ZADD prepared; complete: TIME, HGET, HSET, ZREM prepared.
+    # It used to be 19: HGETALL of the whole task, and every index written on every step.
+    assert "hgetall" not in ran, ran
+    assert ran.get("srem", 0) == 0 and ran.get("sadd", 0) == 0, ran
+    assert ran.get("zrem", 0) == 1, ran
+    assert sum(ran.values()) <= 12, ran
+
+
+async def test_a_wrong_revision_from_the_gateway_is_not_trusted(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    """A generation names one revision for good, unless Redis loses data: then the same
+    (task, generation) can come back for another revision. A gateway that remembers the old
+    pair sends an effectId computed from the old revision; the script must see the revision
+    differs and compute the id itself."""
+    server = make_redis_server()
+    proxy = RedisStore(server.url, POLICY)  # the gateway serving the agent's calls
+    other = RedisStore(server.url, POLICY)  # another gateway, serving the claims
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        await other.put_task("t1", "in-1", None)
+        old = await proxy.claim("t1", ClaimRequest("w", 60_000, 1))
+        assert (old.revision, old.claim_generation) == (1, 1)
+        await _fenced_call(proxy, old, "s1")
+
+        client.flushall()  # Redis lost everything; the task comes back at revision 2
+        await other.put_task("t1", "in-1", None)
+        await other.put_task("t1", "in-2", None)
+        new = await other.claim("t1", ClaimRequest("w", 60_000, 1))
+        assert (new.revision, new.claim_generation) == (2, 1)
+
+        outcome = await proxy.prepare_effect(_request(new, "s1"), 30_000)
+    finally:
+        client.close()
+        await proxy.close()
+        await other.close()
+    assert outcome.action is Action.FORWARD
+    assert outcome.effect.revision == 2
+    assert outcome.effect.effect_id == effects.effect_id("t1", 2, "node", "s1")
+    assert outcome.effect.effect_id != effects.effect_id("t1", 1, "node", "s1")
+
+
+async def test_the_benchmarks_split_redis_time_by_script(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    server = make_redis_server()
+    store = RedisStore(server.url, POLICY)
+    try:
+        await store.put_task("t1", "in", None)
+        task = await store.claim("t1", ClaimRequest("w", 60_000, 1))
+        await _fenced_call(store, task, "warm")
+        redis_stats_reset(server.url, 1000, slowlog_usec=0)  # every run, however fast
+        for i in range(3):
+            await _fenced_call(store, task, f"s{i}")
+        report = redis_script_stats(server.url, redis_script_names(None), 3)
+    finally:
+        await store.close()
+    assert report["evalshaRuns"] == 6
+    assert set(report["scripts"]) == {"prepare", "complete"}, report
+    for line in report["scripts"].values():
+        assert line["runs"] == 3
+        assert line["usecPerRun"] > 0
+    per_script = sum(line["usecPerCall"] for line in report["scripts"].values())
+    assert abs(per_script - report["usecPerCall"]) <= 0.2, report
+    assert report["callsPerSecondOneRedis"] == pytest.approx(1e6 / report["usecPerCall"], rel=0.01)
+    table = render_redis_scripts("redis", report, "call").splitlines()
+    assert [line.split()[:2] for line in table[3:]] == [["complete", "3"], ["prepare", "3"]]
