@@ -73,7 +73,11 @@ async def test_concurrent_steps_share_commits_and_each_keeps_its_own_instant(
     host.run(AHEAD_MS)  # past the ceiling's headroom: the batch must persist a new one
     salt, before = wal_commits(db)
 
+    commits, steps = store.commits, store.committed_steps
     claims = await asyncio.gather(*(store.claim(task_id, claim(task_id)) for task_id in ids))
+    # The store's own count, and the log's (below), must both show shared commits.
+    assert store.committed_steps - steps == BURST
+    assert 1 <= store.commits - commits < BURST, f"{store.commits - commits} COMMITs"
 
     salt_after, after = wal_commits(db)
     assert salt_after == salt, "the log restarted: the count would mean nothing"
