@@ -317,9 +317,9 @@ def timing_breakdown(
     latency_ms: Sequence[float], lag_ms: Sequence[float], parts: Sequence[Mapping[str, float]]
 ) -> dict[str, Any] | None:
     """Where a phase's time went: p50 and p99 of each part over the calls that had it, and,
-    over the slowest 1% of the calls (latency at or above the p99; at least one call), the
-    mean of each part and of the client's send lag (``lag``: paced calls count from their
-    scheduled start), which with ``outside`` and ``total`` adds up to their latency.
+    over the slowest 1% of the calls (at least one), the mean of each part and of the
+    client's send lag (``lag``: paced calls count from their scheduled start), which with
+    ``outside`` and ``total`` adds up to their latency.
     ``latency_ms``, ``lag_ms`` (empty for a closed-loop phase) and ``parts`` are per call, in
     one order. None when no call carried the gateway's header (a passthrough, an older
     gateway)."""
@@ -330,8 +330,8 @@ def timing_breakdown(
         values = [p[name] for p in parts if name in p]
         if values:
             spread[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
-    p99 = percentile(latency_ms, 99)
-    slow = [n for n, ms in enumerate(latency_ms) if p99 is not None and ms >= p99 and parts[n]]
+    by_latency = sorted(range(len(latency_ms)), key=latency_ms.__getitem__, reverse=True)
+    slow = [n for n in by_latency[: max(1, math.ceil(len(latency_ms) / 100))] if parts[n]]
     tail: dict[str, float] = {}
     if slow:
         tail["latency"] = statistics.fmean(latency_ms[n] for n in slow)
@@ -1117,7 +1117,7 @@ def render_timing(summaries: Sequence[dict[str, Any]]) -> str | None:
         "where a fenced call's time goes (ms, from the gateway's Server-Timing; other: its total "
         "less its steps; outside: the client's latency from sending less the gateway's total)\n\n"
         + align(rows)
-        + "\n\nthe slowest 1% of calls (latency at or above the p99): mean ms of each part "
+        + "\n\nthe slowest 1% of calls (at least one): mean ms of each part "
         "(lag + outside + total = latency)\n\n" + align(tail_rows)
     )
 

@@ -9,8 +9,8 @@ One mutation is two store round trips around one forward:
 
 A replay or a refusal is one round trip. Safe methods (GET, HEAD, OPTIONS) are fence-checked
 in one round trip and forwarded without a ledger entry. Every answer carries
-``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State`` and
-``Fence-Replayed``.
+``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State``,
+``Fence-Replayed`` and ``Server-Timing`` (how long each step took: ``_Progress``).
 
 What to do with the store's answer (refuse, replay, forward, shadow-forward, and the log
 lines and metrics that go with it) is decided without I/O in ``gateway.proxy_decisions``;
