@@ -176,7 +176,7 @@ async def test_a_replay_names_no_forward(api: Api, timed: TimedDownstream) -> No
 
 async def test_a_refusal_names_only_what_ran(api: Api, timed: TimedDownstream) -> None:
     lease = await lease_on(api)
-    await api.claim("t1", "w2", ttl_ms=30_000)  # a takeover: the first lease is fenced
+    await api.call("POST", "/v1/epoch/bump")  # the lease's epoch is stale from now on
     fenced = await send(api, "/proxy/api/ok", fence_headers(lease), body={})
     assert fenced.status == 409
     assert fenced.steps == ["prepare", "total"]
