@@ -36,6 +36,14 @@ passthrough, ...):
 After every phase the downstream's counts are checked: for a fenced phase, exactly one call per
 effect (by ``Idempotency-Key``), the key equal to the ``Fence-Effect-Id`` answered (and to the
 effectId the client computes), every answer ``200`` ``COMMITTED``, not replayed.
+
+Where a fenced call's time goes: the client reads the gateway's ``Server-Timing`` answer
+header on every measured call (``parse_server_timing``) and reports, per fenced phase, p50
+and p99 of each step (prepare, forward, complete, total), ``other`` (the gateway's total less
+its steps: parsing, digest, decisions, logs, building the answer) and ``outside`` (the
+client's latency from the moment it sent the call, less the gateway's total: the event-loop
+wait and queueing on both sides, HTTP parsing outside the handler, loopback), and for the
+slowest 1% of calls the mean of each part (``timing_breakdown``).
 ``bench/README.md`` describes the output.
 """
 
@@ -45,8 +53,10 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -56,7 +66,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,6 +230,121 @@ def passthrough_app(downstream_url: str) -> web.Application:
     return app
 
 
+# --- Server-Timing ---------------------------------------------------------------------------
+
+#: A metric or parameter name (a token), and a parameter's value (a token or a quoted string).
+_ST_NAME = re.compile(r"[ \t]*([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*")
+_ST_VALUE = re.compile(r'[ \t]*("(?:[^"\\]|\\.)*"|[!#$%&\'*+.^_`|~0-9A-Za-z-]*)[ \t]*')
+#: The gateway's steps in the order they run (docs/PROTOCOL.md), then the parts the bench
+#: derives: ``other`` (total less the steps) and ``outside`` (the client's latency less total).
+STEPS = ("fence", "prepare", "reconcile", "forward", "complete", "abort")
+PARTS = (*STEPS, "other", "total", "outside")
+
+
+def _skip_metric(value: str, i: int) -> int:
+    """The index just past the comma that ends the metric at ``i`` (quoted strings skipped)."""
+    quoted = False
+    while i < len(value):
+        char = value[i]
+        if quoted:
+            if char == "\\":
+                i += 1
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char == ",":
+            return i + 1
+        i += 1
+    return i
+
+
+def parse_server_timing(value: str | None) -> dict[str, float]:
+    """``{metric: dur}`` of a ``Server-Timing`` field value (https://www.w3.org/TR/server-timing/;
+    several fields joined with ``", "``). A metric without a ``dur`` (or with one that is not a
+    number) counts 0, as the spec says; of a metric or a parameter named twice the first
+    counts; a malformed metric is skipped up to the next comma; names are case-sensitive."""
+    timings: dict[str, float] = {}
+    if not value:
+        return timings
+    i = 0
+    while i < len(value):
+        name = _ST_NAME.match(value, i)
+        if name is None:
+            i = _skip_metric(value, i)
+            continue
+        i = name.end()
+        dur: float | None = None
+        while i < len(value) and value[i] == ";":
+            param = _ST_NAME.match(value, i + 1)
+            if param is None:
+                break
+            i = param.end()
+            raw = ""
+            if i < len(value) and value[i] == "=":
+                got = _ST_VALUE.match(value, i + 1)
+                assert got is not None  # it matches the empty string
+                raw, i = got.group(1), got.end()
+            if param.group(1).lower() == "dur" and dur is None:
+                if raw.startswith('"'):
+                    raw = re.sub(r"\\(.)", r"\1", raw[1:-1])
+                try:
+                    dur = float(raw)
+                except ValueError:
+                    dur = 0.0
+        well_formed = i >= len(value) or value[i] == ","
+        i = _skip_metric(value, i)
+        if well_formed and name.group(1) not in timings:
+            timings[name.group(1)] = dur if dur is not None and math.isfinite(dur) else 0.0
+    return timings
+
+
+def call_parts(timing: Mapping[str, float], sent_ms: float) -> dict[str, float]:
+    """One call's parts: the gateway's steps and total as its header said, ``other`` (total
+    less the steps it names) and ``outside`` (``sent_ms``, the client's latency from the moment
+    it sent the call, less total). {} when the answer had no ``total``."""
+    if "total" not in timing:
+        return {}
+    parts = {step: timing[step] for step in STEPS if step in timing}
+    total = timing["total"]
+    parts["other"] = max(total - sum(parts.values()), 0.0)
+    parts["total"] = total
+    parts["outside"] = max(sent_ms - total, 0.0)
+    return parts
+
+
+def timing_breakdown(
+    latency_ms: Sequence[float], lag_ms: Sequence[float], parts: Sequence[Mapping[str, float]]
+) -> dict[str, Any] | None:
+    """Where a phase's time went: p50 and p99 of each part over the calls that had it, and,
+    over the slowest 1% of the calls (at least one), the mean of each part and of the
+    client's send lag (``lag``: paced calls count from their scheduled start), which with
+    ``outside`` and ``total`` adds up to their latency.
+    ``latency_ms``, ``lag_ms`` (empty for a closed-loop phase) and ``parts`` are per call, in
+    one order. None when no call carried the gateway's header (a passthrough, an older
+    gateway)."""
+    if not any(parts):
+        return None
+    spread: dict[str, dict[str, float | None]] = {}
+    for name in PARTS:
+        values = [p[name] for p in parts if name in p]
+        if values:
+            spread[name] = {"p50": percentile(values, 50), "p99": percentile(values, 99)}
+    by_latency = sorted(range(len(latency_ms)), key=latency_ms.__getitem__, reverse=True)
+    slow = [n for n in by_latency[: max(1, math.ceil(len(latency_ms) / 100))] if parts[n]]
+    tail: dict[str, float] = {}
+    if slow:
+        tail["latency"] = statistics.fmean(latency_ms[n] for n in slow)
+        tail["lag"] = statistics.fmean(lag_ms[n] for n in slow) if lag_ms else 0.0
+        for name in PARTS:
+            tail[name] = statistics.fmean(parts[n].get(name, 0.0) for n in slow)
+    return {
+        "calls": sum(1 for p in parts if p),
+        "parts": spread,
+        "slowest": {"calls": len(slow), "meanMs": tail},
+    }
+
+
 # --- the client ------------------------------------------------------------------------------
 
 
@@ -330,6 +455,8 @@ class Calls:
 
     latency_ms: list[float] = field(default_factory=list)
     lag_ms: list[float] = field(default_factory=list)
+    #: Per answered call (in ``latency_ms``'s order): ``call_parts`` of its Server-Timing.
+    parts: list[dict[str, float]] = field(default_factory=list)
     ok_effects: list[str] = field(default_factory=list)
     failed_effects: list[str] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
@@ -382,6 +509,7 @@ class Caller:
         try:
             async with self.session.post(self.url, data=body, headers=headers) as resp:
                 raw = await resp.read()
+                sent_ms = (time.perf_counter() - t0) * 1000
                 status = resp.status
                 answer = resp.headers
                 if status != 200:
@@ -403,6 +531,8 @@ class Caller:
             out.record_error(f"call 0 {type(exc).__name__}", f"{type(exc).__name__}: {exc}")
             return
         out.latency_ms.append((time.perf_counter() - start) * 1000)
+        timing = ", ".join(answer.getall("Server-Timing", ()))
+        out.parts.append(call_parts(parse_server_timing(timing), sent_ms) if timing else {})
         out.ok_effects.append(expected)
 
 
@@ -921,6 +1051,7 @@ def phase_summary(results: Sequence[PhaseResult], i: int) -> dict[str, Any]:
         "addedP99Ms": _round(p99 - base_p99) if p99 is not None and base_p99 is not None else None,
         "ledgerEffectsBefore": r.ledger_before if r.fenced else None,
         "redisCpu": r.redis_cpu,
+        "serverTiming": timing_breakdown(lat, r.calls.lag_ms, r.calls.parts),
         "verified": r.verified,
         "checks": r.checks,
         "errors": dict(r.calls.errors),
@@ -955,6 +1086,40 @@ def render_phases(summaries: Sequence[dict[str, Any]]) -> str:
             )
         )
     return align(rows)
+
+
+def render_timing(summaries: Sequence[dict[str, Any]]) -> str | None:
+    """Per phase with the gateway's Server-Timing: p50 / p99 of each part, then the mean of
+    each part over its slowest 1% of calls."""
+    phases = [s for s in summaries if s.get("serverTiming")]
+    if not phases:
+        return None
+    names = [n for n in PARTS if any(n in s["serverTiming"]["parts"] for s in phases)]
+    rows: list[tuple[str, ...]] = [("phase", "calls", *(f"{n} p50/p99" for n in names))]
+    for s in phases:
+        spread = s["serverTiming"]["parts"]
+        cells = [
+            f"{fmt(spread[n]['p50'], '.1f')} / {fmt(spread[n]['p99'], '.1f')}"
+            if n in spread
+            else "-"
+            for n in names
+        ]
+        rows.append((s["phase"], str(s["serverTiming"]["calls"]), *cells))
+    tail_names = ["latency", "lag", *names]
+    tail_rows: list[tuple[str, ...]] = [("phase", "calls", *tail_names)]
+    for s in phases:
+        slowest = s["serverTiming"]["slowest"]
+        mean = slowest["meanMs"]
+        tail_rows.append(
+            (s["phase"], str(slowest["calls"]), *(fmt(mean.get(n), ".1f") for n in tail_names))
+        )
+    return (
+        "where a fenced call's time goes (ms, from the gateway's Server-Timing; other: its total "
+        "less its steps; outside: the client's latency from sending less the gateway's total)\n\n"
+        + align(rows)
+        + "\n\nthe slowest 1% of calls (at least one): mean ms of each part "
+        "(lag + outside + total = latency)\n\n" + align(tail_rows)
+    )
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -1196,6 +1361,9 @@ def _print_report(
             f"({max(pass_rates) / min(pass_rates) - 1:+.0%}) during this run.",
             file=out,
         )
+    timing = render_timing(summaries)
+    if timing is not None:
+        print("\n" + timing, file=out)
     print("\nper store (peak: medians over rounds; paced: at the rate shown)\n", file=out)
     print(render_figures(figures), file=out)
     for f in figures:

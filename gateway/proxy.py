@@ -9,8 +9,8 @@ One mutation is two store round trips around one forward:
 
 A replay or a refusal is one round trip. Safe methods (GET, HEAD, OPTIONS) are fence-checked
 in one round trip and forwarded without a ledger entry. Every answer carries
-``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State`` and
-``Fence-Replayed``.
+``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State``,
+``Fence-Replayed`` and ``Server-Timing`` (how long each step took: ``_Progress``).
 
 What to do with the store's answer (refuse, replay, forward, shadow-forward, and the log
 lines and metrics that go with it) is decided without I/O in ``gateway.proxy_decisions``;
@@ -114,6 +114,8 @@ class _Call:
     node: str
     slot: str | None
     body: bytes
+    #: Where the handler records how long each step took (its ``Server-Timing``).
+    progress: _Progress
     #: Shadow mode: refusals are recorded and let through.
     shadow: bool = False
 
@@ -154,7 +156,7 @@ def _check_framing(request: web.Request) -> None:
         raise BadRequest("Content-Length and Transfer-Encoding: both sent")
 
 
-async def _parse(request: web.Request) -> _Call:
+async def _parse(request: web.Request, progress: _Progress) -> _Call:
     config = request.app[CONFIG]
     method = request.method.upper()
     if method in _FORBIDDEN_METHODS:
@@ -193,6 +195,7 @@ async def _parse(request: web.Request) -> _Call:
         node,
         slot,
         body,
+        progress,
         shadow=enforcement == "shadow",
     )
 
@@ -237,17 +240,62 @@ async def proxy_answer_headers(request: web.Request, response: web.StreamRespons
 @dataclass(slots=True)
 class _Progress:
     """How far a call got, for an answer the gateway did not plan (a 500): once a prepare
-    was sent, the effect's state is not known here."""
+    was sent, the effect's state is not known here.
+
+    And how long its steps took, for the ``Server-Timing`` answer header
+    (https://www.w3.org/TR/server-timing/): seconds of ``time.perf_counter``, ``None`` for a
+    step that did not run. ``fence``: the fence check of a safe method; ``prepare``: the
+    prepare round trip(s); ``reconcile``: an inline probe of an UNKNOWN effect; ``forward``:
+    from sending the call until its answer (up to ``replay_max_bytes``) was read, or the
+    forward failed; ``complete``: recording the outcome; ``abort``: aborting a forward that
+    could not start in time; ``total``: from the handler's start until the header is
+    written."""
 
     state: str = "NONE"
     effect_id: str | None = None
+    started: float = 0.0
+    fence: float | None = None
+    prepare: float | None = None
+    reconcile: float | None = None
+    forward: float | None = None
+    complete: float | None = None
+    abort: float | None = None
+
+    def server_timing(self) -> str:
+        """The header's value: the steps that ran, in the order they run, then ``total``;
+        milliseconds with one decimal."""
+        value = ""
+        if self.fence is not None:
+            value += f"fence;dur={self.fence * 1000:.1f}, "
+        if self.prepare is not None:
+            value += f"prepare;dur={self.prepare * 1000:.1f}, "
+        if self.reconcile is not None:
+            value += f"reconcile;dur={self.reconcile * 1000:.1f}, "
+        if self.forward is not None:
+            value += f"forward;dur={self.forward * 1000:.1f}, "
+        if self.complete is not None:
+            value += f"complete;dur={self.complete * 1000:.1f}, "
+        if self.abort is not None:
+            value += f"abort;dur={self.abort * 1000:.1f}, "
+        return value + f"total;dur={(time.perf_counter() - self.started) * 1000:.1f}"
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     """Every answer of the proxy, refusals included, carries the Fence-* answer headers:
     also aiohttp's own refusals (405, a body over ``server.max_body_bytes``: 413) and an
-    unexpected failure (500, ``Fence-Effect-State: UNKNOWN`` once a prepare was sent)."""
-    progress = _Progress()
+    unexpected failure (500, ``Fence-Effect-State: UNKNOWN`` once a prepare was sent).
+
+    Every answer it makes carries ``Server-Timing`` (``_Progress``), the gateway's only: a
+    downstream's own is not passed on (``_forward``). A streamed answer gets it before its
+    headers leave (``_stream``): its ``total`` ends there."""
+    progress = _Progress(started=time.perf_counter())
+    response = await _answer(request, progress)
+    if not response.prepared:
+        response.headers["Server-Timing"] = progress.server_timing()
+    return response
+
+
+async def _answer(request: web.Request, progress: _Progress) -> web.StreamResponse:
     try:
         return await _handle(request, progress)
     except FencegateError as exc:
@@ -277,15 +325,18 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 
 async def _handle(request: web.Request, progress: _Progress) -> web.StreamResponse:
     """Ask the store, let ``proxy_decisions`` decide, carry the decision out."""
-    call = await _parse(request)
+    call = await _parse(request, progress)
     store = request.app[STORE]
     fields = call_fields(call.fence, call.downstream.name, call.method)
     if call.method in SAFE_METHODS:
         refusal = None
+        began = time.perf_counter()
         try:
             await store.check_fence(call.fence)
         except FencegateError as exc:
             refusal = exc
+        finally:
+            progress.fence = time.perf_counter() - began
         return await _carry_out(request, call, decide_safe(_subject(call, fields), refusal))
 
     effect_request, resend_window_ms = _effect_request(request, call)
@@ -300,12 +351,16 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
         nonlocal sent_at
         progress.state = EffectState.UNKNOWN.value  # from here on a 500 cannot say more
         sent_at = time.monotonic()
-        return await store.prepare_effect(
-            effect_request,
-            deadline_ms,
-            resend_window_ms=resend_window_ms,
-            require_approval=call.adapter.require_approval,
-        )
+        began = time.perf_counter()
+        try:
+            return await store.prepare_effect(
+                effect_request,
+                deadline_ms,
+                resend_window_ms=resend_window_ms,
+                require_approval=call.adapter.require_approval,
+            )
+        finally:
+            progress.prepare = (progress.prepare or 0.0) + time.perf_counter() - began
 
     prepared: PrepareOutcome | FencegateError
     try:
@@ -317,9 +372,13 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
         ):
             # The downstream can tell: ask it (when a probe is due), then decide again on
             # what it said; still unknown: say when the next probe is due.
-            effect = await reconcile(
-                request.app, outcome.effect.effect_id, "gateway:inline", only_if_due=True
-            )
+            began = time.perf_counter()
+            try:
+                effect = await reconcile(
+                    request.app, outcome.effect.effect_id, "gateway:inline", only_if_due=True
+                )
+            finally:
+                progress.reconcile = time.perf_counter() - began
             if effect.state is not EffectState.UNKNOWN:
                 prepared = await prepare()
             elif outcome.error is not None and effect.next_probe_at is not None:
@@ -413,7 +472,7 @@ async def _carry_out(
             assert prepared is not None
             await failpoints.hit("after_prepare")
             if prepared.window.start_left_ms() <= 0:
-                return await _too_late(request, forward, prepared)
+                return await _too_late(request, forward, prepared, call.progress)
             return await _forward_effect(request, call, forward, prepared.window)
 
 
@@ -455,7 +514,7 @@ class _ForwardWindow:
 
 
 async def _too_late(
-    request: web.Request, forward: Forward, prepared: _Prepared
+    request: web.Request, forward: Forward, prepared: _Prepared, progress: _Progress
 ) -> web.StreamResponse:
     """The prepare was answered (or the gateway stalled) past the start limit: a bump or a
     cancel may have been acknowledged meanwhile, so nothing is sent. The forward is aborted
@@ -470,6 +529,7 @@ async def _too_late(
     assert effect_request.forward_id is not None
     forward_id = effect_request.forward_id
     state = EffectState.NOT_APPLIED
+    began = time.perf_counter()
     try:
         aborted = await request.app[STORE].update_effect(
             effect.effect_id,
@@ -482,6 +542,7 @@ async def _too_late(
         state = EffectState.PREPARED
     except FencegateError as exc:  # settled meanwhile (an operator): nothing to abort
         log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
+    progress.abort = time.perf_counter() - began
     error = StoreUnavailable(
         f"the forward could not start within proxy.forward_start_limit_ms "
         f"({window.start_limit_ms} ms; {elapsed} ms had passed since the prepare was sent); "
@@ -564,8 +625,11 @@ async def _stream(
     resp: aiohttp.ClientResponse,
     headers: CIMultiDict[str],
     first: bytes,
+    progress: _Progress,
 ) -> web.StreamResponse:
-    """Pass a body too large to buffer through to the agent as it arrives."""
+    """Pass a body too large to buffer through to the agent as it arrives (its
+    ``Server-Timing`` says how long the gateway took until the streaming began)."""
+    headers["Server-Timing"] = progress.server_timing()
     answer = web.StreamResponse(status=resp.status, headers=headers)
     await answer.prepare(request)
     await answer.write(first)
@@ -641,8 +705,10 @@ async def _forward(
     )
     status: int | None = None
     started = time.monotonic()
+    began = time.perf_counter()
     observed = False
     pool = PoolWait()
+    progress = call.progress
     try:
         async with request.app[HTTP_CLIENT].request(
             call.method,
@@ -656,6 +722,7 @@ async def _forward(
         ) as resp:
             status = resp.status
             body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
+            progress.forward = time.perf_counter() - began
             seconds = time.monotonic() - started
             outcome = outcome_of(status).value.lower()
             request.app[METRICS].forward_seconds.labels(call.downstream.name, outcome).observe(
@@ -665,12 +732,17 @@ async def _forward(
             live = without_secret_values(
                 upstream_response_headers(resp.headers.items()), _credential_values(call)
             )
+            # The downstream's own Server-Timing is not passed on, nor stored: the answer's
+            # is the gateway's (its forward step holds the downstream's time).
+            live.popall("Server-Timing", None)
             fence = await on_answer(resp, body, whole, live)
             live.update(fence)
             if not whole:
-                return await _stream(request, resp, live, body)
+                return await _stream(request, resp, live, body, progress)
             return web.Response(status=status, body=body, headers=live)
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
+        if progress.forward is None:  # not a body that broke off while streaming
+            progress.forward = time.perf_counter() - began
         failed = _failure(exc, status, pool.waiting)
         if not observed:  # a body that broke off while streaming was observed already
             request.app[METRICS].forward_seconds.labels(
@@ -837,6 +909,7 @@ async def _record(
 ) -> Effect:
     """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
     deadline passes: never lost, never replayed as if it had not happened."""
+    began = time.perf_counter()
     try:
         recorded, applied = await request.app[STORE].complete_effect(
             call.fence.task_id, effect.effect_id, seq, call.fence.attempt_id, outcome, reason,
@@ -852,6 +925,8 @@ async def _record(
             effect,
             EffectState.UNKNOWN,
         ) from exc
+    finally:
+        call.progress.complete = time.perf_counter() - began
     if not applied:
         log.warning("effect.stale_completion", outcome=outcome.value, state=recorded.state.value,
                     reason=reason, **fields)  # fmt: skip
