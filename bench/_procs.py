@@ -272,6 +272,7 @@ def start_gateway(
     python_args: Sequence[str] = (),
     workers: int = 1,
     event_loop: str | None = None,
+    durable: bool = True,
 ) -> tuple[Proc, str]:
     """``fencegate serve`` with a temporary config: (process, base URL).
 
@@ -279,7 +280,8 @@ def start_gateway(
     ``[[downstreams]]``...); ``python_args`` go between the interpreter and
     ``-m fencegate.gateway.cli`` (e.g. ``-m cProfile -o FILE``); ``workers`` above 1 is
     ``server.workers`` and ``event_loop`` is ``server.event_loop`` (a tree from before them
-    refuses the keys).
+    refuses the keys). ``durable=False`` (a Redis run with ``appendfsync everysec``) sets
+    ``store.require_durable = false``, else /readyz would never let the gateway start.
     """
     directory.mkdir(parents=True)
     port = free_port()
@@ -292,6 +294,7 @@ def start_gateway(
         "[store]",
         f"url = {json.dumps(store_url)}",
         f'sqlite_synchronous = "{sqlite_synchronous}"',
+        *([] if durable else ["require_durable = false"]),
     ]
     if store_timeout_ms is not None:
         lines.append(f"timeout_ms = {store_timeout_ms}")

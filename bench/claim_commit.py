@@ -596,6 +596,7 @@ def phase_redis(work: Path, args: argparse.Namespace) -> tuple[PhaseResult, str]
             sqlite_synchronous=args.sqlite_synchronous,
             source=args.gateway_src,
             store_timeout_ms=args.store_timeout_ms,
+            durable=args.appendfsync == "always",
         )
         procs.append(gateway)
         result = run_phase("redis", base, procs, args, verify=not args.no_verify, redis_url=url)

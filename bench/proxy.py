@@ -911,6 +911,7 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
                 python_args=python_args,
                 workers=args.workers,
                 event_loop=args.event_loop,
+                durable=args.appendfsync == "always",
             )
             setup.procs.append(gateway)
             progress(f"gateway {name}: pid {gateway.pid}, {base}")
