@@ -406,10 +406,11 @@ class RedisStore(Store):
             return script(keys=keys_, args=args)
         return self.pipeline.submit(("EVALSHA", script.sha, len(keys_), *keys_, *args), script)
 
-    def _command(self, *command: Any) -> Awaitable[Any]:
-        """Send one plain command (with redis-py's parsing of its reply), pipelined or not."""
+    def _command(self, direct: Callable[[], Awaitable[Any]], *command: Any) -> Awaitable[Any]:
+        """One plain command: queued for this turn's pipeline (redis-py parses its reply as it
+        would ``direct``'s), or ``direct``, the redis-py method, on its own."""
         if self.pipeline is None:
-            return self._redis.execute_command(*command)
+            return direct()
         return self.pipeline.submit(command)
 
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
@@ -456,12 +457,12 @@ class RedisStore(Store):
         await self._redis.aclose()
 
     async def ping(self) -> None:
-        await self._call(lambda: self._command("PING"))
+        await self._call(lambda: self._command(self._redis.ping, "PING"))
         if not self._durability_checked:
             await self._check_durability()
 
     async def now_ms(self) -> int:
-        sec, usec = await self._call(lambda: self._command("TIME"))
+        sec, usec = await self._call(lambda: self._command(self._redis.time, "TIME"))
         return self._store_time(sec, usec)
 
     # --- transitions ------------------------------------------------------------------------
@@ -478,7 +479,10 @@ class RedisStore(Store):
         return task_from_fields(fields), PutOutcome(status)
 
     async def get_task(self, task_id: str) -> Task:
-        fields: Any = await self._call(lambda: self._command("HGETALL", self._keys.task(task_id)))
+        key = self._keys.task(task_id)
+        fields: Any = await self._call(
+            lambda: self._command(functools.partial(self._redis.hgetall, key), "HGETALL", key)
+        )
         if not fields:
             raise ERRORS_BY_CODE["NO_SUCH_TASK"]()
         return task_from_fields(fields)
