@@ -4,7 +4,8 @@
 (``prepare_effect``, ``complete_effect``) in a loop, on a private redis-server (AOF on); each
 round runs pipelining off (``pipeline=False``, one round trip per call) then on. Per phase it
 prints fenced calls/s, this process's CPU per call (where the store runs: a gateway's share)
-and redis-server's CPU per call, read from ``/proc``.
+and redis-server's CPU per call, read from ``/proc``; with ``--paced RATE``, the p50/p99 latency
+of calls started at a fixed rate instead.
 
     .venv/bin/python -m bench.redis_pipelining --concurrency 16 --rounds 3
 """
@@ -36,8 +37,45 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _paced(
+    store: RedisStore, tasks: list[Task], pipeline: bool, rate: float, calls: int
+) -> str:
+    """Open loop: a fenced call every 1/rate s (round robin over the tasks), each timed from
+    its scheduled start; p50/p99 of the two store steps together."""
+    took: list[float] = []
+
+    async def one(task: Task, k: int, due: float) -> None:
+        assert task.attempt_id is not None
+        fence = Fence(task.task_id, task.attempt_id, task.claim_generation, 1, 0)
+        request = EffectRequest(fence, "n", f"p-{k}", "d", "POST", "/p", "d" * 64)
+        out = await store.prepare_effect(request, 30_000)
+        await store.complete_effect(
+            task.task_id, out.effect.effect_id, out.seq, task.attempt_id,
+            EffectState.COMMITTED, "200", '{"status":200}',
+        )  # fmt: skip
+        took.append(time.perf_counter() - due)
+
+    start = time.perf_counter()  # uvloop's loop.time() counts whole milliseconds
+    running = []
+    for k in range(calls):
+        due = start + k / rate
+        await asyncio.sleep(max(due - time.perf_counter(), 0))
+        running.append(asyncio.ensure_future(one(tasks[k % len(tasks)], k, due)))
+    await asyncio.gather(*running)
+    took.sort()
+    p50, p99 = took[len(took) // 2] * 1000, took[int(len(took) * 0.99)] * 1000
+    mode = "on " if pipeline else "off"
+    return f"pipeline {mode}  {calls:6d}  @{rate:.0f}/s  p50 {p50:.2f} ms  p99 {p99:.2f} ms"
+
+
 async def _phase(
-    url: str, pipeline: bool, concurrency: int, calls: int, redis_pid: int, prefix: str
+    url: str,
+    pipeline: bool,
+    concurrency: int,
+    calls: int,
+    redis_pid: int,
+    prefix: str,
+    rate: float = 0,
 ) -> str:
     store = RedisStore(url, POLICY, pipeline=pipeline, key_prefix=prefix)
     await store.open()
@@ -59,6 +97,8 @@ async def _phase(
 
     try:
         await asyncio.gather(*(caller(t, 20, "warm") for t in tasks))
+        if rate:
+            return await _paced(store, tasks, pipeline, rate, calls)
         each = max(calls // concurrency, 1)
         cpu, server, wall = time.process_time(), _cpu_s(redis_pid), time.monotonic()
         await asyncio.gather(*(caller(t, each, "m") for t in tasks))
@@ -102,8 +142,9 @@ async def _run(args: argparse.Namespace) -> None:
             for r in range(args.rounds):
                 for pipeline in (False, True):
                     line = await _phase(
-                        url, pipeline, args.concurrency, args.calls, server.pid, f"b{r}{pipeline:d}"
-                    )
+                        url, pipeline, args.concurrency, args.calls, server.pid,
+                        f"b{r}{pipeline:d}", args.paced,
+                    )  # fmt: skip
                     print(line, flush=True)
         finally:
             server.terminate()
@@ -115,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="concurrent callers")
     parser.add_argument("--calls", type=int, default=1600, help="measured fenced calls per phase")
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs")
+    parser.add_argument(
+        "--paced", type=float, default=0, metavar="RATE",
+        help="open loop at RATE fenced calls/s instead (latency from each scheduled start)",
+    )  # fmt: skip
     parser.add_argument("--appendfsync", choices=("always", "everysec"), default="always")
     args = parser.parse_args(argv)
     try:
