@@ -15,6 +15,11 @@ support Cluster mode: see docs/stores.md for what supporting it would take.
 
 At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
 ``store.durability_warning`` for each setting under which an answered transition can be lost.
+
+Auto-pipelining (``_AutoPipeline``, on unless the URL says ``?pipeline=0``): the scripts and the
+single commands issued in one event-loop turn go to Redis as one non-transactional pipeline
+(one write, one read) instead of each paying redis-py's whole per-command path; every caller
+gets its own reply or its own error, and every script stays atomic on its own.
 """
 
 from __future__ import annotations
@@ -24,14 +29,17 @@ import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import structlog
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
 from fencegate.ledger import effects, keys, queries
@@ -96,6 +104,11 @@ _LIST_BATCH = 200
 #: Most (taskId, claimGeneration) -> revision entries kept to compute effectIds (cleared when
 #: full: a miss only costs one SHA-256 inside prepare.lua).
 _REVISIONS_KEPT = 4096
+#: Most store calls one auto-pipelined flush sends; the calls past it go in the next flush.
+PIPELINE_BATCH_MAX = 128
+#: The store URL query parameter that switches auto-pipelining: ``pipeline=0`` or ``1``.
+_PIPELINE_PARAM = "pipeline"
+_PIPELINE_VALUES = {"0": False, "1": True}
 #: How long the reconciler parks an UNKNOWN effect of a downstream without a probe (it waits
 #: for an operator) before looking at it again.
 _PARK_MS = 60_000
@@ -152,6 +165,143 @@ def _index_member_parts(member: str) -> tuple[int, str, str]:
     return int(created), effect_id, task_id
 
 
+def split_pipeline_option(url: str) -> tuple[str, bool | None]:
+    """``url`` without the ``pipeline`` query parameter (redis-py would hand an unknown one to
+    its connections), and what that parameter said (None: absent). ValueError unless 0 or 1."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    said = [value for name, value in query if name == _PIPELINE_PARAM]
+    if not said:
+        return url, None
+    if len(said) > 1 or said[0] not in _PIPELINE_VALUES:
+        raise ValueError(
+            f"the store url's {_PIPELINE_PARAM} parameter is 0 (one round trip per store "
+            f"call) or 1 (auto-pipelining, the default), not {'&'.join(said)!r}"
+        )
+    rest = urlencode([(name, value) for name, value in query if name != _PIPELINE_PARAM])
+    return urlunsplit(parts._replace(query=rest)), _PIPELINE_VALUES[said[0]]
+
+
+@dataclass(slots=True)
+class _Queued:
+    """One store call waiting for its turn's flush: the command as sent, the script to load
+    if Redis answers NOSCRIPT, and the future its caller awaits."""
+
+    command: tuple[Any, ...]
+    script: AsyncScript | None
+    future: asyncio.Future[Any]
+
+
+class _AutoPipeline:
+    """The store calls issued in one event-loop turn, sent as one pipeline (like ioredis's
+    auto-pipelining).
+
+    The first call of a turn opens a batch and schedules its flush as a task (it starts on the
+    next turn, so a lone caller waits one loop turn, no more); every call until then joins the
+    batch, up to ``max_batch`` (a full batch is closed and the next call opens another). The
+    flush sends every call in one non-transactional pipeline (no MULTI: each script is atomic
+    on its own, and calls of different callers never needed to be atomic together), one write
+    and one read on one pooled connection, then hands each caller its own reply or its own
+    error reply (a Lua error goes to its caller only). A failure of the round trip itself
+    (connection lost, timeout) goes to every caller of the batch, each of which turns it into
+    the same ``StoreUnavailable`` as a single call ("may or may not have been applied").
+    NOSCRIPT means Redis ran nothing for that call: the flush loads the missing scripts and
+    sends those calls again, both in one more round trip. A caller that gave up (its timeout,
+    a cancellation) before the flush starts is never sent; one that gives up while the batch
+    is in flight is simply not answered, and the others are."""
+
+    def __init__(self, client: aioredis.Redis, timeout_s: float, max_batch: int) -> None:
+        self._redis = client
+        self._timeout_s = timeout_s
+        self._max_batch = max_batch
+        self._open: list[_Queued] | None = None
+        self._flushing: set[asyncio.Task[None]] = set()
+        #: Pipelines sent (NOSCRIPT re-sends not counted) and the calls they carried.
+        self.flushes = 0
+        self.calls = 0
+
+    def submit(self, command: tuple[Any, ...], script: AsyncScript | None = None) -> Awaitable[Any]:
+        """Queue ``command`` for this turn's flush; the returned future is its reply."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        batch = self._open
+        if batch is None:
+            batch = self._open = []
+            task = loop.create_task(self._flush(batch))
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+        batch.append(_Queued(command, script, future))
+        if len(batch) >= self._max_batch:
+            self._open = None
+        return future
+
+    async def drain(self) -> None:
+        """Wait for the flushes under way (before the connections close)."""
+        while self._flushing:
+            await asyncio.gather(*self._flushing, return_exceptions=True)
+
+    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return await pipe.execute(raise_on_error=False)
+
+    async def _flush(self, batch: list[_Queued]) -> None:
+        if self._open is batch:
+            self._open = None
+        live = [queued for queued in batch if not queued.future.done()]
+        if not live:
+            return
+        self.flushes += 1
+        self.calls += len(live)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                replies = await self._send([queued.command for queued in live])
+                again = [
+                    i
+                    for i, reply in enumerate(replies)
+                    if isinstance(reply, NoScriptError) and live[i].script is not None
+                ]
+                if again:
+                    replies = await self._load_and_resend(live, replies, again)
+        except asyncio.CancelledError:  # the loop is shutting down
+            self._fail(live, RedisConnectionError("the store call's pipeline was cancelled"))
+            raise
+        except Exception as exc:  # the round trip failed: nobody in the batch got an answer
+            self._fail(live, exc)
+            return
+        for queued, reply in zip(live, replies, strict=True):
+            if queued.future.done():
+                continue  # its caller gave up while the batch was in flight
+            if isinstance(reply, BaseException):
+                queued.future.set_exception(reply)
+            else:
+                queued.future.set_result(reply)
+
+    @staticmethod
+    def _fail(live: list[_Queued], exc: BaseException) -> None:
+        for queued in live:
+            if not queued.future.done():
+                queued.future.set_exception(exc)
+
+    async def _load_and_resend(
+        self, live: list[_Queued], replies: list[Any], again: list[int]
+    ) -> list[Any]:
+        """After NOSCRIPT (a SCRIPT FLUSH, a restart, a failover) Redis ran none of those
+        calls: load each missing script and send them again, in one round trip."""
+        scripts: dict[str, AsyncScript] = {}
+        for i in again:
+            script = live[i].script
+            assert script is not None
+            scripts[script.sha] = script
+        loads = [("SCRIPT LOAD", script.script) for script in scripts.values()]
+        resent = await self._send([*loads, *(live[i].command for i in again)])
+        replies = list(replies)
+        for i, reply in zip(again, resent[len(loads) :], strict=True):
+            replies[i] = reply
+        return replies
+
+
 class RedisStore(Store):
     #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
     #: instead of following Redis's ``TIME``, in the scripts and in Python alike, so a test
@@ -167,9 +317,13 @@ class RedisStore(Store):
         key_prefix: str = "fg",
         password: str | None = None,
         max_connections: int = 200,
+        pipeline: bool | None = None,
     ) -> None:
+        """``pipeline``: auto-pipeline the store calls (``_AutoPipeline``); None follows the
+        URL's ``?pipeline=0|1``, on when absent."""
         super().__init__(policy)
         self.url = url
+        url, said = split_pipeline_option(url)
         self._timeout_s = timeout_ms / 1000
         self._keys = keys.Keys(key_prefix)
         self._durability_checked = False
@@ -203,6 +357,11 @@ class RedisStore(Store):
         self._scripts: dict[str, AsyncScript] = {
             name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
         }
+        wanted = (True if said is None else said) if pipeline is None else pipeline
+        #: The auto-pipeline of this store's calls; None when it is switched off.
+        self.pipeline = (
+            _AutoPipeline(self._redis, self._timeout_s, PIPELINE_BATCH_MAX) if wanted else None
+        )
 
     @property
     def kind(self) -> str:
@@ -240,11 +399,24 @@ class RedisStore(Store):
             return self.clock_pinned_ms + self.clock_offset_ms
         return int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
 
-    async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
+    def _eval(self, name: str, keys_: list[str], args: list[Any]) -> Awaitable[Any]:
+        """Run one registered script: queued for this turn's pipeline, or on its own."""
         script = self._scripts[name]
+        if self.pipeline is None:
+            return script(keys=keys_, args=args)
+        return self.pipeline.submit(("EVALSHA", script.sha, len(keys_), *keys_, *args), script)
+
+    def _command(self, direct: Callable[[], Awaitable[Any]], *command: Any) -> Awaitable[Any]:
+        """One plain command: queued for this turn's pipeline (redis-py parses its reply as it
+        would ``direct``'s), or ``direct``, the redis-py method, on its own."""
+        if self.pipeline is None:
+            return direct()
+        return self.pipeline.submit(command)
+
+    async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
         started = time.monotonic()
         clock = self._clock_arg()
-        reply = await self._call(lambda: script(keys=keys_, args=[clock, *args]))
+        reply = await self._call(lambda: self._eval(name, keys_, [clock, *args]))
         self.observe(name, time.monotonic() - started)
         if not self._durability_checked:
             await self._check_durability()
@@ -280,15 +452,17 @@ class RedisStore(Store):
         return durability_warnings(config)
 
     async def close(self) -> None:
+        if self.pipeline is not None:
+            await self.pipeline.drain()
         await self._redis.aclose()
 
     async def ping(self) -> None:
-        await self._call(self._redis.ping)
+        await self._call(lambda: self._command(self._redis.ping, "PING"))
         if not self._durability_checked:
             await self._check_durability()
 
     async def now_ms(self) -> int:
-        sec, usec = await self._call(self._redis.time)
+        sec, usec = await self._call(lambda: self._command(self._redis.time, "TIME"))
         return self._store_time(sec, usec)
 
     # --- transitions ------------------------------------------------------------------------
@@ -305,7 +479,10 @@ class RedisStore(Store):
         return task_from_fields(fields), PutOutcome(status)
 
     async def get_task(self, task_id: str) -> Task:
-        fields: Any = await self._call(lambda: self._redis.hgetall(self._keys.task(task_id)))
+        key = self._keys.task(task_id)
+        fields: Any = await self._call(
+            lambda: self._command(functools.partial(self._redis.hgetall, key), "HGETALL", key)
+        )
         if not fields:
             raise ERRORS_BY_CODE["NO_SUCH_TASK"]()
         return task_from_fields(fields)
@@ -462,8 +639,9 @@ class RedisStore(Store):
         return task_from_fields(_parse(reply)[1])
 
     async def _scheduler_op(self, op: str) -> Scheduler:
-        script = self._scripts["scheduler"]
-        epoch, paused = await self._call(lambda: script(keys=[self._keys.scheduler], args=[op]))
+        epoch, paused = await self._call(
+            lambda: self._eval("scheduler", [self._keys.scheduler], [op])
+        )
         return Scheduler(epoch=int(epoch), claims_paused=paused == "1")
 
     async def get_scheduler(self) -> Scheduler:
@@ -752,7 +930,6 @@ class RedisStore(Store):
         """Read, decide in Python, compare-and-set; a concurrent writer makes it read again."""
         task_id = await self._task_of(effect_id)
         key = self._keys.effects(task_id)
-        cas = self._scripts["cas_effect"]
         for _ in range(_CAS_ATTEMPTS):
 
             async def read() -> Any:
@@ -768,7 +945,7 @@ class RedisStore(Store):
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]
             cas_keys = [key, *self._effect_indexes]
-            written = await self._call(functools.partial(cas, keys=cas_keys, args=args))
+            written = await self._call(functools.partial(self._eval, "cas_effect", cas_keys, args))
             if written:
                 return updated
         raise StoreUnavailable(
@@ -777,7 +954,9 @@ class RedisStore(Store):
 
 
 def _check_url(url: str) -> None:
-    """redis-py parses the rest (host, port, db, TLS) when the store is built."""
+    """The ``pipeline`` parameter; redis-py parses the rest (host, port, db, TLS) when the
+    store is built."""
+    split_pipeline_option(url)
 
 
 def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
