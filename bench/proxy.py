@@ -29,8 +29,9 @@ passthrough, ...):
 
 * **peak** (closed loop): ``--concurrency`` workers send ``--requests`` calls back to back;
 * **paced** (open loop): calls leave on a fixed schedule at ``--paced-fraction`` (0.5) of the
-  store's measured fenced peak, for ``--paced-seconds``; a call's latency runs from its
-  scheduled start, so a proxy that falls behind is charged for the wait. The passthrough runs
+  store's measured fenced peak (or at ``--paced-rate`` calls/s), for ``--paced-seconds``; a
+  call's latency runs from its scheduled start, so a proxy that falls behind is charged for
+  the wait. The passthrough runs
   at the same rate around it, and the difference of the p99s is the latency fencing adds.
 
 After every phase the downstream's counts are checked: for a fenced phase, exactly one call per
@@ -983,7 +984,10 @@ async def run_all(setup: Setup, args: argparse.Namespace) -> list[PhaseResult]:
     rates = {}
     for store in args.stores:
         peaks = [r.rate for r in results if r.target == store and r.mode == "peak" and r.rate]
-        if peaks:
+        if args.paced_rate:
+            # A fixed rate: two runs (two gateway versions) are paced alike, whatever their peaks.
+            rates[store] = args.paced_rate
+        elif peaks:
             rates[store] = args.paced_fraction * statistics.median(peaks)
     results += await run_plan(setup, paced_plan(setup, args, rates), len(results), args)
     return results
@@ -1259,6 +1263,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="paced (open-loop) rate, as a fraction of the store's median fenced peak",
     )
     parser.add_argument(
+        "--paced-rate",
+        type=float,
+        default=None,
+        metavar="CALLS_PER_S",
+        help="paced (open-loop) rate in calls/s for every store, instead of --paced-fraction "
+        "(to compare two runs at the same offered load)",
+    )
+    parser.add_argument(
         "--paced-seconds", type=float, default=8.0, help="length of each paced phase"
     )
     parser.add_argument("--paced-rounds", type=int, default=1, help="paced fenced phases per store")
@@ -1333,6 +1345,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--warmup must be >= 0, --max-in-flight >= 1")
     if not 0 < args.paced_fraction <= 1 or args.paced_seconds <= 0 or args.max_seconds <= 0:
         parser.error("--paced-fraction must be in (0, 1], --paced-seconds and --max-seconds > 0")
+    if args.paced_rate is not None and not 0 < args.paced_rate <= 100_000:
+        parser.error("--paced-rate must be in (0, 100000] calls/s")
     if args.workers < 1 or (args.workers > 1 and "sqlite" in args.stores):
         parser.error("--workers must be >= 1, and 1 with sqlite (one process): --stores redis")
     check_run_options(parser, args, args.stores)
@@ -1444,7 +1458,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = (
         f"{args.requests} calls per peak phase, concurrency {args.concurrency}, "
         f"{args.rounds} rounds, {args.tasks} tasks per phase, paced at "
-        f"{args.paced_fraction:g} x fenced peak for {args.paced_seconds:g}s, redis appendfsync "
+        + (
+            f"{args.paced_rate:g}/s"
+            if args.paced_rate
+            else f"{args.paced_fraction:g} x fenced peak"
+        )
+        + f" for {args.paced_seconds:g}s, redis appendfsync "
         f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, gateway log level "
         f"{args.log_level}, {os.cpu_count()} CPUs shared by client, proxy, downstream and store, "
         f"temp dir on {fs}, gateway from {origin}"
