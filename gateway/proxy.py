@@ -264,20 +264,17 @@ class _Progress:
     def server_timing(self) -> str:
         """The header's value: the steps that ran, in the order they run, then ``total``;
         milliseconds with one decimal."""
-        value = ""
-        if self.fence is not None:
-            value += f"fence;dur={self.fence * 1000:.1f}, "
-        if self.prepare is not None:
-            value += f"prepare;dur={self.prepare * 1000:.1f}, "
-        if self.reconcile is not None:
-            value += f"reconcile;dur={self.reconcile * 1000:.1f}, "
-        if self.forward is not None:
-            value += f"forward;dur={self.forward * 1000:.1f}, "
-        if self.complete is not None:
-            value += f"complete;dur={self.complete * 1000:.1f}, "
-        if self.abort is not None:
-            value += f"abort;dur={self.abort * 1000:.1f}, "
-        return value + f"total;dur={(time.perf_counter() - self.started) * 1000:.1f}"
+        parts = [
+            f"{name};dur={seconds * 1000:.1f}"
+            for name in _TIMED_STEPS
+            if (seconds := getattr(self, name)) is not None
+        ]
+        parts.append(f"total;dur={(time.perf_counter() - self.started) * 1000:.1f}")
+        return ", ".join(parts)
+
+
+#: The ``_Progress`` fields ``Server-Timing`` names, in the order the steps run.
+_TIMED_STEPS = ("fence", "prepare", "reconcile", "forward", "complete", "abort")
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
