@@ -25,7 +25,7 @@ from fencegate.gateway.reconcile import Reconciler
 from fencegate.gateway.request_guard import request_guard
 from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
 from fencegate.gateway.version import gateway_version
-from fencegate.ledger.errors import StoreUnavailable
+from fencegate.ledger.errors import StoreIncompatible, StoreUnavailable
 from fencegate.ledger.registry import open_store
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
@@ -46,8 +46,9 @@ def build_store(config: Config) -> Store:
         timeout_ms=config.store.timeout_ms,
         sqlite_synchronous=config.store.sqlite_synchronous,
         redis_key_prefix=config.store.redis_key_prefix,
-        redis_password=config.store.password(),
+        password=config.store.password(),
         redis_max_connections=config.store.redis_max_connections,
+        postgres_max_connections=config.store.postgres_max_connections,
     )
 
 
@@ -96,7 +97,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
             await the_store.open()
             log.info("store.opened", store=the_store.kind)
         except StoreUnavailable as exc:
-            if the_store.kind == "sqlite":
+            if the_store.kind == "sqlite" or isinstance(exc, StoreIncompatible):
                 raise
             # A shared store may come back; /readyz reports it meanwhile, and the first call
             # that reaches it runs the start-up checks.

@@ -83,15 +83,17 @@ def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
 
 
 def _public_url(url: str) -> str:
-    """``url`` as it may be logged or printed: no userinfo (a Redis password), no query or
-    fragment (an API key passed as a parameter)."""
-    from yarl import URL
-
-    try:
-        parsed = URL(url)
-        return str(parsed.with_user(None).with_query(None).with_fragment(None))
-    except (ValueError, TypeError):
-        return url.split("@")[-1].split("?")[0]
+    """``url`` as it may be logged or printed: no password (a Redis password), no query or
+    fragment (an API key passed as a parameter); a user name stays (PostgreSQL's, which
+    says who connects). Split by hand: a multi-host PostgreSQL URL is no single URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?")[0].split("#")[0]
+    rest = rest.split("#", 1)[0].split("?", 1)[0]
+    authority, slash, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    user = userinfo.split(":", 1)[0] if at else ""
+    return f"{scheme}://{user + '@' if user else ''}{hosts}{slash}{path}"
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ class ServerConfig(_Section):
     tls_client_ca_file: str | None = None
     #: Worker processes serving ``listen`` (``serve --workers``): one supervisor forks them,
     #: restarts one that dies, and drains them all on SIGTERM (docs/serve.md). More than one
-    #: needs a store several processes share (Redis) and Linux (SO_REUSEPORT).
+    #: needs a store several processes share (Redis, PostgreSQL) and Linux (SO_REUSEPORT).
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     #: The event loop of ``serve``: ``uvloop`` (less CPU per call; must be installed),
     #: ``asyncio`` (the standard library's), ``auto`` (uvloop where it is installed).
@@ -213,13 +213,18 @@ class StoreConfig(_Section):
     sqlite_synchronous: Literal["FULL", "NORMAL"] = "FULL"
     #: Redis only: prefix of every key fencegate writes.
     redis_key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")] = "fg"
-    #: Redis only: /readyz fails while Redis runs without appendonly=yes, appendfsync=always
-    #: and maxmemory-policy=noeviction (an answered claim or effect record could be lost).
+    #: Redis and PostgreSQL: /readyz fails while the store's settings could lose an answered
+    #: claim or effect record (Redis: appendonly=yes, appendfsync=always,
+    #: maxmemory-policy=noeviction; PostgreSQL: fsync, synchronous_commit; docs/stores.md).
     require_durable: bool = True
     #: Redis only: connections per gateway process; a request waits (up to timeout_ms) for a
     #: free one rather than failing.
     redis_max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
-    #: Redis only: name of the environment variable holding the Redis password.
+    #: PostgreSQL only: connections per gateway process (a bounded pool; a request waits up
+    #: to timeout_ms for a free one). Keep gateways x this below the server's max_connections.
+    postgres_max_connections: Annotated[int, Field(ge=1, le=1_000)] = 20
+    #: Redis and PostgreSQL: name of the environment variable holding the store's password
+    #: (a password written in a PostgreSQL URL is refused).
     password_env: str | None = None
 
     @field_validator("url")
@@ -635,7 +640,7 @@ class Config(_Section):
             raise ValueError(
                 f"server.workers = {self.server.workers} needs a store that several processes "
                 f"share: the SQLite store ({self.store.url}) is opened by one gateway process; "
-                "use workers = 1, or a Redis store (docs/serve.md, docs/stores.md)"
+                "use workers = 1, or a Redis or PostgreSQL store (docs/serve.md, docs/stores.md)"
             )
         return self
 

@@ -263,7 +263,9 @@ _ANSWERS: dict[str, Schema] = {
         ]
     },
     "Health": _object({"status": {"const": "ok"}, "version": _TEXT}),
-    "Ready": _object({"status": {"const": "ready"}, "store": {"enum": ["sqlite", "redis"]}}),
+    "Ready": _object(
+        {"status": {"const": "ready"}, "store": {"enum": ["sqlite", "redis", "postgres"]}}
+    ),
 }
 
 _REQUESTS: tuple[type[BaseModel], ...] = (

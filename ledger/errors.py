@@ -244,6 +244,11 @@ class StoreUnavailable(FencegateError):
     title = "The lease store is unavailable"
 
 
+class StoreIncompatible(StoreUnavailable):
+    """The store answered, but its schema is newer than this gateway's: waiting will not
+    help, so the gateway refuses to start (every store) instead of waiting for the store."""
+
+
 # --- refused before any handler runs (gateway/request_guard.py, docs/security.md) ------------
 
 

@@ -965,7 +965,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         policy,
         timeout_ms=options.timeout_ms,
         key_prefix=options.redis_key_prefix,
-        password=options.redis_password,
+        password=options.password,
         max_connections=options.redis_max_connections,
     )
 

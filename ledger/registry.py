@@ -24,6 +24,8 @@ _BUILTIN: dict[str, str] = {
     "redis": "fencegate.ledger.redis_store",
     "rediss": "fencegate.ledger.redis_store",
     "unix": "fencegate.ledger.redis_store",
+    "postgresql": "fencegate.ledger.postgres_store",
+    "postgres": "fencegate.ledger.postgres_store",
 }
 _KINDS: dict[str, StoreKind] = {}
 
@@ -89,11 +91,13 @@ def open_store(
     timeout_ms: int,
     sqlite_synchronous: str = "FULL",
     redis_key_prefix: str = "fg",
-    redis_password: str | None = None,
+    password: str | None = None,
     redis_max_connections: int = 200,
+    postgres_max_connections: int = 20,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
-    ``sqlite:////abs.db`` or ``redis://host:port/db`` (``rediss://`` for TLS), or any scheme
+    ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS),
+    ``postgresql://user@host:port/db``, or any scheme
     registered with ``register``."""
     kind = kind_for(url)
     kind.check_url(url)
@@ -101,7 +105,8 @@ def open_store(
         timeout_ms=timeout_ms,
         sqlite_synchronous=sqlite_synchronous,
         redis_key_prefix=redis_key_prefix,
-        redis_password=redis_password,
+        password=password,
         redis_max_connections=redis_max_connections,
+        postgres_max_connections=postgres_max_connections,
     )
     return kind.create(url, policy, options)

@@ -18,27 +18,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar, cast
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
 
-from fencegate.ledger import effects, queries, tasks
+from fencegate.ledger import sql_steps
 from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
-from fencegate.ledger.errors import FencegateError, NoSuchEffect, NoSuchTask, StoreUnavailable
-from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.errors import FencegateError, StoreUnavailable
+from fencegate.ledger.queries import Gauges, TaskFilter
 from fencegate.ledger.store import (
-    TASK_SCAN,
     EffectTransition,
     Store,
     StoreKind,
     StoreOptions,
     decode_cursor,
-    encode_cursor,
     new_id,
 )
 from fencegate.ledger.tasks import (
@@ -55,19 +52,6 @@ from fencegate.ledger.tasks import (
 __all__ = ["STORE_KIND", "SQLiteStore"]
 
 T = TypeVar("T")
-
-# SQL mirrors of the pure rules (each names the function it mirrors; tests/test_stateful.py
-# holds the queries built from them to those functions).
-#: ``ledger.effects.is_overdue``: a PREPARED past its deadline (reads UNKNOWN). One ``?``: now.
-_OVERDUE = "(state = 'PREPARED' AND deadline_at <= ?)"
-#: The negation within PREPARED: still running (``not is_overdue``). One ``?``: now.
-_RUNNING = "(state = 'PREPARED' AND deadline_at > ?)"
-#: ``ledger.effects.is_awaiting_approval``: NOT_APPLIED with no attempts.
-_AWAITING = "(state = 'NOT_APPLIED' AND json_extract(fields, '$.attempt_count') = '0')"
-#: ``ledger.queries.is_lease_active``: CLAIMED with an unexpired lease. One ``?``: now.
-_ACTIVE_LEASE = "(state = 'CLAIMED' AND lease_expires_at > ?)"
-#: When an UNKNOWN effect is next due for a probe (``ledger.queries.is_probe_due``).
-_PROBE_DUE_AT = "COALESCE(json_extract(fields, '$.next_probe_at') + 0, 0)"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
@@ -95,6 +79,10 @@ CREATE TABLE IF NOT EXISTS effects (
 CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id);
 CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id);
+CREATE TABLE IF NOT EXISTS fencegate_schema (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),
+    version INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS clock (
     id           INTEGER PRIMARY KEY CHECK (id = 1),
     now_ms       INTEGER NOT NULL,
@@ -203,6 +191,12 @@ class SQLiteStore(Store):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.executescript(_SCHEMA)
+        conn.execute(
+            "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) ON CONFLICT (id) DO NOTHING",
+            (sql_steps.SCHEMA_VERSION,),
+        )
+        (version,) = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
+        sql_steps.check_schema_version(int(version), f"SQLite file {self.path!r}")
         row = conn.execute(
             "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
         ).fetchone()
@@ -428,37 +422,12 @@ class SQLiteStore(Store):
     async def now_ms(self) -> int:
         return await self._run(lambda conn, now: now, "now")
 
-    # --- rows -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _load(conn: sqlite3.Connection, task_id: str) -> Task | None:
-        row = conn.execute("SELECT fields FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
-        return tasks.task_from_fields(json.loads(row[0])) if row else None
-
-    @staticmethod
-    def _save(conn: sqlite3.Connection, task: Task) -> None:
-        conn.execute(
-            "INSERT INTO tasks (task_id, state, lease_expires_at, fields) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (task_id) DO UPDATE SET state = excluded.state, "
-            "lease_expires_at = excluded.lease_expires_at, fields = excluded.fields",
-            (
-                task.task_id,
-                task.state.value,
-                task.lease_expires_at,
-                json.dumps(tasks.task_to_fields(task), separators=(",", ":")),
-            ),
-        )
-
-    @staticmethod
-    def _scheduler(conn: sqlite3.Connection) -> Scheduler:
-        epoch, paused = conn.execute("SELECT epoch, paused FROM scheduler WHERE id = 1").fetchone()
-        return Scheduler(epoch=int(epoch), claims_paused=bool(paused))
-
-    @staticmethod
-    def _save_scheduler(conn: sqlite3.Connection, scheduler: Scheduler) -> None:
-        conn.execute(
-            "UPDATE scheduler SET epoch = ?, paused = ? WHERE id = 1",
-            (scheduler.epoch, int(scheduler.claims_paused)),
+    def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> Awaitable[T]:
+        """Run a shared SQL step (``ledger.sql_steps``) in the writer thread; ``make`` builds
+        it there, so whatever it reads of the store (its clock) is read at step time."""
+        return self._run(
+            lambda conn, now: sql_steps.run_sync(_executor(conn), make(), now),
+            op,
         )
 
     # --- transitions ------------------------------------------------------------------------
@@ -466,152 +435,59 @@ class SQLiteStore(Store):
     async def put_task(
         self, task_id: str, input_digest: str, max_runtime_ms: int | None
     ) -> tuple[Task, PutOutcome]:
-        def step(conn: sqlite3.Connection, now: int) -> tuple[Task, PutOutcome]:
-            task, outcome = tasks.put(
-                self._load(conn, task_id), task_id, input_digest, max_runtime_ms, now
-            )
-            if outcome is not PutOutcome.UNCHANGED:
-                self._save(conn, task)
-            return task, outcome
-
-        return await self._run(step, "put_task")
+        return await self._steps(
+            lambda: sql_steps.put_task(_SQLITE, task_id, input_digest, max_runtime_ms),
+            "put_task",
+        )
 
     async def get_task(self, task_id: str) -> Task:
-        def step(conn: sqlite3.Connection, now: int) -> Task:
-            task = self._load(conn, task_id)
-            if task is None:
-                raise NoSuchTask()
-            return task
-
-        return await self._run(step, "get_task")
+        return await self._steps(lambda: sql_steps.get_task(_SQLITE, task_id), "get_task")
 
     async def list_tasks(
         self, wanted: TaskFilter, limit: int, after: str | None
     ) -> tuple[list[Task], str | None]:
-        def step(conn: sqlite3.Connection, now: int) -> tuple[list[Task], str | None]:
-            # Keyset pagination on the primary key: at most TASK_SCAN rows read per call,
-            # however little the filter matches (ledger.queries.page_tasks decides the page).
-            rows = conn.execute(
-                "SELECT task_id, fields FROM tasks WHERE task_id > ? ORDER BY task_id LIMIT ?",
-                ("" if after is None else after, TASK_SCAN + 1),
-            ).fetchall()
-            scanned = [
-                (task_id, tasks.task_from_fields(json.loads(raw)))
-                for task_id, raw in rows[:TASK_SCAN]
-            ]
-            return page_tasks(scanned, len(rows) > TASK_SCAN, wanted, limit)
-
-        return await self._run(step, "list_tasks")
+        return await self._steps(
+            lambda: sql_steps.list_tasks(_SQLITE, wanted, limit, after), "list_tasks"
+        )
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         attempt_id = new_id()
-
-        def step(conn: sqlite3.Connection, now: int) -> Task:
-            task = tasks.claim(
-                self._load(conn, task_id),
-                self._scheduler(conn),
-                request,
-                self.policy,
-                now,
-                attempt_id,
-            )
-            self._save(conn, task)
-            return task
-
-        return await self._run(step, "claim")
+        return await self._steps(
+            lambda: sql_steps.claim(_SQLITE, task_id, request, self.policy, attempt_id), "claim"
+        )
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
-        def step(conn: sqlite3.Connection, now: int) -> Task:
-            task = tasks.renew(
-                self._load(conn, task_id), self._scheduler(conn), request, self.policy, now
-            )
-            self._save(conn, task)
-            return task
-
-        return await self._run(step, "renew")
+        return await self._steps(
+            lambda: sql_steps.renew(_SQLITE, task_id, request, self.policy), "renew"
+        )
 
     async def release(self, task_id: str, identity: Identity) -> Task:
-        def step(conn: sqlite3.Connection, now: int) -> Task:
-            task = tasks.release(self._load(conn, task_id), identity, now)
-            self._save(conn, task)
-            return task
-
-        return await self._run(step, "release")
+        return await self._steps(lambda: sql_steps.release(_SQLITE, task_id, identity), "release")
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
         commit_id = new_id()
-
-        def step(conn: sqlite3.Connection, now: int) -> tuple[Task, bool]:
-            task, replay = tasks.commit(
-                self._load(conn, task_id), self._scheduler(conn), request, now, commit_id
-            )
-            if not replay:
-                self._save(conn, task)
-            return task, replay
-
-        return await self._run(step, "commit")
+        return await self._steps(
+            lambda: sql_steps.commit(_SQLITE, task_id, request, commit_id), "commit"
+        )
 
     async def cancel(self, task_id: str) -> Task:
-        def step(conn: sqlite3.Connection, now: int) -> Task:
-            task = tasks.cancel(self._load(conn, task_id), now)
-            self._save(conn, task)
-            return task
-
-        return await self._run(step, "cancel")
+        return await self._steps(lambda: sql_steps.cancel(_SQLITE, task_id), "cancel")
 
     async def get_scheduler(self) -> Scheduler:
-        return await self._run(lambda conn, now: self._scheduler(conn), "get_scheduler")
+        return await self._steps(lambda: sql_steps.get_scheduler(_SQLITE), "get_scheduler")
 
     async def bump_epoch(self) -> Scheduler:
-        def step(conn: sqlite3.Connection, now: int) -> Scheduler:
-            scheduler = tasks.bump_epoch(self._scheduler(conn))
-            self._save_scheduler(conn, scheduler)
-            return scheduler
-
-        return await self._run(step, "bump_epoch")
+        return await self._steps(lambda: sql_steps.bump_epoch(_SQLITE), "bump_epoch")
 
     async def set_claims_paused(self, paused: bool) -> Scheduler:
-        def step(conn: sqlite3.Connection, now: int) -> Scheduler:
-            scheduler = tasks.set_claims_paused(self._scheduler(conn), paused)
-            self._save_scheduler(conn, scheduler)
-            return scheduler
-
-        return await self._run(step, "set_claims_paused")
+        return await self._steps(
+            lambda: sql_steps.set_claims_paused(_SQLITE, paused), "set_claims_paused"
+        )
 
     # --- the idempotency ledger -------------------------------------------------------------
 
-    @staticmethod
-    def _load_effect(conn: sqlite3.Connection, effect_id: str) -> Effect | None:
-        row = conn.execute(
-            "SELECT fields FROM effects WHERE effect_id = ?", (effect_id,)
-        ).fetchone()
-        return effects.effect_from_fields(json.loads(row[0])) if row else None
-
-    @staticmethod
-    def _save_effect(conn: sqlite3.Connection, effect: Effect) -> None:
-        conn.execute(
-            "INSERT INTO effects (effect_id, task_id, downstream, state, deadline_at, created_at, "
-            "fields) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (effect_id) DO UPDATE SET "
-            "downstream = excluded.downstream, state = excluded.state, "
-            "deadline_at = excluded.deadline_at, fields = excluded.fields",
-            (
-                effect.effect_id,
-                effect.task_id,
-                effect.downstream,
-                effect.state.value,
-                effect.deadline_at,
-                effect.created_at,
-                json.dumps(effects.effect_to_fields(effect), separators=(",", ":")),
-            ),
-        )
-
     async def check_fence(self, fence: Fence) -> Task:
-        return await self._run(
-            lambda conn, now: effects.check_fence(
-                self._load(conn, fence.task_id), self._scheduler(conn), fence, now
-            ),
-            "check_fence",
-        )
+        return await self._steps(lambda: sql_steps.check_fence(_SQLITE, fence), "check_fence")
 
     async def prepare_effect(
         self,
@@ -621,33 +497,19 @@ class SQLiteStore(Store):
         resend_window_ms: int | None = None,
         require_approval: bool = False,
     ) -> PrepareOutcome:
-        def step(conn: sqlite3.Connection, now: int) -> PrepareOutcome:
-            task = self._load(conn, request.fence.task_id)
-            existing = None
-            if task is not None:
-                eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
-                existing = self._load_effect(conn, eid)
-            window = resend_window_ms
+        def make() -> sql_steps.Step[PrepareOutcome]:
             assert self._store_clock is not None
-            if existing is not None and existing.created_at < (
-                self._store_clock.windows_from + self.clock_offset_ms
-            ):
-                window = None  # created before a reboot whose downtime the clock lost
-            outcome = effects.prepare(
-                task,
-                self._scheduler(conn),
-                existing,
+            return sql_steps.prepare_effect(
+                _SQLITE,
                 request,
-                now,
                 forward_deadline_ms,
-                resend_window_ms=window,
+                resend_window_ms=resend_window_ms,
                 require_approval=require_approval,
+                # Records created before a reboot whose downtime the clock lost get no window.
+                windows_from=self._store_clock.windows_from + self.clock_offset_ms,
             )
-            if outcome.write:
-                self._save_effect(conn, outcome.effect)
-            return outcome
 
-        return await self._run(step, "prepare_effect")
+        return await self._steps(make, "prepare_effect")
 
     async def complete_effect(
         self,
@@ -659,27 +521,15 @@ class SQLiteStore(Store):
         reason: str,
         response_json: str | None,
     ) -> tuple[Effect, bool]:
-        def step(conn: sqlite3.Connection, now: int) -> tuple[Effect, bool]:
-            effect = self._load_effect(conn, effect_id)
-            if effect is None:
-                raise NoSuchEffect()
-            done, applied = effects.complete(
-                effect, seq, attempt_id, outcome, reason, response_json, now
-            )
-            if applied:
-                self._save_effect(conn, done)
-            return done, applied
-
-        return await self._run(step, "complete_effect")
+        return await self._steps(
+            lambda: sql_steps.complete_effect(
+                _SQLITE, effect_id, seq, attempt_id, outcome, reason, response_json
+            ),
+            "complete_effect",
+        )
 
     async def get_effect(self, effect_id: str) -> Effect:
-        def step(conn: sqlite3.Connection, now: int) -> Effect:
-            effect = self._load_effect(conn, effect_id)
-            if effect is None:
-                raise NoSuchEffect()
-            return effects.effective(effect, now)
-
-        return await self._run(step, "get_effect")
+        return await self._steps(lambda: sql_steps.get_effect(_SQLITE, effect_id), "get_effect")
 
     async def list_effects(
         self,
@@ -691,100 +541,60 @@ class SQLiteStore(Store):
         cursor: str | None,
     ) -> tuple[list[Effect], str | None]:
         after = decode_cursor(cursor) if cursor else (-1, "")
-
-        def step(conn: sqlite3.Connection, now: int) -> tuple[list[Effect], str | None]:
-            where = ["(created_at, effect_id) > (?, ?)"]
-            args: list[object] = [after[0], after[1]]
-            if task_id is not None:
-                where.append("task_id = ?")
-                args.append(task_id)
-            if downstream is not None:
-                where.append("downstream = ?")
-                args.append(downstream)
-            if state is EffectState.UNKNOWN:
-                where.append(f"(state = 'UNKNOWN' OR {_OVERDUE})")
-                args.append(now)
-            elif state is EffectState.PREPARED:
-                where.append(_RUNNING)
-                args.append(now)
-            elif state is not None:
-                where.append("state = ?")
-                args.append(state.value)
-            rows = conn.execute(
-                f"SELECT fields FROM effects WHERE {' AND '.join(where)} "
-                "ORDER BY created_at, effect_id LIMIT ?",
-                (*args, limit + 1),
-            ).fetchall()
-            found = [
-                effects.effective(effects.effect_from_fields(json.loads(r[0])), now)
-                for r in rows[:limit]
-            ]
-            more = len(rows) > limit
-            next_cursor = encode_cursor(found[-1].created_at, found[-1].effect_id) if more else None
-            return found, next_cursor
-
-        return await self._run(step, "list_effects")
+        return await self._steps(
+            lambda: sql_steps.list_effects(
+                _SQLITE,
+                state=state,
+                task_id=task_id,
+                downstream=downstream,
+                limit=limit,
+                after=after,
+            ),
+            "list_effects",
+        )
 
     async def unsettled_effects(
         self, limit: int, probe_downstreams: frozenset[str]
     ) -> list[Effect]:
-        names = sorted(probe_downstreams)
-
-        def step(conn: sqlite3.Connection, now: int) -> list[Effect]:
-            # Mirrors ledger.queries.unsettled_effects.
-            rows = conn.execute(
-                f"SELECT fields FROM effects WHERE {_OVERDUE} ORDER BY deadline_at LIMIT ?",
-                (now, limit),
-            ).fetchall()
-            if names:
-                rows += conn.execute(
-                    f"SELECT fields FROM effects WHERE state = 'UNKNOWN' "
-                    f"AND downstream IN ({','.join('?' * len(names))}) AND {_PROBE_DUE_AT} <= ? "
-                    f"ORDER BY {_PROBE_DUE_AT}, created_at, effect_id LIMIT ?",
-                    (*names, now, limit),
-                ).fetchall()
-            return [
-                effects.effective(effects.effect_from_fields(json.loads(r[0])), now) for r in rows
-            ]
-
-        return await self._run(step, "unsettled_effects")
+        return await self._steps(
+            lambda: sql_steps.unsettled_effects(_SQLITE, limit, probe_downstreams),
+            "unsettled_effects",
+        )
 
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
-        def step(conn: sqlite3.Connection, now: int) -> str | None:
-            rows = conn.execute(
-                "SELECT fields FROM effects WHERE task_id = ?", (task_id,)
-            ).fetchall()
-            records = (effects.effect_from_fields(json.loads(raw)) for (raw,) in rows)
-            return queries.find_forward(records, forward_id)
-
-        return await self._run(step, "find_forward")
+        return await self._steps(
+            lambda: sql_steps.find_forward(_SQLITE, task_id, forward_id), "find_forward"
+        )
 
     async def gauges(self) -> Gauges:
-        def step(conn: sqlite3.Connection, now: int) -> Gauges:
-            # Mirrors ledger.queries.gauges.
-            (active,) = conn.execute(
-                f"SELECT COUNT(*) FROM tasks WHERE {_ACTIVE_LEASE}", (now,)
-            ).fetchone()
-            prepared, overdue = conn.execute(
-                f"SELECT COUNT(*) FILTER (WHERE {_RUNNING}), COUNT(*) FILTER (WHERE {_OVERDUE}) "
-                "FROM effects WHERE state = 'PREPARED'",
-                (now, now),
-            ).fetchone()
-            (unknown,) = conn.execute(
-                "SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'"
-            ).fetchone()
-            (awaiting,) = conn.execute(f"SELECT COUNT(*) FROM effects WHERE {_AWAITING}").fetchone()
-            return Gauges(active, prepared, unknown + overdue, awaiting)
-
-        return await self._run(step, "gauges")
+        return await self._steps(lambda: sql_steps.gauges(_SQLITE), "gauges")
 
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
-        def step(conn: sqlite3.Connection, now: int) -> Effect:
-            effect = transition(self._load_effect(conn, effect_id), now)
-            self._save_effect(conn, effect)
-            return effect
+        return await self._steps(
+            lambda: sql_steps.update_effect(_SQLITE, effect_id, transition), "update_effect"
+        )
 
-        return await self._run(step, "update_effect")
+
+def _executor(conn: sqlite3.Connection) -> Callable[[sql_steps.Sql], Any]:
+    def execute(sql: sql_steps.Sql) -> Any:
+        cursor = conn.execute(sql.text, sql.args)
+        if sql.rows == "one":
+            return cursor.fetchone()
+        if sql.rows == "all":
+            return cursor.fetchall()
+        return None
+
+    return execute
+
+
+#: SQLite's fragments: steps run one at a time in the writer thread, so nothing is locked.
+_SQLITE = sql_steps.Dialect(
+    for_update="",
+    lock_scheduler_shared="",
+    lock_scheduler_exclusive="",
+    json_text=lambda key: f"json_extract(fields, '$.{key}')",
+    json_int=lambda key: f"(json_extract(fields, '$.{key}') + 0)",
+)
 
 
 def _check_url(url: str) -> None:

@@ -65,8 +65,10 @@ class StoreOptions:
     timeout_ms: int
     sqlite_synchronous: str = "FULL"
     redis_key_prefix: str = "fg"
-    redis_password: str | None = None
+    #: The store's password (Redis, PostgreSQL), from the environment (``store.password_env``).
+    password: str | None = None
     redis_max_connections: int = 200
+    postgres_max_connections: int = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +143,7 @@ class Store(abc.ABC):
     @property
     @abc.abstractmethod
     def kind(self) -> str:
-        """``sqlite`` or ``redis``: a label for logs and metrics."""
+        """``sqlite``, ``redis`` or ``postgres``: a label for logs and metrics."""
 
     @abc.abstractmethod
     async def open(self) -> None:

@@ -1,13 +1,13 @@
-"""Fixtures: our own redis-server, both stores, and the gateway over HTTP.
+"""Fixtures: our own redis-server and PostgreSQL servers, the stores, and the gateway over HTTP.
 
-``store`` is parametrized over ``sqlite`` and ``redis``, so every test that takes it (or
-``client``) runs once per store and a store cannot quietly differ.
+``store`` is parametrized over ``sqlite``, ``redis`` and ``postgres``, so every test that takes
+it (or ``client``) runs once per store and a store cannot quietly differ.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from fencegate.ledger.registry import open_store
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
 from tests.downstream import Downstream
+from tests.postgres_server import PostgresServer, Setting
 from tests.servers import Gateways, RedisServer
 
 #: Lease bounds the tests are written against (see the ``config`` fixture).
@@ -50,15 +51,77 @@ def make_redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
         server.stop()
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+#: The session PostgreSQL is durable as the gateway checks it (fsync and synchronous_commit
+#: on, so ``/readyz`` with ``store.require_durable`` passes; on /dev/shm an fsync costs
+#: nothing) but skips full-page images. WAL is capped because every ``CREATE DATABASE`` writes
+#: a copy of template1 (7 MB) into it.
+FAST_POSTGRES_SETTINGS: dict[str, Setting] = {
+    "full_page_writes": False,
+    "max_wal_size": "256MB",
+}
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL for the session, fast and not durable; each test takes a database of its
+    own (``postgres_test_url``). Tests that kill, pause or restart it make their own."""
+    server = PostgresServer(FAST_POSTGRES_SETTINGS, name="session").start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def make_postgres_server() -> Iterator[Callable[..., PostgresServer]]:
+    """Private PostgreSQL servers a test may kill, pause, restart or fail over (``make_standby``,
+    ``promote``). Durable unless ``settings`` say otherwise, so a kill -9 loses no commit; all
+    are closed with their standbys, and their directories removed, when the test ends."""
+    started: list[PostgresServer] = []
+
+    def make(
+        settings: Mapping[str, Setting] | None = None, *, name: str = "postgres"
+    ) -> PostgresServer:
+        server = PostgresServer(settings, name=name)
+        started.append(server)  # before start: a server that failed to start is removed too
+        return server.start()
+
+    yield make
+    for server in started:
+        server.close()
+
+
+def postgres_test_url(server: PostgresServer, request: pytest.FixtureRequest | None = None) -> str:
+    """The URL of a new, uniquely named database on ``server``: tests sharing the session server
+    do not see each other's rows. With ``request`` it is dropped when the test ends, which the
+    session server needs (each is a 7 MB copy of template1, in memory when under /dev/shm)."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    url = server.create_database(name)
+    if request is not None:
+
+        def drop() -> None:
+            if server.running:  # a private server the test killed goes away whole
+                server.drop_database(name)
+
+        request.addfinalizer(drop)
+    return url
+
+
+#: Every store: each test that takes a store URL runs once per store (docs/stores.md).
+STORES = ["sqlite", "redis", "postgres"]
+
+
+@pytest.fixture(params=STORES)
 def any_store_url(
     request: pytest.FixtureRequest,
     tmp_path: Path,
     make_redis_server: Callable[..., RedisServer],
 ) -> str:
-    """A store URL of each kind; the Redis one is a private server nobody else writes to."""
+    """A store URL of each kind; the Redis and PostgreSQL ones are private servers nobody
+    else writes to."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'fencegate.db'}"
+    if request.param == "postgres":
+        make: Callable[..., PostgresServer] = request.getfixturevalue("make_postgres_server")
+        return make().url
     return make_redis_server().url
 
 
@@ -86,10 +149,12 @@ def key_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=STORES)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'fencegate.db'}"
+    if request.param == "postgres":
+        return postgres_test_url(request.getfixturevalue("postgres_server"), request)
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
 

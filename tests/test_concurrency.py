@@ -1,9 +1,9 @@
 """Concurrency through real gateway processes: one winner per claim race, never a reused token.
 
 The gateways are ``fencegate serve`` subprocesses (``tests/servers.py``) configured by TOML
-files, as an operator runs them; two of them share one Redis, the way a fleet does. Lease
-expiry here is real time (short TTLs and short sleeps), since a separate process has no test
-clock to advance.
+files, as an operator runs them; two of them share one Redis or one PostgreSQL, the way a
+fleet does. Lease expiry here is real time (short TTLs and short sleeps), since a separate
+process has no test clock to advance.
 """
 
 from __future__ import annotations
@@ -19,25 +19,34 @@ import aiohttp
 import pytest
 
 from tests.api import Api, Lease
+from tests.postgres_server import PostgresServer
 from tests.servers import GatewayProcess, Gateways, RedisServer
 
 CONTENDERS = 50
 
 
-@pytest.fixture(scope="module")
-def redis_pair(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+@pytest.fixture(scope="module", params=["redis", "postgres"])
+def shared_pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[GatewayProcess, GatewayProcess]]:
-    """Two gateways on the session Redis under one fresh key prefix (each test its own task)."""
+    """Two gateways on one shared store (the session Redis under a fresh key prefix, or a
+    fresh database on the session PostgreSQL); each test uses its own task."""
     group = Gateways(tmp_path_factory.mktemp("pair"))
     prefix = f"t{uuid.uuid4().hex[:12]}"
+    if request.param == "redis":
+        url = cast(RedisServer, request.getfixturevalue("redis_server")).url
+    else:
+        postgres = cast(PostgresServer, request.getfixturevalue("postgres_server"))
+        url = postgres.create_database(prefix)
     try:
         yield (
-            group.start("gw1", redis_server.url, key_prefix=prefix),
-            group.start("gw2", redis_server.url, key_prefix=prefix),
+            group.start("gw1", url, key_prefix=prefix),
+            group.start("gw2", url, key_prefix=prefix),
         )
     finally:
         group.stop_all()
+        if request.param == "postgres":
+            postgres.drop_database(prefix)
 
 
 def http_api(session: aiohttp.ClientSession) -> Api:
@@ -88,10 +97,10 @@ def assert_one_winner(
     return owner, body
 
 
-async def test_fifty_claims_through_two_gateways_on_one_redis_have_one_winner(
-    redis_pair: tuple[GatewayProcess, GatewayProcess],
+async def test_fifty_claims_through_two_gateways_on_one_shared_store_have_one_winner(
+    shared_pair: tuple[GatewayProcess, GatewayProcess],
 ) -> None:
-    gw1, gw2 = redis_pair
+    gw1, gw2 = shared_pair
     connector = aiohttp.TCPConnector(limit=2 * CONTENDERS)
     async with aiohttp.ClientSession(connector=connector) as session:
         async with session.put(f"{gw1.url}/v1/tasks/race-1", json={"inputDigest": "in-1"}) as r:
@@ -110,9 +119,9 @@ async def test_fifty_claims_through_two_gateways_on_one_redis_have_one_winner(
 
 
 async def test_generations_strictly_increase_across_two_gateways(
-    redis_pair: tuple[GatewayProcess, GatewayProcess],
+    shared_pair: tuple[GatewayProcess, GatewayProcess],
 ) -> None:
-    gw1, gw2 = redis_pair
+    gw1, gw2 = shared_pair
     async with (
         aiohttp.ClientSession(base_url=gw1.url) as s1,
         aiohttp.ClientSession(base_url=gw2.url) as s2,

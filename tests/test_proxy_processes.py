@@ -33,6 +33,7 @@ import pytest
 from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
 from tests.downstream import Downstream
+from tests.postgres_server import PostgresServer
 from tests.servers import GatewayProcess, Gateways, RedisServer, free_port, write_gateway_config
 from tests.test_faults import (
     NO_HANG_S,
@@ -357,16 +358,29 @@ def sqlite_locked(db: Path) -> Iterator[None]:
         locker.close()
 
 
-@pytest.fixture(params=["redis-sigstop", "sqlite-locked"])
+@contextlib.contextmanager
+def postgres_paused(server: PostgresServer) -> Iterator[None]:
+    server.pause()  # SIGSTOP of the postmaster and every backend
+    try:
+        yield
+    finally:
+        server.resume()
+
+
+@pytest.fixture(params=["redis-sigstop", "sqlite-locked", "postgres-sigstop"])
 def store_outage(
     request: pytest.FixtureRequest,
     tmp_path: Path,
     make_redis_server: Callable[..., RedisServer],
+    make_postgres_server: Callable[..., PostgresServer],
 ) -> tuple[str, Callable[[], contextlib.AbstractContextManager[None]]]:
     """A store URL and a way to make that store stop answering for a while."""
     if request.param == "redis-sigstop":
         server = make_redis_server()
         return server.url, lambda: redis_paused(server)
+    if request.param == "postgres-sigstop":
+        postgres = make_postgres_server()
+        return postgres.url, lambda: postgres_paused(postgres)
     db = tmp_path / "outage.db"
     return f"sqlite:///{db}", lambda: sqlite_locked(db)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import redis
 from aiohttp import web
@@ -214,6 +215,8 @@ async def _raw_store(config: Config, tmp_path: Path) -> bytes:
         chunks = [p.read_bytes() for p in sorted(tmp_path.glob("fencegate.db*"))]
         assert chunks
         return b"".join(chunks)
+    if url.startswith("postgresql"):
+        return await _postgres_rows(url)
     client = redis.Redis.from_url(url)
     try:
         chunks = []
@@ -242,6 +245,23 @@ async def _raw_store(config: Config, tmp_path: Path) -> bytes:
         return b"\n".join(chunks)
     finally:
         client.close()
+
+
+async def _postgres_rows(url: str) -> bytes:
+    """Every row of every table in the store's database (its own, created for this test)."""
+    conn = await asyncpg.connect(url)
+    try:
+        tables = await conn.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY tablename"
+        )
+        assert tables
+        chunks = []
+        for (table,) in tables:
+            rows = await conn.fetch(f'SELECT * FROM "{table}"')
+            chunks.append(f"{table}: {[tuple(row) for row in rows]!r}".encode())
+        return b"\n".join(chunks)
+    finally:
+        await conn.close()
 
 
 def _config(store_url: str, key_prefix: str, echo: EchoDownstream, **options: Any) -> Config:

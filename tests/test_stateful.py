@@ -43,6 +43,7 @@ from fencegate.ledger import effects, queries, tasks
 from fencegate.ledger.clock import ClockSources
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import FencegateError
+from fencegate.ledger.postgres_store import PostgresStore
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.store import Store
@@ -55,6 +56,7 @@ from fencegate.ledger.tasks import (
     Scheduler,
     Task,
 )
+from tests.postgres_server import PostgresServer
 from tests.servers import RedisServer
 
 STEP_MS = 10_000
@@ -759,5 +761,26 @@ def test_redis_store_matches_model(redis_server: RedisServer) -> None:
         def advance_store_clock(self, ms: int) -> None:
             assert self.redis_store.clock_pinned_ms is not None
             self.redis_store.clock_pinned_ms += ms
+
+    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
+
+
+@pytest.mark.timeout(1800)
+def test_postgres_store_matches_model(postgres_server: PostgresServer) -> None:
+    class Machine(LeaseMachine):
+        def make_store(self) -> Store:
+            self.database = f"m_{uuid.uuid4().hex[:12]}"  # a database per example
+            store = PostgresStore(postgres_server.create_database(self.database), POLICY)
+            store.clock_pinned_ms = START_MS  # the database's clock is never read
+            self.postgres_store = store
+            return store
+
+        def advance_store_clock(self, ms: int) -> None:
+            assert self.postgres_store.clock_pinned_ms is not None
+            self.postgres_store.clock_pinned_ms += ms
+
+        def teardown(self) -> None:
+            super().teardown()
+            postgres_server.drop_database(self.database)
 
     run_state_machine_as_test(Machine, settings=RUN_SETTINGS)

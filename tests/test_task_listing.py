@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
 from fencegate.gateway.state import STORE
-from fencegate.ledger import redis_store, sqlite_store
+from fencegate.ledger import redis_store, sql_steps
 from fencegate.ledger.keys import Keys
 from fencegate.ledger.queries import TaskFilter
 from tests.api import Api
@@ -121,7 +121,7 @@ async def test_a_filter_that_matches_little_reads_a_bounded_number_per_page(
         await api.put(f"n-{i:02d}")
     await api.claim("n-29", owner="last")
     # Each call reads at most 8 records (the production bound is larger; the rule is the same).
-    monkeypatch.setattr(sqlite_store, "TASK_SCAN", 8)
+    monkeypatch.setattr(sql_steps, "TASK_SCAN", 8)  # SQLite and PostgreSQL
     monkeypatch.setattr(redis_store, "TASK_SCAN", 8)
     first = await api.call("GET", "/v1/tasks?owner=last&limit=5")
     assert first.body["tasks"] == [] and first.body["nextCursor"] is not None

@@ -1,0 +1,585 @@
+"""The PostgreSQL store: many gateway processes, synchronous replication, managed failover.
+
+Every transition is one READ COMMITTED transaction that runs the shared step of
+``ledger.sql_steps`` (the same text SQLite runs): the rows it writes are locked ``FOR UPDATE``
+as they are read, and the scheduler epoch is read under a *shared* advisory lock that only an
+epoch bump or a claims pause takes exclusively, so claims and fenced calls never queue behind
+each other for the epoch (docs/stores.md, "The epoch without a global lock"). A step that
+raced another for a row that did not exist yet (a unique violation), or a deadlock, is run
+again from the start: nothing of it was committed.
+
+Time is the database's ``clock_timestamp()``, read after the step holds its locks, never the
+gateway's. A store that does not answer within ``store.timeout_ms`` is 503
+``STORE_UNAVAILABLE``: "nothing was applied" when the COMMIT was never sent, "may or may not
+have been applied" when it was (the proxy then treats the step like any unanswered one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+from urllib.parse import parse_qsl
+
+import asyncpg
+import structlog
+from asyncpg.pool import PoolConnectionProxy
+
+from fencegate.ledger import sql_steps
+from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from fencegate.ledger.errors import FencegateError, StoreUnavailable
+from fencegate.ledger.queries import Gauges, TaskFilter
+from fencegate.ledger.store import (
+    EffectTransition,
+    Store,
+    StoreKind,
+    StoreOptions,
+    decode_cursor,
+    new_id,
+)
+from fencegate.ledger.tasks import (
+    ClaimRequest,
+    CommitRequest,
+    Identity,
+    LeasePolicy,
+    PutOutcome,
+    RenewRequest,
+    Scheduler,
+    Task,
+)
+
+__all__ = ["STORE_KIND", "PostgresStore", "durability_warnings"]
+
+log = structlog.get_logger("fencegate.store")
+
+T = TypeVar("T")
+R = TypeVar("R")
+#: A pooled connection, as the pool hands it out.
+_Conn: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
+
+#: Advisory lock keys (per database): the scheduler row's readers/writers, and schema set-up.
+_SCHEDULER_LOCK = 0x66656E6365  # "fence"
+_SCHEMA_LOCK = 0x666E636573  # "fnces"
+
+#: A step that lost a race for a new row (or a deadlock) is run again, this many times at most.
+_RETRIES = 8
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS fencegate_schema (
+        id      INTEGER PRIMARY KEY CHECK (id = 1),
+        version INTEGER NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS tasks (
+        task_id          TEXT PRIMARY KEY,
+        state            TEXT NOT NULL,
+        lease_expires_at BIGINT,
+        fields           TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS tasks_leases ON tasks (state, lease_expires_at)",
+    """CREATE TABLE IF NOT EXISTS scheduler (
+        id     INTEGER PRIMARY KEY CHECK (id = 1),
+        epoch  BIGINT NOT NULL,
+        paused INTEGER NOT NULL
+    )""",
+    "INSERT INTO scheduler (id, epoch, paused) VALUES (1, 1, 0) ON CONFLICT (id) DO NOTHING",
+    """CREATE TABLE IF NOT EXISTS effects (
+        effect_id   TEXT PRIMARY KEY,
+        task_id     TEXT NOT NULL,
+        downstream  TEXT NOT NULL,
+        state       TEXT NOT NULL,
+        deadline_at BIGINT,
+        created_at  BIGINT NOT NULL,
+        fields      TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id)",
+    "CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id)",
+    "CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id)",
+)
+
+#: The database's time in ms. ``clock_timestamp()`` (not ``now()``, fixed at BEGIN): read
+#: after the step's locks are held.
+_NOW_SQL = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+_NOTHING = "nothing was applied"
+_MAYBE = "the step may or may not have been applied"
+
+#: Driver errors that mean "the database did not do it, and may not be reachable": a lost
+#: connection, a standby that cannot write (during a failover), a timeout set below.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.QueryCanceledError,
+    asyncpg.LockNotAvailableError,
+    asyncpg.TooManyConnectionsError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidPasswordError,
+    asyncpg.InvalidCatalogNameError,
+    # The driver's own state errors: every host reached is read-only (the old primary fenced,
+    # the standby not promoted yet: TargetServerAttributeNotMatched), or a connection the
+    # server ended between two calls ("cannot switch to state ...").
+    asyncpg.InternalClientError,
+)
+#: Errors after which the whole step is run again (its transaction was rolled back).
+_RETRY: tuple[type[BaseException], ...] = (
+    asyncpg.UniqueViolationError,
+    asyncpg.DeadlockDetectedError,
+    asyncpg.SerializationError,
+)
+
+
+@functools.lru_cache(maxsize=512)
+def _numbered(text: str) -> str:
+    """``?`` placeholders (the shared steps' form) as PostgreSQL's ``$1, $2...``."""
+    count = iter(range(1, 10_000))
+    return re.sub(r"\?", lambda _: f"${next(count)}", text)
+
+
+#: PostgreSQL's fragments for the shared steps (``ledger.sql_steps.Dialect``).
+_POSTGRES = sql_steps.Dialect(
+    for_update=" FOR UPDATE",
+    lock_scheduler_shared=f"SELECT pg_advisory_xact_lock_shared({_SCHEDULER_LOCK})",
+    lock_scheduler_exclusive=f"SELECT pg_advisory_xact_lock({_SCHEDULER_LOCK})",
+    json_text=lambda key: f"(fields::jsonb ->> '{key}')",
+    json_int=lambda key: f"((fields::jsonb ->> '{key}')::bigint)",
+)
+
+
+def durability_warnings(settings: dict[str, str], standbys: int) -> list[str]:
+    """What an answered transition could lose with these server settings (``SHOW``) and
+    ``standbys`` connected standbys. Pure, so every combination is tested without a server."""
+    warnings: list[str] = []
+    if settings.get("fsync") != "on":
+        warnings.append("fsync is off: a crash of the database host can lose or corrupt data")
+    commit = settings.get("synchronous_commit", "on")
+    if commit == "off":
+        warnings.append(
+            "synchronous_commit=off: a crash of the database can lose the last answered steps"
+        )
+    names = settings.get("synchronous_standby_names", "")
+    if names and commit == "local":
+        warnings.append(
+            "synchronous_commit=local: a failover to a standby can lose answered steps "
+            "(use on, remote_write or remote_apply)"
+        )
+    if standbys and not names:
+        warnings.append(
+            "standbys replicate asynchronously (synchronous_standby_names is empty): a "
+            "failover can lose answered steps"
+        )
+    return warnings
+
+
+class _Sent:
+    """Whether a step's COMMIT went out: after that, a lost answer may hide an applied step."""
+
+    __slots__ = ("commit",)
+
+    def __init__(self) -> None:
+        self.commit = False
+
+
+class PostgresStore(Store):
+    #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
+    #: instead of the database's clock. Production never sets it; no config key reaches it.
+    clock_pinned_ms: int | None = None
+
+    def __init__(
+        self,
+        url: str,
+        policy: LeasePolicy,
+        *,
+        timeout_ms: int = 2000,
+        password: str | None = None,
+        max_connections: int = 20,
+    ) -> None:
+        super().__init__(policy)
+        self.url = url
+        self._timeout_s = timeout_ms / 1000
+        self._password = password
+        self._max_connections = max_connections
+        self._pool: asyncpg.Pool | None = None
+        self._ready = False  # the schema is known to be there and of a version we read
+        self._setup = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def kind(self) -> str:
+        return "postgres"
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        timeout_ms = max(1, int(self._timeout_s * 1000))
+        self._pool = asyncpg.create_pool(
+            self.url,
+            password=self._password,
+            min_size=0,
+            max_size=self._max_connections,
+            timeout=self._timeout_s,  # connecting
+            command_timeout=self._timeout_s,
+            # Bounded server-side too: a lock wait or a statement never outlives the caller.
+            server_settings={
+                "application_name": "fencegate",
+                "lock_timeout": str(timeout_ms),
+                "statement_timeout": str(timeout_ms),
+                "idle_in_transaction_session_timeout": str(4 * timeout_ms + 5000),
+            },
+        )
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._pool
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailable(f"PostgreSQL did not answer ({_reason(exc)})") from exc
+        await self._ensure_schema()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._timeout_s):
+                    await self._pool.close()
+            self._pool.terminate()
+
+    async def _ensure_schema(self) -> None:
+        """Create the tables on first start, under a lock (two gateways may start at once),
+        and refuse a database whose schema is newer than this code knows."""
+        if self._ready:
+            return
+        async with self._setup:
+            if self._ready:
+                return
+
+            async def create(conn: _Conn) -> int:
+                async with conn.transaction():
+                    await conn.execute(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
+                    for statement in _SCHEMA:
+                        await conn.execute(statement)
+                    await conn.execute(
+                        "INSERT INTO fencegate_schema (id, version) VALUES (1, $1) "
+                        "ON CONFLICT (id) DO NOTHING",
+                        sql_steps.SCHEMA_VERSION,
+                    )
+                    version: int = await conn.fetchval(
+                        "SELECT version FROM fencegate_schema WHERE id = 1"
+                    )
+                    return version
+
+            version = await self._with_connection(create)
+            sql_steps.check_schema_version(version, f"PostgreSQL database {_public(self.url)}")
+            self._ready = True
+            # Once per start (or per first contact, for a database that was down): say what
+            # an answered step could lose under the server's settings (docs/stores.md).
+            for warning in await self.durability():
+                log.warning("store.durability_warning", store="postgres", reason=warning)
+
+    async def _with_connection(
+        self, use: Callable[[_Conn], Awaitable[R]], sent: _Sent | None = None
+    ) -> R:
+        """Run ``use`` on a pooled connection within ``store.timeout_ms``; driver failures
+        become ``StoreUnavailable``, saying "may or may not have been applied" once ``sent``
+        records that a COMMIT went out."""
+        if self._pool is None or self._closed:
+            raise StoreUnavailable("the PostgreSQL store is not open")
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._pool.acquire() as conn:
+                    try:
+                        return await use(conn)
+                    except FencegateError:
+                        raise  # a refusal: its transaction was rolled back, the connection is fine
+                    except BaseException:
+                        # Mid-transaction, mid-reply or broken: never handed out again.
+                        if not conn.is_closed():
+                            conn.terminate()
+                        raise
+        except FencegateError:
+            raise
+        except _UNAVAILABLE as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            outcome = _MAYBE if sent is not None and sent.commit else _NOTHING
+            raise StoreUnavailable(
+                f"PostgreSQL did not answer ({_reason(exc)}); {outcome}"
+            ) from exc
+        except asyncpg.PostgresError as exc:
+            outcome = _MAYBE if sent is not None and sent.commit else _NOTHING
+            raise StoreUnavailable(
+                f"PostgreSQL refused the step ({_reason(exc)}); {outcome}"
+            ) from exc
+
+    async def _now(self, conn: _Conn) -> int:
+        if self.clock_pinned_ms is not None:
+            return self.clock_pinned_ms + self.clock_offset_ms
+        now: int = await conn.fetchval(_NOW_SQL)
+        return now + self.clock_offset_ms
+
+    async def _drive(self, conn: _Conn, step: sql_steps.Step[T]) -> T:
+        reply: Any = None
+        while True:
+            try:
+                sql = step.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if sql.rows == "now":
+                reply = await self._now(conn)
+            elif sql.rows == "one":
+                reply = await conn.fetchrow(_numbered(sql.text), *sql.args)
+            elif sql.rows == "all":
+                reply = await conn.fetch(_numbered(sql.text), *sql.args)
+            else:
+                await conn.execute(_numbered(sql.text), *sql.args)
+                reply = None
+
+    async def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> T:
+        """One transition: BEGIN, the shared step, COMMIT; run again (from a fresh step) when
+        it lost a race its transaction could not see coming."""
+        await self._ensure_schema()
+        started = time.monotonic()
+
+        sent = _Sent()
+
+        async def transaction(conn: _Conn) -> T:
+            for attempt in range(_RETRIES):
+                await conn.execute("BEGIN")
+                try:
+                    result = await self._drive(conn, make())
+                except _RETRY:
+                    await conn.execute("ROLLBACK")
+                    await asyncio.sleep(0.001 * attempt)
+                    continue
+                except FencegateError:
+                    await conn.execute("ROLLBACK")
+                    raise
+                sent.commit = True
+                await conn.execute("COMMIT")
+                return result
+            raise StoreUnavailable(f"PostgreSQL: the step kept conflicting; {_NOTHING}")
+
+        result = await self._with_connection(transaction, sent)
+        self.observe(op, time.monotonic() - started)
+        return result
+
+    async def durability(self) -> list[str]:
+        async def read(conn: _Conn) -> tuple[dict[str, str], int]:
+            settings = {
+                name: await conn.fetchval(f"SHOW {name}")
+                for name in ("fsync", "synchronous_commit", "synchronous_standby_names")
+            }
+            standbys: int = await conn.fetchval("SELECT count(*) FROM pg_stat_replication")
+            return settings, standbys
+
+        settings, standbys = await self._with_connection(read)
+        return durability_warnings(settings, standbys)
+
+    async def ping(self) -> None:
+        await self._ensure_schema()
+        await self._with_connection(lambda conn: conn.fetchval("SELECT 1"))
+
+    async def now_ms(self) -> int:
+        await self._ensure_schema()
+        now: int = await self._with_connection(self._now)
+        return now
+
+    # --- transitions ------------------------------------------------------------------------
+
+    async def put_task(
+        self, task_id: str, input_digest: str, max_runtime_ms: int | None
+    ) -> tuple[Task, PutOutcome]:
+        return await self._steps(
+            lambda: sql_steps.put_task(_POSTGRES, task_id, input_digest, max_runtime_ms),
+            "put_task",
+        )
+
+    async def get_task(self, task_id: str) -> Task:
+        return await self._steps(lambda: sql_steps.get_task(_POSTGRES, task_id), "get_task")
+
+    async def list_tasks(
+        self, wanted: TaskFilter, limit: int, after: str | None
+    ) -> tuple[list[Task], str | None]:
+        return await self._steps(
+            lambda: sql_steps.list_tasks(_POSTGRES, wanted, limit, after), "list_tasks"
+        )
+
+    async def claim(self, task_id: str, request: ClaimRequest) -> Task:
+        attempt_id = new_id()
+        return await self._steps(
+            lambda: sql_steps.claim(_POSTGRES, task_id, request, self.policy, attempt_id),
+            "claim",
+        )
+
+    async def renew(self, task_id: str, request: RenewRequest) -> Task:
+        return await self._steps(
+            lambda: sql_steps.renew(_POSTGRES, task_id, request, self.policy), "renew"
+        )
+
+    async def release(self, task_id: str, identity: Identity) -> Task:
+        return await self._steps(lambda: sql_steps.release(_POSTGRES, task_id, identity), "release")
+
+    async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
+        commit_id = new_id()
+        return await self._steps(
+            lambda: sql_steps.commit(_POSTGRES, task_id, request, commit_id), "commit"
+        )
+
+    async def cancel(self, task_id: str) -> Task:
+        return await self._steps(lambda: sql_steps.cancel(_POSTGRES, task_id), "cancel")
+
+    async def get_scheduler(self) -> Scheduler:
+        return await self._steps(lambda: sql_steps.get_scheduler(_POSTGRES), "get_scheduler")
+
+    async def bump_epoch(self) -> Scheduler:
+        return await self._steps(lambda: sql_steps.bump_epoch(_POSTGRES), "bump_epoch")
+
+    async def set_claims_paused(self, paused: bool) -> Scheduler:
+        return await self._steps(
+            lambda: sql_steps.set_claims_paused(_POSTGRES, paused), "set_claims_paused"
+        )
+
+    # --- the idempotency ledger -------------------------------------------------------------
+
+    async def check_fence(self, fence: Fence) -> Task:
+        return await self._steps(lambda: sql_steps.check_fence(_POSTGRES, fence), "check_fence")
+
+    async def prepare_effect(
+        self,
+        request: EffectRequest,
+        forward_deadline_ms: int,
+        *,
+        resend_window_ms: int | None = None,
+        require_approval: bool = False,
+    ) -> PrepareOutcome:
+        return await self._steps(
+            lambda: sql_steps.prepare_effect(
+                _POSTGRES,
+                request,
+                forward_deadline_ms,
+                resend_window_ms=resend_window_ms,
+                require_approval=require_approval,
+                windows_from=None,  # the database's clock loses no downtime
+            ),
+            "prepare_effect",
+        )
+
+    async def complete_effect(
+        self,
+        task_id: str,
+        effect_id: str,
+        seq: int,
+        attempt_id: str,
+        outcome: EffectState,
+        reason: str,
+        response_json: str | None,
+    ) -> tuple[Effect, bool]:
+        return await self._steps(
+            lambda: sql_steps.complete_effect(
+                _POSTGRES, effect_id, seq, attempt_id, outcome, reason, response_json
+            ),
+            "complete_effect",
+        )
+
+    async def get_effect(self, effect_id: str) -> Effect:
+        return await self._steps(lambda: sql_steps.get_effect(_POSTGRES, effect_id), "get_effect")
+
+    async def list_effects(
+        self,
+        *,
+        state: EffectState | None,
+        task_id: str | None,
+        downstream: str | None,
+        limit: int,
+        cursor: str | None,
+    ) -> tuple[list[Effect], str | None]:
+        after = decode_cursor(cursor) if cursor else (-1, "")
+        return await self._steps(
+            lambda: sql_steps.list_effects(
+                _POSTGRES,
+                state=state,
+                task_id=task_id,
+                downstream=downstream,
+                limit=limit,
+                after=after,
+            ),
+            "list_effects",
+        )
+
+    async def unsettled_effects(
+        self, limit: int, probe_downstreams: frozenset[str]
+    ) -> list[Effect]:
+        return await self._steps(
+            lambda: sql_steps.unsettled_effects(_POSTGRES, limit, probe_downstreams),
+            "unsettled_effects",
+        )
+
+    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
+        return await self._steps(
+            lambda: sql_steps.find_forward(_POSTGRES, task_id, forward_id), "find_forward"
+        )
+
+    async def gauges(self) -> Gauges:
+        return await self._steps(lambda: sql_steps.gauges(_POSTGRES), "gauges")
+
+    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
+        return await self._steps(
+            lambda: sql_steps.update_effect(_POSTGRES, effect_id, transition), "update_effect"
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _public(url: str) -> str:
+    """The URL without its query (which may name hosts' options, never a secret here)."""
+    return url.split("?", 1)[0]
+
+
+def _check_url(url: str) -> None:
+    """Refuse a password in the URL (it would sit in the config file and in logs): it comes
+    from the environment variable ``store.password_env`` names."""
+    rest = url.split("://", 1)[1]
+    authority, _, path_query = rest.partition("/")
+    userinfo, at, _hosts = authority.rpartition("@")
+    if at and ":" in userinfo:
+        raise ValueError(
+            "a password in the PostgreSQL URL is refused: set store.password_env to the name "
+            "of an environment variable that holds it, and write postgresql://USER@HOST:PORT/DB"
+        )
+    query = path_query.partition("?")[2]
+    if any(key.lower() in ("password", "passfile") for key, _ in parse_qsl(query)):
+        raise ValueError(
+            "a password in the PostgreSQL URL's query is refused: set store.password_env instead"
+        )
+    if not _hosts:
+        raise ValueError("PostgreSQL URL needs a host, e.g. postgresql://USER@HOST:5432/DB")
+
+
+def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
+    return PostgresStore(
+        url,
+        policy,
+        timeout_ms=options.timeout_ms,
+        password=options.password,
+        max_connections=options.postgres_max_connections,
+    )
+
+
+#: ``postgresql://USER@HOST:PORT/DB`` (several ``HOST:PORT`` separated by commas, with
+#: ``?target_session_attrs=read-write``, for a failover pair) (ledger.registry).
+STORE_KIND = StoreKind(
+    schemes=("postgresql", "postgres"),
+    example="postgresql://USER@HOST:PORT/DB",
+    check_url=_check_url,
+    create=_create,
+)

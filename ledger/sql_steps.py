@@ -1,0 +1,490 @@
+"""The SQL stores' transitions, written once for SQLite and PostgreSQL.
+
+Each transition is load -> decide (a pure function of ``ledger.tasks`` / ``ledger.effects``)
+-> save, written as a generator that yields the statements it needs (``Sql``) and receives
+their rows. The generator does no I/O itself, so one text serves a synchronous driver (the
+SQLite writer thread, ``run_sync``) and an asynchronous one (asyncpg, ``PostgresStore``): each
+store supplies only its ``Dialect`` (SQL fragments that differ), its locking and its
+connection handling. A step asks for the store's time with ``NOW`` after it holds its locks,
+so a step that waited for a lock never decides with an instant older than the step it waited
+for.
+
+Locking (PostgreSQL; SQLite runs one step at a time and its fragments are empty): a writing
+step loads the rows it will write ``FOR UPDATE`` (the task, then the effect: one order, no
+deadlock), and a step that reads the scheduler epoch to decide takes the dialect's *shared*
+scheduler lock first, while ``bump_epoch`` and ``set_claims_paused`` take it *exclusively*
+(docs/stores.md, "The epoch without a global lock"). A row that does not exist yet cannot be
+locked: the step INSERTs it without ``ON CONFLICT``, so of two steps that both saw no row one
+fails with a unique violation and its driver runs the step again from the start.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from fencegate.ledger import effects, queries, tasks
+from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from fencegate.ledger.errors import NoSuchEffect, NoSuchTask, StoreIncompatible
+from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.store import TASK_SCAN, EffectTransition, encode_cursor
+from fencegate.ledger.tasks import (
+    ClaimRequest,
+    CommitRequest,
+    Identity,
+    LeasePolicy,
+    PutOutcome,
+    RenewRequest,
+    Scheduler,
+    Task,
+)
+
+__all__ = [
+    "NOW",
+    "SCHEMA_VERSION",
+    "Dialect",
+    "Sql",
+    "Step",
+    "check_schema_version",
+    "run_sync",
+]
+
+T = TypeVar("T")
+
+#: The version of the tables these steps read and write. A store finding a newer one in its
+#: database refuses to start: a newer fencegate wrote rows this code may misread.
+SCHEMA_VERSION = 1
+
+
+def check_schema_version(found: int, where: str) -> None:
+    """Refuse a schema newer than this code (written by a newer fencegate): reading its rows
+    with older rules could misjudge a lease or an effect."""
+    if found > SCHEMA_VERSION:
+        raise StoreIncompatible(
+            f"{where} holds fencegate schema version {found}, newer than this gateway's "
+            f"{SCHEMA_VERSION}: run the fencegate version that wrote it (or newer)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Sql:
+    """One statement a step needs: ``?`` placeholders, portable SQL, and what it answers
+    (``one`` row or None, ``all`` rows, ``none``; ``now`` is ``NOW``)."""
+
+    text: str
+    args: tuple[Any, ...] = ()
+    rows: Literal["one", "all", "none", "now"] = "none"
+
+
+#: Yielded by a step for the store's time (an int, ms); the driver answers it.
+NOW = Sql("", (), "now")
+
+#: A transition: yields statements, receives rows (a row is indexable), returns the answer.
+Step = Generator[Sql, Any, T]
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What differs between the SQL stores, as fragments the steps splice in."""
+
+    #: Appended to a SELECT of a row the step will write (``" FOR UPDATE"`` or empty).
+    for_update: str
+    #: Run before reading the scheduler to decide (shared) or to change it (exclusive);
+    #: empty where steps never run concurrently.
+    lock_scheduler_shared: str
+    lock_scheduler_exclusive: str
+    #: SQL giving the text of key ``k`` of the JSON in column ``fields``.
+    json_text: Callable[[str], str]
+    #: SQL giving key ``k`` of the JSON in column ``fields`` as an integer (NULL if absent).
+    json_int: Callable[[str], str]
+
+    # SQL mirrors of the pure rules (each names the function it mirrors).
+    def overdue(self) -> str:
+        """``ledger.effects.is_overdue``: a PREPARED past its deadline. One ``?``: now."""
+        return "(state = 'PREPARED' AND deadline_at <= ?)"
+
+    def running(self) -> str:
+        """The negation within PREPARED (``not is_overdue``). One ``?``: now."""
+        return "(state = 'PREPARED' AND deadline_at > ?)"
+
+    def awaiting(self) -> str:
+        """``ledger.effects.is_awaiting_approval``: NOT_APPLIED with no attempts."""
+        return f"(state = 'NOT_APPLIED' AND {self.json_text('attempt_count')} = '0')"
+
+    def active_lease(self) -> str:
+        """``ledger.queries.is_lease_active``: CLAIMED, unexpired. One ``?``: now."""
+        return "(state = 'CLAIMED' AND lease_expires_at > ?)"
+
+    def probe_due_at(self) -> str:
+        """When an UNKNOWN effect is next due for a probe (``ledger.queries.is_probe_due``)."""
+        return f"COALESCE({self.json_int('next_probe_at')}, 0)"
+
+
+def run_sync(execute: Callable[[Sql], Any], step: Step[T], now: int) -> T:
+    """Drive ``step`` with a synchronous ``execute`` (answers one statement) and a fixed
+    ``now`` (the SQLite writer thread: steps run one at a time, so no lock is ever waited)."""
+    reply: Any = None
+    try:
+        while True:
+            sql = step.send(reply)
+            reply = now if sql.rows == "now" else execute(sql)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+# --- rows ---------------------------------------------------------------------------------
+
+
+def _dumps(fields: dict[str, str]) -> str:
+    return json.dumps(fields, separators=(",", ":"))
+
+
+def load_task(d: Dialect, task_id: str, *, lock: bool) -> Step[Task | None]:
+    row = yield Sql(
+        f"SELECT fields FROM tasks WHERE task_id = ?{d.for_update if lock else ''}",
+        (task_id,),
+        "one",
+    )
+    return tasks.task_from_fields(json.loads(row[0])) if row else None
+
+
+def save_task(task: Task, existed: bool) -> Step[None]:
+    """UPDATE a row the step loaded (and locked), INSERT one it saw absent (a concurrent
+    INSERT of the same task then fails, and that step is run again)."""
+    fields = _dumps(tasks.task_to_fields(task))
+    if existed:
+        yield Sql(
+            "UPDATE tasks SET state = ?, lease_expires_at = ?, fields = ? WHERE task_id = ?",
+            (task.state.value, task.lease_expires_at, fields, task.task_id),
+        )
+    else:
+        yield Sql(
+            "INSERT INTO tasks (task_id, state, lease_expires_at, fields) VALUES (?, ?, ?, ?)",
+            (task.task_id, task.state.value, task.lease_expires_at, fields),
+        )
+
+
+def read_scheduler(d: Dialect, *, deciding: bool) -> Step[Scheduler]:
+    """The scheduler row; ``deciding``: under the shared lock, so no epoch bump commits
+    between this read and the end of the step (a bump waits for it, and it for a bump)."""
+    if deciding and d.lock_scheduler_shared:
+        yield Sql(d.lock_scheduler_shared, (), "none")
+    row = yield Sql("SELECT epoch, paused FROM scheduler WHERE id = 1", (), "one")
+    return Scheduler(epoch=int(row[0]), claims_paused=bool(row[1]))
+
+
+def change_scheduler(d: Dialect, change: Callable[[Scheduler], Scheduler]) -> Step[Scheduler]:
+    if d.lock_scheduler_exclusive:
+        yield Sql(d.lock_scheduler_exclusive, (), "none")
+    current = yield from read_scheduler(d, deciding=False)
+    scheduler = change(current)
+    yield Sql(
+        "UPDATE scheduler SET epoch = ?, paused = ? WHERE id = 1",
+        (scheduler.epoch, int(scheduler.claims_paused)),
+    )
+    return scheduler
+
+
+def load_effect(d: Dialect, effect_id: str, *, lock: bool) -> Step[Effect | None]:
+    row = yield Sql(
+        f"SELECT fields FROM effects WHERE effect_id = ?{d.for_update if lock else ''}",
+        (effect_id,),
+        "one",
+    )
+    return effects.effect_from_fields(json.loads(row[0])) if row else None
+
+
+def save_effect(effect: Effect, existed: bool) -> Step[None]:
+    fields = _dumps(effects.effect_to_fields(effect))
+    if existed:
+        yield Sql(
+            "UPDATE effects SET downstream = ?, state = ?, deadline_at = ?, fields = ? "
+            "WHERE effect_id = ?",
+            (effect.downstream, effect.state.value, effect.deadline_at, fields, effect.effect_id),
+        )
+    else:
+        yield Sql(
+            "INSERT INTO effects (effect_id, task_id, downstream, state, deadline_at, "
+            "created_at, fields) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                effect.effect_id,
+                effect.task_id,
+                effect.downstream,
+                effect.state.value,
+                effect.deadline_at,
+                effect.created_at,
+                fields,
+            ),
+        )
+
+
+def _effects_from(rows: Iterable[Any], now: int) -> list[Effect]:
+    return [effects.effective(effects.effect_from_fields(json.loads(r[0])), now) for r in rows]
+
+
+# --- tasks ----------------------------------------------------------------------------------
+
+
+def put_task(
+    d: Dialect, task_id: str, input_digest: str, max_runtime_ms: int | None
+) -> Step[tuple[Task, PutOutcome]]:
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task, outcome = tasks.put(found, task_id, input_digest, max_runtime_ms, now)
+    if outcome is not PutOutcome.UNCHANGED:
+        yield from save_task(task, found is not None)
+    return task, outcome
+
+
+def get_task(d: Dialect, task_id: str) -> Step[Task]:
+    task = yield from load_task(d, task_id, lock=False)
+    if task is None:
+        raise NoSuchTask()
+    return task
+
+
+def list_tasks(
+    d: Dialect, wanted: TaskFilter, limit: int, after: str | None
+) -> Step[tuple[list[Task], str | None]]:
+    # Keyset pagination on the primary key: at most TASK_SCAN rows read per call, however
+    # little the filter matches (ledger.queries.page_tasks decides the page).
+    rows = yield Sql(
+        "SELECT task_id, fields FROM tasks WHERE task_id > ? ORDER BY task_id LIMIT ?",
+        ("" if after is None else after, TASK_SCAN + 1),
+        "all",
+    )
+    scanned = [
+        (task_id, tasks.task_from_fields(json.loads(raw))) for task_id, raw in rows[:TASK_SCAN]
+    ]
+    return page_tasks(scanned, len(rows) > TASK_SCAN, wanted, limit)
+
+
+def claim(
+    d: Dialect, task_id: str, request: ClaimRequest, policy: LeasePolicy, attempt_id: str
+) -> Step[Task]:
+    scheduler = yield from read_scheduler(d, deciding=True)
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task = tasks.claim(found, scheduler, request, policy, now, attempt_id)
+    yield from save_task(task, found is not None)
+    return task
+
+
+def renew(d: Dialect, task_id: str, request: RenewRequest, policy: LeasePolicy) -> Step[Task]:
+    scheduler = yield from read_scheduler(d, deciding=True)
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task = tasks.renew(found, scheduler, request, policy, now)
+    yield from save_task(task, found is not None)
+    return task
+
+
+def release(d: Dialect, task_id: str, identity: Identity) -> Step[Task]:
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task = tasks.release(found, identity, now)
+    yield from save_task(task, found is not None)
+    return task
+
+
+def commit(
+    d: Dialect, task_id: str, request: CommitRequest, commit_id: str
+) -> Step[tuple[Task, bool]]:
+    scheduler = yield from read_scheduler(d, deciding=True)
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task, replay = tasks.commit(found, scheduler, request, now, commit_id)
+    if not replay:
+        yield from save_task(task, found is not None)
+    return task, replay
+
+
+def cancel(d: Dialect, task_id: str) -> Step[Task]:
+    found = yield from load_task(d, task_id, lock=True)
+    now = yield NOW
+    task = tasks.cancel(found, now)
+    yield from save_task(task, found is not None)
+    return task
+
+
+def get_scheduler(d: Dialect) -> Step[Scheduler]:
+    return (yield from read_scheduler(d, deciding=False))
+
+
+def bump_epoch(d: Dialect) -> Step[Scheduler]:
+    return (yield from change_scheduler(d, tasks.bump_epoch))
+
+
+def set_claims_paused(d: Dialect, paused: bool) -> Step[Scheduler]:
+    return (yield from change_scheduler(d, lambda s: tasks.set_claims_paused(s, paused)))
+
+
+# --- the idempotency ledger -------------------------------------------------------------------
+
+
+def check_fence(d: Dialect, fence: Fence) -> Step[Task]:
+    """Read-only: answered as of one consistent moment, no lock needed."""
+    scheduler = yield from read_scheduler(d, deciding=False)
+    task = yield from load_task(d, fence.task_id, lock=False)
+    now = yield NOW
+    return effects.check_fence(task, scheduler, fence, now)
+
+
+def prepare_effect(
+    d: Dialect,
+    request: EffectRequest,
+    forward_deadline_ms: int,
+    *,
+    resend_window_ms: int | None,
+    require_approval: bool,
+    windows_from: int | None,
+) -> Step[PrepareOutcome]:
+    """``windows_from``: records created before this instant get no resend window (SQLite:
+    created before a reboot whose downtime its clock lost; None where time is never lost)."""
+    scheduler = yield from read_scheduler(d, deciding=True)
+    task = yield from load_task(d, request.fence.task_id, lock=True)
+    existing = None
+    if task is not None:
+        eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
+        existing = yield from load_effect(d, eid, lock=True)
+    now = yield NOW
+    window = resend_window_ms
+    if existing is not None and windows_from is not None and existing.created_at < windows_from:
+        window = None
+    outcome = effects.prepare(
+        task,
+        scheduler,
+        existing,
+        request,
+        now,
+        forward_deadline_ms,
+        resend_window_ms=window,
+        require_approval=require_approval,
+    )
+    if outcome.write:
+        yield from save_effect(outcome.effect, existing is not None)
+    return outcome
+
+
+def complete_effect(
+    d: Dialect,
+    effect_id: str,
+    seq: int,
+    attempt_id: str,
+    outcome: EffectState,
+    reason: str,
+    response_json: str | None,
+) -> Step[tuple[Effect, bool]]:
+    effect = yield from load_effect(d, effect_id, lock=True)
+    if effect is None:
+        raise NoSuchEffect()
+    now = yield NOW
+    done, applied = effects.complete(effect, seq, attempt_id, outcome, reason, response_json, now)
+    if applied:
+        yield from save_effect(done, True)
+    return done, applied
+
+
+def get_effect(d: Dialect, effect_id: str) -> Step[Effect]:
+    effect = yield from load_effect(d, effect_id, lock=False)
+    if effect is None:
+        raise NoSuchEffect()
+    now = yield NOW
+    return effects.effective(effect, now)
+
+
+def list_effects(
+    d: Dialect,
+    *,
+    state: EffectState | None,
+    task_id: str | None,
+    downstream: str | None,
+    limit: int,
+    after: tuple[int, str],
+) -> Step[tuple[list[Effect], str | None]]:
+    now = yield NOW
+    where = ["(created_at, effect_id) > (?, ?)"]
+    args: list[object] = [after[0], after[1]]
+    if task_id is not None:
+        where.append("task_id = ?")
+        args.append(task_id)
+    if downstream is not None:
+        where.append("downstream = ?")
+        args.append(downstream)
+    if state is EffectState.UNKNOWN:
+        where.append(f"(state = 'UNKNOWN' OR {d.overdue()})")
+        args.append(now)
+    elif state is EffectState.PREPARED:
+        where.append(d.running())
+        args.append(now)
+    elif state is not None:
+        where.append("state = ?")
+        args.append(state.value)
+    rows = yield Sql(
+        f"SELECT fields FROM effects WHERE {' AND '.join(where)} "
+        "ORDER BY created_at, effect_id LIMIT ?",
+        (*args, limit + 1),
+        "all",
+    )
+    found = _effects_from(rows[:limit], now)
+    more = len(rows) > limit
+    next_cursor = encode_cursor(found[-1].created_at, found[-1].effect_id) if more else None
+    return found, next_cursor
+
+
+def unsettled_effects(
+    d: Dialect, limit: int, probe_downstreams: frozenset[str]
+) -> Step[list[Effect]]:
+    """Mirrors ``ledger.queries.unsettled_effects``."""
+    names = sorted(probe_downstreams)
+    now = yield NOW
+    rows = list(
+        (
+            yield Sql(
+                f"SELECT fields FROM effects WHERE {d.overdue()} ORDER BY deadline_at LIMIT ?",
+                (now, limit),
+                "all",
+            )
+        )
+    )
+    if names:
+        due = d.probe_due_at()
+        rows += yield Sql(
+            f"SELECT fields FROM effects WHERE state = 'UNKNOWN' "
+            f"AND downstream IN ({','.join('?' * len(names))}) AND {due} <= ? "
+            f"ORDER BY {due}, created_at, effect_id LIMIT ?",
+            (*names, now, limit),
+            "all",
+        )
+    return _effects_from(rows, now)
+
+
+def find_forward(d: Dialect, task_id: str, forward_id: str) -> Step[str | None]:
+    rows = yield Sql("SELECT fields FROM effects WHERE task_id = ?", (task_id,), "all")
+    records = (effects.effect_from_fields(json.loads(raw)) for (raw,) in rows)
+    return queries.find_forward(records, forward_id)
+
+
+def gauges(d: Dialect) -> Step[Gauges]:
+    """Mirrors ``ledger.queries.gauges``."""
+    now = yield NOW
+    (active,) = yield Sql(f"SELECT COUNT(*) FROM tasks WHERE {d.active_lease()}", (now,), "one")
+    prepared, overdue = yield Sql(
+        f"SELECT COUNT(*) FILTER (WHERE {d.running()}), COUNT(*) FILTER (WHERE {d.overdue()}) "
+        "FROM effects WHERE state = 'PREPARED'",
+        (now, now),
+        "one",
+    )
+    (unknown,) = yield Sql("SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'", (), "one")
+    (awaiting,) = yield Sql(f"SELECT COUNT(*) FROM effects WHERE {d.awaiting()}", (), "one")
+    return Gauges(int(active), int(prepared), int(unknown) + int(overdue), int(awaiting))
+
+
+def update_effect(d: Dialect, effect_id: str, transition: EffectTransition) -> Step[Effect]:
+    found = yield from load_effect(d, effect_id, lock=True)
+    now = yield NOW
+    effect = transition(found, now)
+    yield from save_effect(effect, found is not None)
+    return effect
