@@ -22,12 +22,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
 
 from fencegate import Client
+from tests.conftest import postgres_test_url
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, RedisServer, free_port
 
@@ -143,12 +144,22 @@ async def claim_tasks(gateway: GatewayProcess, prefix: str, count: int) -> None:
         assert status == 200, body
 
 
+@pytest.mark.parametrize("shared", ["redis", "postgres"])
 async def test_two_workers_share_the_port_and_the_store_and_each_answers_metrics_for_both(
-    tmp_path: Path, redis_server: RedisServer, key_prefix: str, started: list[GatewayProcess]
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    shared: str,
+    key_prefix: str,
+    started: list[GatewayProcess],
 ) -> None:
     """Two processes (two PIDs) serve one port; a claim made through one is seen by the other
-    (one store), and a scrape, whichever worker takes it, counts the claims of both."""
-    gateway = start(started, write_config(tmp_path / "g", redis_server.url, key_prefix=key_prefix))
+    (one store: Redis or PostgreSQL), and a scrape, whichever worker takes it, counts the
+    claims of both."""
+    if shared == "redis":
+        store_url = cast(RedisServer, request.getfixturevalue("redis_server")).url
+    else:
+        store_url = postgres_test_url(request.getfixturevalue("postgres_server"), request)
+    gateway = start(started, write_config(tmp_path / "g", store_url, key_prefix=key_prefix))
     await claim_tasks(gateway, "t", 12)
     events = gateway.log_events()
     pids = {e["worker"]: e["pid"] for e in named(events, "gateway.worker_started")}
