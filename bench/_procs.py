@@ -1,5 +1,6 @@
-"""What the benchmarks share: child processes on loopback, a private redis-server, a gateway
-with a temporary config, CPU accounting, percentiles and plain-text tables.
+"""What the benchmarks share: child processes on loopback, a private redis-server, a private
+PostgreSQL cluster, a gateway with a temporary config, CPU accounting, percentiles and
+plain-text tables.
 
 Every process is started by the benchmark itself, on ``127.0.0.1`` and a free port, in its own
 session (so Ctrl-C reaches the benchmark only, which then stops its children). Nothing here ever
@@ -10,10 +11,13 @@ answers on the port is the process it started.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import functools
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +35,9 @@ import redis
 
 __all__ = [
     "HOST",
+    "POSTGRES_SETTINGS",
     "REPO_ROOT",
+    "PostgresProc",
     "Proc",
     "align",
     "cli_module",
@@ -51,6 +57,7 @@ __all__ = [
     "spawn",
     "start_gateway",
     "start_module_server",
+    "start_postgres",
     "start_redis",
     "terminable",
     "wait_for_port",
@@ -199,18 +206,132 @@ def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, s
     return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
 
 
+#: Settings of the benchmark's PostgreSQL (``postgres -c``), on top of ``PostgresServer``'s
+#: own: durable, as Redis ``appendfsync always`` and SQLite ``FULL`` are (every answered
+#: COMMIT is fsynced, WAL with full-page writes), and PostgreSQL's default shared_buffers
+#: (the test servers use 32MB).
+POSTGRES_SETTINGS: dict[str, str | int | bool] = {
+    "fsync": True,
+    "synchronous_commit": "on",
+    "full_page_writes": True,
+    "shared_buffers": "128MB",
+}
+
+
+@dataclass
+class PostgresProc(Proc):
+    """A private PostgreSQL cluster (``tests.postgres_server.PostgresServer``) as a ``Proc``:
+    ``popen`` is its postmaster, so ``cpu()`` counts the postmaster and every backend and
+    auxiliary process (all its children, see ``cpu_seconds``). ``stop`` shuts it down fast,
+    copies its log to ``log_path`` and removes its data."""
+
+    server: Any = None
+
+    def stop(self) -> int | None:
+        """Fast shutdown (SIGINT; SIGKILL of every server process after 10 s): the exit code
+        of the postmaster (0: clean; -9: it had to be killed)."""
+        if self.server is None or self.server.closed:
+            return self.popen.returncode
+        try:
+            self.server.stop()
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.copyfile(self.server.log_path, self.log_path)
+            self.server.close()
+        return self.popen.returncode
+
+    def log_tail(self, chars: int = 2000) -> str:
+        path = self.log_path if self.server is None or self.server.closed else None
+        try:
+            text = (path or self.server.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-chars:]
+
+
+def _let_server_user_in(directory: Path, top: Path) -> None:
+    """``PostgresServer`` runs the server as the ``postgres`` user when we are root: that user
+    must be able to reach ``directory``. Adds o+x to ``top`` (the benchmark's own temporary
+    directory, a 0700 ``mkdtemp``) and to the directories between it and ``directory``; a
+    directory above ``top`` that others cannot search is an error (choose ``--temp-dir``)."""
+    if os.geteuid() != 0:
+        return
+    for above in top.resolve().parents:
+        if not above.stat().st_mode & 0o001:
+            raise RuntimeError(
+                f"the postgres user cannot enter {above} (not searchable by others), so it "
+                f"cannot reach {directory}: choose another --temp-dir"
+            )
+    path = directory.resolve()
+    chain = [path, *path.parents]
+    top = top.resolve()
+    if top not in chain:
+        raise ValueError(f"{directory} is not inside {top}")
+    for item in chain[: chain.index(top) + 1]:
+        mode = item.stat().st_mode & 0o7777
+        if not mode & 0o001:
+            item.chmod(mode | 0o011)
+
+
+def start_postgres(
+    directory: Path, top: Path, databases: Sequence[str]
+) -> tuple[PostgresProc, list[str], str]:
+    """A private PostgreSQL cluster (``tests.postgres_server.PostgresServer``: ``initdb``, a
+    free loopback port, never the machine's own cluster) with its data under ``directory``
+    (on the benchmark's disk, not /dev/shm: fsync must cost what it costs), durable
+    (``POSTGRES_SETTINGS``), and one new database per name in ``databases``:
+    (process, the databases' URLs in that order, server version). ``top`` is the benchmark's
+    temporary directory (see ``_let_server_user_in``)."""
+    from tests.postgres_server import PostgresServer  # run from the repository root
+
+    directory.mkdir(parents=True)
+    _let_server_user_in(directory, top)
+    server = PostgresServer(POSTGRES_SETTINGS, name="bench", parent=directory)
+    try:
+        server.start()
+    except BaseException:
+        server.close()
+        raise
+    assert server.proc is not None
+    proc = PostgresProc("postgres", server.proc, directory / "postgres.log", server)
+    try:
+        # The port was free a moment ago; make sure what answers on it is the one we started.
+        answered = server.psql("SHOW data_directory")
+        if Path(answered) != server.data_dir:
+            raise RuntimeError(f"{HOST}:{server.port} is answered by another PostgreSQL")
+        settings = server.psql(
+            "SELECT string_agg(name || '=' || setting, ',' ORDER BY name) FROM pg_settings "
+            "WHERE name IN ('fsync', 'synchronous_commit', 'full_page_writes')"
+        )
+        if settings != "fsync=on,full_page_writes=on,synchronous_commit=on":
+            raise RuntimeError(f"PostgreSQL is not durable as asked: {settings}")
+        urls = [server.create_database(name) for name in databases]
+        version = server.psql("SHOW server_version")
+        progress(
+            f"postgres {version.split()[0]}: port {server.port}, data in {server.data_dir} "
+            f"on {filesystem_of(server.data_dir)}"
+        )
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, urls, version
+
+
 #: The repository's folders and where they sit in the one import package.
 _LAYOUT = {"gateway": "gateway", "ledger": "ledger", "adapters": "adapters"}
 
 
+@functools.cache
 def stage_source(source: Path) -> Path:
     """A directory whose ``fencegate`` package is ``source``'s tree as it installs: the SDK
     folder with the layer folders linked in (package-dir, pyproject.toml), so a snapshot of
     another revision imports without being installed. Trees from before the one namespace
-    (top-level ``gateway``...) are returned as they are."""
+    (top-level ``gateway``...) are returned as they are. Made once per tree and run (every
+    gateway of the run imports from it), and removed when the benchmark exits."""
     if not _uses_namespace(source):
         return source
     stage = Path(tempfile.mkdtemp(prefix="fencegate-src-"))
+    atexit.register(shutil.rmtree, stage, ignore_errors=True)
     package = stage / "fencegate"
     package.mkdir()
     for item in (source / "fencegate").iterdir():
@@ -273,6 +394,7 @@ def start_gateway(
     workers: int = 1,
     event_loop: str | None = None,
     durable: bool = True,
+    store_lines: Sequence[str] = (),
 ) -> tuple[Proc, str]:
     """``fencegate serve`` with a temporary config: (process, base URL).
 
@@ -282,6 +404,7 @@ def start_gateway(
     ``server.workers`` and ``event_loop`` is ``server.event_loop`` (a tree from before them
     refuses the keys). ``durable=False`` (a Redis run with ``appendfsync everysec``) sets
     ``store.require_durable = false``, else /readyz would never let the gateway start.
+    ``store_lines`` go into ``[store]`` (e.g. ``postgres_max_connections = 32``).
     """
     directory.mkdir(parents=True)
     port = free_port()
@@ -295,6 +418,7 @@ def start_gateway(
         f"url = {json.dumps(store_url)}",
         f'sqlite_synchronous = "{sqlite_synchronous}"',
         *([] if durable else ["require_durable = false"]),
+        *store_lines,
     ]
     if store_timeout_ms is not None:
         lines.append(f"timeout_ms = {store_timeout_ms}")

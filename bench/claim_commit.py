@@ -11,7 +11,10 @@ For every phase the benchmark starts its own processes on loopback, in a tempora
   requests with fixed JSON, no store, no validation, no logging;
 * ``sqlite``: ``fencegate serve`` on the embedded store (a fresh database file);
 * ``redis``: a private ``redis-server`` (AOF on, ``appendfsync always`` by default) and
-  ``fencegate serve`` on it. It never talks to a Redis it did not start.
+  ``fencegate serve`` on it. It never talks to a Redis it did not start;
+* ``postgres``: a private PostgreSQL cluster (``initdb`` in the temporary directory, a free
+  loopback port, ``fsync=on``, ``synchronous_commit=on``; ``tests.postgres_server``) with a new
+  database, and ``fencegate serve`` on it. It never talks to the machine's own PostgreSQL.
 
 Each phase first PUTs every task (not measured), runs a few warm-up cycles (not measured), then
 runs the measured part: ``--concurrency`` workers on one client session take task ids from one
@@ -63,6 +66,7 @@ from bench._procs import (
     scan_gateway_log,
     start_gateway,
     start_module_server,
+    start_postgres,
     start_redis,
     terminable,
 )
@@ -425,6 +429,15 @@ class PhaseResult:
             return None
         return sum(self.server_cpu_s.values()) * 1000 / self.cycles
 
+    def store_cpu_ms_per_cycle(self) -> float | None:
+        """CPU of the store's own server processes (``redis-server``; ``postgres``: the
+        postmaster and all its backends), per cycle; None for SQLite (in the gateway) and the
+        baseline."""
+        if self.server_cpu_s is None or not self.cycles:
+            return None
+        mine = [cpu for name, cpu in self.server_cpu_s.items() if name in STORE_SERVERS]
+        return sum(mine) * 1000 / self.cycles if mine else None
+
     def summary(self, reference: PhaseResult | None) -> dict[str, Any]:
         p50 = percentile(self.cycle_ms, 50)
         ref_p50 = percentile(reference.cycle_ms, 50) if reference else None
@@ -444,6 +457,7 @@ class PhaseResult:
             "commitP50Ms": _round(percentile(self.commit_ms, 50)),
             "commitP99Ms": _round(percentile(self.commit_ms, 99)),
             "serverCpuMsPerCycle": _round(self.server_cpu_ms_per_cycle()),
+            "storeCpuMsPerCycle": _round(self.store_cpu_ms_per_cycle(), 3),
             "serverCpuMsPerCycleByProcess": {
                 name: _round(cpu * 1000 / self.cycles)
                 for name, cpu in (self.server_cpu_s or {}).items()
@@ -585,6 +599,36 @@ def phase_sqlite(work: Path, args: argparse.Namespace) -> PhaseResult:
     return result
 
 
+def phase_postgres(work: Path, top: Path, args: argparse.Namespace) -> tuple[PhaseResult, str]:
+    """A private PostgreSQL cluster with a new database, and a gateway on it."""
+    server, urls, version = start_postgres(work / "postgres", top, ["fencegate"])
+    procs: list[Proc] = [server]
+    try:
+        gateway, base = start_gateway(
+            work / "postgres-gateway",
+            urls[0],
+            log_level=args.log_level,
+            sqlite_synchronous=args.sqlite_synchronous,
+            source=args.gateway_src,
+            store_timeout_ms=args.store_timeout_ms,
+            store_lines=postgres_store_lines(args),
+        )
+        procs.append(gateway)
+        result = run_phase("postgres", base, procs, args, verify=not args.no_verify)
+    except BaseException:
+        for proc in reversed(procs):
+            proc.stop()
+        raise
+    _finish(result, procs, gateway.log_path)
+    return result, version
+
+
+def postgres_store_lines(args: argparse.Namespace) -> list[str]:
+    if args.postgres_max_connections is None:
+        return []
+    return [f"postgres_max_connections = {args.postgres_max_connections}"]
+
+
 def phase_redis(work: Path, args: argparse.Namespace) -> tuple[PhaseResult, str]:
     server, url, version = start_redis(args.redis_server, work / "redis", args.appendfsync)
     procs = [server]
@@ -694,6 +738,7 @@ def render_table(summaries: Sequence[dict[str, Any]]) -> str:
         "p50 ms",
         "p99 ms",
         "srv CPU ms/cycle",
+        "store CPU ms/cycle",
         "rate / base",
         "p50 / base",
     )
@@ -709,6 +754,7 @@ def render_table(summaries: Sequence[dict[str, Any]]) -> str:
                 fmt(s["cycleP50Ms"], ".2f"),
                 fmt(s["cycleP99Ms"], ".2f"),
                 fmt(s["serverCpuMsPerCycle"], ".2f"),
+                fmt(s["storeCpuMsPerCycle"], ".3f"),
                 fmt(s["rateVsBaseline"], ".3f"),
                 fmt(s["p50VsBaseline"], ".2f"),
             )
@@ -720,7 +766,9 @@ def render_table(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 #: Stores measured by default, in phase order.
-STORES_DEFAULT = "sqlite,redis"
+STORES_DEFAULT = "sqlite,redis,postgres"
+#: The names of the store server processes among a phase's processes.
+STORE_SERVERS = ("redis-server", "postgres")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -791,6 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress(f"working in {work} on {fs}")
     results: list[PhaseResult] = []
     redis_version: str | None = None
+    postgres_version: str | None = None
     started = time.monotonic()
     try:
         for n, name in enumerate(phase_plan(args.stores, args.rounds)):
@@ -800,6 +849,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     result = phase_baseline(name, work / f"{n:02d}", args)
                 elif name.startswith("sqlite"):
                     result = phase_sqlite(work / f"{n:02d}", args)
+                    result.name = name
+                elif name.startswith("postgres"):
+                    result, postgres_version = phase_postgres(work / f"{n:02d}", work, args)
                     result.name = name
                 else:
                     result, redis_version = phase_redis(work / f"{n:02d}", args)
@@ -825,8 +877,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = [r.summary(reference_of(neighbours(results, i))) for i, r in enumerate(results)]
     settings = (
         f"{args.tasks} tasks, concurrency {args.concurrency}, redis appendfsync "
-        f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, gateway log level "
-        f"{args.log_level}, {os.cpu_count()} CPUs, temp dir on {fs}, gateway from {origin}"
+        f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, "
+        + (
+            f"postgres fsync=on synchronous_commit=on (pool "
+            f"{args.postgres_max_connections or 'default'}), "
+            if "postgres" in args.stores
+            else ""
+        )
+        + f"gateway log level {args.log_level}, {os.cpu_count()} CPUs, temp dir (every "
+        f"store's data) on {fs}, gateway from {origin}"
     )
     if args.store_timeout_ms is not None:
         settings += f", store.timeout_ms {args.store_timeout_ms}"
@@ -879,6 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rounds": args.rounds,
                 "appendfsync": args.appendfsync,
                 "sqliteSynchronous": args.sqlite_synchronous,
+                "postgresMaxConnections": args.postgres_max_connections,
                 "gatewayLogLevel": args.log_level,
                 "storeTimeoutMs": args.store_timeout_ms,
             },
@@ -888,6 +948,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "python": platform.python_version(),
                 "aiohttp": aiohttp.__version__,
                 "redis": redis_version,
+                "postgres": postgres_version,
                 "tempFilesystem": fs,
                 "gatewaySource": origin,
             },

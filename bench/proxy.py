@@ -15,9 +15,10 @@ measuring client does not share an event loop with any of them:
   200 JSON and counting the calls it gets per ``Idempotency-Key``;
 * ``passthrough``: a minimal aiohttp proxy (``--serve-passthrough``) that forwards the same
   request through one pooled ``ClientSession`` to the same downstream: the baseline;
-* ``fencegate serve`` on a fresh SQLite file, and on a private ``redis-server`` (AOF,
-  ``appendfsync always``), with ``[logging] level = "warning"`` (and once more with ``"info"``,
-  the default, to show what the per-decision logs cost).
+* ``fencegate serve`` on a fresh SQLite file, on a private ``redis-server`` (AOF,
+  ``appendfsync always``) and on a private PostgreSQL cluster (``fsync=on``,
+  ``synchronous_commit=on``, a new database per gateway), with ``[logging] level = "warning"``
+  (and once more with ``"info"``, the default, to show what the per-decision logs cost).
 
 With ``--auth`` every gateway runs with an ``[auth]`` section: one principal (roles scheduler,
 worker, operator, observer) whose random token the benchmark generates (only its SHA-256 goes
@@ -94,6 +95,7 @@ from bench._procs import (
     scan_gateway_log,
     start_gateway,
     start_module_server,
+    start_postgres,
     start_redis,
     terminable,
 )
@@ -117,8 +119,11 @@ REQUEST_TIMEOUT_S = 30.0
 ERROR_SAMPLES = 5
 #: Effects read back through GET /v1/effects/{id} after each fenced phase.
 READ_BACK = 20
-#: Targets of the brief: fenced/passthrough throughput per store, added p99 at half load.
-RATIO_TARGETS = {"redis": 0.6, "sqlite": 0.4}
+#: Targets of the brief: fenced/passthrough throughput per store, added p99 at half load
+#: (none was set for PostgreSQL).
+RATIO_TARGETS: dict[str, float | None] = {"redis": 0.6, "sqlite": 0.4, "postgres": None}
+#: The names of the store server processes (their CPU is reported per call).
+STORE_SERVERS = ("redis-server", "postgres")
 ADDED_P99_TARGET_MS = 2.0
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "proxy-authenticate",
@@ -645,6 +650,12 @@ class PhaseResult:
             return None
         return self.cpu_s[process] * 1000 / self.calls.ok
 
+    def store_cpu_ms_per_call(self) -> float | None:
+        """CPU of the store's server processes per call; None for SQLite (in the gateway)."""
+        mine = [self.cpu_ms_per_call(name) for name in STORE_SERVERS]
+        present = [v for v in mine if v is not None]
+        return sum(present) if present else None
+
 
 async def downstream_stats(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
     stats: dict[str, Any] = await _json_call(
@@ -812,6 +823,7 @@ class Setup:
     targets: dict[str, Target] = field(default_factory=dict)
     procs: list[Proc] = field(default_factory=list)  # in start order
     redis_version: str | None = None
+    postgres_version: str | None = None
     ledger_sizes: dict[str, int] = field(default_factory=dict)  # target -> effects written
 
     def stop(self) -> dict[str, int | None]:
@@ -886,17 +898,30 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
     levels = [args.log_level] + ([] if args.no_info or args.log_level == "info" else ["info"])
     for store in args.stores:
         store_procs: list[Proc] = []
+        postgres_urls: list[str] = []
         if store == "redis":
             server, url, setup.redis_version = start_redis(
                 args.redis_server, work / "redis", args.appendfsync
             )
             setup.procs.append(server)
             store_procs.append(server)
-        for level in levels:
+        elif store == "postgres":
+            # One cluster (like the one redis-server), a database of its own per gateway.
+            pg, postgres_urls, setup.postgres_version = start_postgres(
+                work / "postgres", work, [f"fencegate_{level}" for level in levels]
+            )
+            setup.procs.append(pg)
+            store_procs.append(pg)
+        store_lines: list[str] = []
+        if store == "postgres" and args.postgres_max_connections is not None:
+            store_lines = [f"postgres_max_connections = {args.postgres_max_connections}"]
+        for n, level in enumerate(levels):
             name = store if level == args.log_level else f"{store} {level}"
             directory = work / f"gateway-{name.replace(' ', '-')}"
             if store == "sqlite":
                 url = f"sqlite:///{directory / 'fencegate.db'}"  # absolute path: four slashes
+            elif store == "postgres":
+                url = postgres_urls[n]
             python_args: list[str] = []
             if args.cprofile:
                 prof = Path(args.cprofile).resolve() / f"gateway-{name.replace(' ', '-')}.prof"
@@ -912,7 +937,8 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
                 python_args=python_args,
                 workers=args.workers,
                 event_loop=args.event_loop,
-                durable=args.appendfsync == "always",
+                durable=args.appendfsync == "always" or store == "postgres",
+                store_lines=store_lines,
             )
             setup.procs.append(gateway)
             progress(f"gateway {name}: pid {gateway.pid}, {base}")
@@ -1174,6 +1200,10 @@ def store_figures(
                 "passthroughCpuMsPerCall": _round(
                     _median([p.cpu_ms_per_call("passthrough") for p in base]), 3
                 ),
+                # redis-server, or the PostgreSQL postmaster with all its backends (/proc).
+                "storeServerCpuMsPerCall": _round(
+                    _median([results[i].store_cpu_ms_per_call() for i in peak]), 3
+                ),
                 "infoCallsPerSecond": _round(results[info[0]].rate, 1) if info else None,
                 "infoRatio": summaries[info[0]]["rateVsPassthrough"] if info else None,
                 "infoGatewayCpuMsPerCall": summaries[info[0]]["proxyCpuMsPerCall"]
@@ -1216,7 +1246,9 @@ def render_figures(figures: Sequence[dict[str, Any]]) -> str:
                 fmt(f["fencedCallsPerSecond"], ".0f"),
                 f"{fmt(f['fencedP50Ms'], '.2f')} / {fmt(f['fencedP99Ms'], '.2f')}",
                 fmt(ratio, ".3f"),
-                f">={f['ratioTarget']} "
+                "-"
+                if f["ratioTarget"] is None
+                else f">={f['ratioTarget']} "
                 + _verdict(None if ratio is None else ratio >= f["ratioTarget"]),
                 fmt(f["infoCallsPerSecond"], ".0f"),
                 fmt(f["infoRatio"], ".3f"),
@@ -1235,7 +1267,7 @@ def render_figures(figures: Sequence[dict[str, Any]]) -> str:
 
 
 #: Stores measured by default, in phase order.
-STORES_DEFAULT = "redis,sqlite"
+STORES_DEFAULT = "redis,sqlite,postgres"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -1385,8 +1417,13 @@ def _print_report(
         print(
             f"{f['store']}: CPU per call: gateway {fmt(f['gatewayCpuMsPerCall'], '.3f')} ms "
             f"(log level {args.log_level}), {fmt(f['infoGatewayCpuMsPerCall'], '.3f')} ms (info); "
-            f"passthrough {fmt(f['passthroughCpuMsPerCall'], '.3f')} ms; paced: client send lag "
-            f"p99 {fmt(f['pacedClientLagP99Ms'], '.2f')} ms",
+            f"passthrough {fmt(f['passthroughCpuMsPerCall'], '.3f')} ms; "
+            + (
+                ""
+                if f["storeServerCpuMsPerCall"] is None
+                else f"store server {f['storeServerCpuMsPerCall']:.3f} ms; "
+            )
+            + f"paced: client send lag p99 {fmt(f['pacedClientLagP99Ms'], '.2f')} ms",
             file=out,
         )
     for s in summaries:
@@ -1464,9 +1501,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{args.paced_fraction:g} x fenced peak"
         )
         + f" for {args.paced_seconds:g}s, redis appendfsync "
-        f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, gateway log level "
-        f"{args.log_level}, {os.cpu_count()} CPUs shared by client, proxy, downstream and store, "
-        f"temp dir on {fs}, gateway from {origin}"
+        f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, "
+        + (
+            f"postgres fsync=on synchronous_commit=on (pool "
+            f"{args.postgres_max_connections or 'default'}), "
+            if "postgres" in args.stores
+            else ""
+        )
+        + f"gateway log level {args.log_level}, {os.cpu_count()} CPUs shared by client, proxy, "
+        f"downstream and store, temp dir (every store's data) on {fs}, gateway from {origin}"
     )
     if args.workers > 1:
         settings += (
@@ -1507,6 +1550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "python": platform.python_version(),
                 "aiohttp": aiohttp.__version__,
                 "redis": setup.redis_version,
+                "postgres": setup.postgres_version,
                 "tempFilesystem": fs,
                 "gatewaySource": origin,
             },

@@ -30,26 +30,15 @@ import structlog
 from asyncpg.pool import PoolConnectionProxy
 
 from fencegate.ledger import sql_steps
-from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import FencegateError, StoreUnavailable
-from fencegate.ledger.queries import Gauges, TaskFilter
+from fencegate.ledger.sql_store import SqlStore
 from fencegate.ledger.store import (
-    EffectTransition,
     Store,
     StoreKind,
     StoreOptions,
-    decode_cursor,
-    new_id,
 )
 from fencegate.ledger.tasks import (
-    ClaimRequest,
-    CommitRequest,
-    Identity,
     LeasePolicy,
-    PutOutcome,
-    RenewRequest,
-    Scheduler,
-    Task,
 )
 
 __all__ = ["STORE_KIND", "PostgresStore", "durability_warnings"]
@@ -188,7 +177,9 @@ class _Sent:
         self.commit = False
 
 
-class PostgresStore(Store):
+class PostgresStore(SqlStore):
+    dialect = _POSTGRES
+
     #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
     #: instead of the database's clock. Production never sets it; no config key reaches it.
     clock_pinned_ms: int | None = None
@@ -390,149 +381,6 @@ class PostgresStore(Store):
         await self._ensure_schema()
         now: int = await self._with_connection(self._now)
         return now
-
-    # --- transitions ------------------------------------------------------------------------
-
-    async def put_task(
-        self, task_id: str, input_digest: str, max_runtime_ms: int | None
-    ) -> tuple[Task, PutOutcome]:
-        return await self._steps(
-            lambda: sql_steps.put_task(_POSTGRES, task_id, input_digest, max_runtime_ms),
-            "put_task",
-        )
-
-    async def get_task(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.get_task(_POSTGRES, task_id), "get_task")
-
-    async def list_tasks(
-        self, wanted: TaskFilter, limit: int, after: str | None
-    ) -> tuple[list[Task], str | None]:
-        return await self._steps(
-            lambda: sql_steps.list_tasks(_POSTGRES, wanted, limit, after), "list_tasks"
-        )
-
-    async def claim(self, task_id: str, request: ClaimRequest) -> Task:
-        attempt_id = new_id()
-        return await self._steps(
-            lambda: sql_steps.claim(_POSTGRES, task_id, request, self.policy, attempt_id),
-            "claim",
-        )
-
-    async def renew(self, task_id: str, request: RenewRequest) -> Task:
-        return await self._steps(
-            lambda: sql_steps.renew(_POSTGRES, task_id, request, self.policy), "renew"
-        )
-
-    async def release(self, task_id: str, identity: Identity) -> Task:
-        return await self._steps(lambda: sql_steps.release(_POSTGRES, task_id, identity), "release")
-
-    async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
-        commit_id = new_id()
-        return await self._steps(
-            lambda: sql_steps.commit(_POSTGRES, task_id, request, commit_id), "commit"
-        )
-
-    async def cancel(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.cancel(_POSTGRES, task_id), "cancel")
-
-    async def get_scheduler(self) -> Scheduler:
-        return await self._steps(lambda: sql_steps.get_scheduler(_POSTGRES), "get_scheduler")
-
-    async def bump_epoch(self) -> Scheduler:
-        return await self._steps(lambda: sql_steps.bump_epoch(_POSTGRES), "bump_epoch")
-
-    async def set_claims_paused(self, paused: bool) -> Scheduler:
-        return await self._steps(
-            lambda: sql_steps.set_claims_paused(_POSTGRES, paused), "set_claims_paused"
-        )
-
-    # --- the idempotency ledger -------------------------------------------------------------
-
-    async def check_fence(self, fence: Fence) -> Task:
-        return await self._steps(lambda: sql_steps.check_fence(_POSTGRES, fence), "check_fence")
-
-    async def prepare_effect(
-        self,
-        request: EffectRequest,
-        forward_deadline_ms: int,
-        *,
-        resend_window_ms: int | None = None,
-        require_approval: bool = False,
-    ) -> PrepareOutcome:
-        return await self._steps(
-            lambda: sql_steps.prepare_effect(
-                _POSTGRES,
-                request,
-                forward_deadline_ms,
-                resend_window_ms=resend_window_ms,
-                require_approval=require_approval,
-                windows_from=None,  # the database's clock loses no downtime
-            ),
-            "prepare_effect",
-        )
-
-    async def complete_effect(
-        self,
-        task_id: str,
-        effect_id: str,
-        seq: int,
-        attempt_id: str,
-        outcome: EffectState,
-        reason: str,
-        response_json: str | None,
-    ) -> tuple[Effect, bool]:
-        return await self._steps(
-            lambda: sql_steps.complete_effect(
-                _POSTGRES, effect_id, seq, attempt_id, outcome, reason, response_json
-            ),
-            "complete_effect",
-        )
-
-    async def get_effect(self, effect_id: str) -> Effect:
-        return await self._steps(lambda: sql_steps.get_effect(_POSTGRES, effect_id), "get_effect")
-
-    async def list_effects(
-        self,
-        *,
-        state: EffectState | None,
-        task_id: str | None,
-        downstream: str | None,
-        limit: int,
-        cursor: str | None,
-    ) -> tuple[list[Effect], str | None]:
-        after = decode_cursor(cursor) if cursor else (-1, "")
-        return await self._steps(
-            lambda: sql_steps.list_effects(
-                _POSTGRES,
-                state=state,
-                task_id=task_id,
-                downstream=downstream,
-                limit=limit,
-                after=after,
-            ),
-            "list_effects",
-        )
-
-    async def unsettled_effects(
-        self, limit: int, probe_downstreams: frozenset[str]
-    ) -> list[Effect]:
-        return await self._steps(
-            lambda: sql_steps.unsettled_effects(_POSTGRES, limit, probe_downstreams),
-            "unsettled_effects",
-        )
-
-    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
-        return await self._steps(
-            lambda: sql_steps.find_forward(_POSTGRES, task_id, forward_id), "find_forward"
-        )
-
-    async def gauges(self) -> Gauges:
-        return await self._steps(lambda: sql_steps.gauges(_POSTGRES), "gauges")
-
-    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
-        return await self._steps(
-            lambda: sql_steps.update_effect(_POSTGRES, effect_id, transition), "update_effect"
-        )
 
 
 def _reason(exc: BaseException) -> str:

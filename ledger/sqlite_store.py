@@ -22,31 +22,20 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from fencegate.ledger import sql_steps
 from fencegate.ledger.clock import ClockMark, ClockSources, StoreClock
-from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import FencegateError, StoreUnavailable
-from fencegate.ledger.queries import Gauges, TaskFilter
+from fencegate.ledger.sql_store import SqlStore
 from fencegate.ledger.store import (
-    EffectTransition,
     Store,
     StoreKind,
     StoreOptions,
-    decode_cursor,
-    new_id,
 )
 from fencegate.ledger.tasks import (
-    ClaimRequest,
-    CommitRequest,
-    Identity,
     LeasePolicy,
-    PutOutcome,
-    RenewRequest,
-    Scheduler,
-    Task,
 )
 
 __all__ = ["STORE_KIND", "SQLiteStore"]
@@ -143,7 +132,19 @@ def _settle(answers: list[_Answer]) -> None:
             job.future.set_exception(error)
 
 
-class SQLiteStore(Store):
+#: SQLite's fragments: steps run one at a time in the writer thread, so nothing is locked.
+_SQLITE = sql_steps.Dialect(
+    for_update="",
+    lock_scheduler_shared="",
+    lock_scheduler_exclusive="",
+    json_text=lambda key: f"json_extract(fields, '$.{key}')",
+    json_int=lambda key: f"(json_extract(fields, '$.{key}') + 0)",
+)
+
+
+class SQLiteStore(SqlStore):
+    dialect = _SQLITE
+
     def __init__(
         self,
         path: str,
@@ -422,157 +423,19 @@ class SQLiteStore(Store):
     async def now_ms(self) -> int:
         return await self._run(lambda conn, now: now, "now")
 
-    def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> Awaitable[T]:
+    async def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> T:
         """Run a shared SQL step (``ledger.sql_steps``) in the writer thread; ``make`` builds
         it there, so whatever it reads of the store (its clock) is read at step time."""
-        return self._run(
+        return await self._run(
             lambda conn, now: sql_steps.run_sync(_executor(conn), make(), now),
             op,
         )
 
-    # --- transitions ------------------------------------------------------------------------
-
-    async def put_task(
-        self, task_id: str, input_digest: str, max_runtime_ms: int | None
-    ) -> tuple[Task, PutOutcome]:
-        return await self._steps(
-            lambda: sql_steps.put_task(_SQLITE, task_id, input_digest, max_runtime_ms),
-            "put_task",
-        )
-
-    async def get_task(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.get_task(_SQLITE, task_id), "get_task")
-
-    async def list_tasks(
-        self, wanted: TaskFilter, limit: int, after: str | None
-    ) -> tuple[list[Task], str | None]:
-        return await self._steps(
-            lambda: sql_steps.list_tasks(_SQLITE, wanted, limit, after), "list_tasks"
-        )
-
-    async def claim(self, task_id: str, request: ClaimRequest) -> Task:
-        attempt_id = new_id()
-        return await self._steps(
-            lambda: sql_steps.claim(_SQLITE, task_id, request, self.policy, attempt_id), "claim"
-        )
-
-    async def renew(self, task_id: str, request: RenewRequest) -> Task:
-        return await self._steps(
-            lambda: sql_steps.renew(_SQLITE, task_id, request, self.policy), "renew"
-        )
-
-    async def release(self, task_id: str, identity: Identity) -> Task:
-        return await self._steps(lambda: sql_steps.release(_SQLITE, task_id, identity), "release")
-
-    async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
-        commit_id = new_id()
-        return await self._steps(
-            lambda: sql_steps.commit(_SQLITE, task_id, request, commit_id), "commit"
-        )
-
-    async def cancel(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.cancel(_SQLITE, task_id), "cancel")
-
-    async def get_scheduler(self) -> Scheduler:
-        return await self._steps(lambda: sql_steps.get_scheduler(_SQLITE), "get_scheduler")
-
-    async def bump_epoch(self) -> Scheduler:
-        return await self._steps(lambda: sql_steps.bump_epoch(_SQLITE), "bump_epoch")
-
-    async def set_claims_paused(self, paused: bool) -> Scheduler:
-        return await self._steps(
-            lambda: sql_steps.set_claims_paused(_SQLITE, paused), "set_claims_paused"
-        )
-
-    # --- the idempotency ledger -------------------------------------------------------------
-
-    async def check_fence(self, fence: Fence) -> Task:
-        return await self._steps(lambda: sql_steps.check_fence(_SQLITE, fence), "check_fence")
-
-    async def prepare_effect(
-        self,
-        request: EffectRequest,
-        forward_deadline_ms: int,
-        *,
-        resend_window_ms: int | None = None,
-        require_approval: bool = False,
-    ) -> PrepareOutcome:
-        def make() -> sql_steps.Step[PrepareOutcome]:
-            assert self._store_clock is not None
-            return sql_steps.prepare_effect(
-                _SQLITE,
-                request,
-                forward_deadline_ms,
-                resend_window_ms=resend_window_ms,
-                require_approval=require_approval,
-                # Records created before a reboot whose downtime the clock lost get no window.
-                windows_from=self._store_clock.windows_from + self.clock_offset_ms,
-            )
-
-        return await self._steps(make, "prepare_effect")
-
-    async def complete_effect(
-        self,
-        task_id: str,
-        effect_id: str,
-        seq: int,
-        attempt_id: str,
-        outcome: EffectState,
-        reason: str,
-        response_json: str | None,
-    ) -> tuple[Effect, bool]:
-        return await self._steps(
-            lambda: sql_steps.complete_effect(
-                _SQLITE, effect_id, seq, attempt_id, outcome, reason, response_json
-            ),
-            "complete_effect",
-        )
-
-    async def get_effect(self, effect_id: str) -> Effect:
-        return await self._steps(lambda: sql_steps.get_effect(_SQLITE, effect_id), "get_effect")
-
-    async def list_effects(
-        self,
-        *,
-        state: EffectState | None,
-        task_id: str | None,
-        downstream: str | None,
-        limit: int,
-        cursor: str | None,
-    ) -> tuple[list[Effect], str | None]:
-        after = decode_cursor(cursor) if cursor else (-1, "")
-        return await self._steps(
-            lambda: sql_steps.list_effects(
-                _SQLITE,
-                state=state,
-                task_id=task_id,
-                downstream=downstream,
-                limit=limit,
-                after=after,
-            ),
-            "list_effects",
-        )
-
-    async def unsettled_effects(
-        self, limit: int, probe_downstreams: frozenset[str]
-    ) -> list[Effect]:
-        return await self._steps(
-            lambda: sql_steps.unsettled_effects(_SQLITE, limit, probe_downstreams),
-            "unsettled_effects",
-        )
-
-    async def find_forward(self, task_id: str, forward_id: str) -> str | None:
-        return await self._steps(
-            lambda: sql_steps.find_forward(_SQLITE, task_id, forward_id), "find_forward"
-        )
-
-    async def gauges(self) -> Gauges:
-        return await self._steps(lambda: sql_steps.gauges(_SQLITE), "gauges")
-
-    async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
-        return await self._steps(
-            lambda: sql_steps.update_effect(_SQLITE, effect_id, transition), "update_effect"
-        )
+    def _windows_from(self) -> int:
+        # Records created before a reboot whose downtime the clock lost get no window (read
+        # in the writer thread, when the step runs).
+        assert self._store_clock is not None
+        return int(self._store_clock.windows_from) + self.clock_offset_ms
 
 
 def _executor(conn: sqlite3.Connection) -> Callable[[sql_steps.Sql], Any]:
@@ -585,16 +448,6 @@ def _executor(conn: sqlite3.Connection) -> Callable[[sql_steps.Sql], Any]:
         return None
 
     return execute
-
-
-#: SQLite's fragments: steps run one at a time in the writer thread, so nothing is locked.
-_SQLITE = sql_steps.Dialect(
-    for_update="",
-    lock_scheduler_shared="",
-    lock_scheduler_exclusive="",
-    json_text=lambda key: f"json_extract(fields, '$.{key}')",
-    json_int=lambda key: f"(json_extract(fields, '$.{key}') + 0)",
-)
 
 
 def _check_url(url: str) -> None:
