@@ -316,12 +316,26 @@ class PostgresStore(SqlStore):
         return now + self.clock_offset_ms
 
     async def _drive(self, conn: _Conn, step: sql_steps.Step[T]) -> T:
+        """Open the transaction and run ``step`` in it. ``BEGIN`` goes out with the step's
+        first statement when that one takes no argument (the scheduler lock of claims, renews,
+        commits and prepares): one round trip fewer, on the simple query protocol, which runs
+        several statements in order as one message."""
         reply: Any = None
+        begun = False
         while True:
             try:
                 sql = step.send(reply)
             except StopIteration as done:
+                if not begun:
+                    await conn.execute("BEGIN")
                 return done.value  # type: ignore[no-any-return]
+            if not begun:
+                begun = True
+                if sql.rows == "none" and not sql.args:
+                    await conn.execute(f"BEGIN; {sql.text}")
+                    reply = None
+                    continue
+                await conn.execute("BEGIN")
             if sql.rows == "now":
                 reply = await self._now(conn)
             elif sql.rows == "one":
@@ -333,8 +347,8 @@ class PostgresStore(SqlStore):
                 reply = None
 
     async def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> T:
-        """One transition: BEGIN, the shared step, COMMIT; run again (from a fresh step) when
-        it lost a race its transaction could not see coming."""
+        """One transition: BEGIN, the shared step, COMMIT (``_drive``); run again (from a fresh
+        step) when it lost a race its transaction could not see coming."""
         await self._ensure_schema()
         started = time.monotonic()
 
@@ -342,7 +356,6 @@ class PostgresStore(SqlStore):
 
         async def transaction(conn: _Conn) -> T:
             for attempt in range(_RETRIES):
-                await conn.execute("BEGIN")
                 try:
                     result = await self._drive(conn, make())
                 except _RETRY:
@@ -350,7 +363,8 @@ class PostgresStore(SqlStore):
                     await asyncio.sleep(0.001 * attempt)
                     continue
                 except FencegateError:
-                    await conn.execute("ROLLBACK")
+                    if conn.is_in_transaction():
+                        await conn.execute("ROLLBACK")
                     raise
                 sent.commit = True
                 await conn.execute("COMMIT")
