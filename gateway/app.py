@@ -13,17 +13,27 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from fencegate.adapters.mcp import McpToolCache
 from fencegate.gateway import coordination, ledger_api, openapi, operations
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
 from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
+from fencegate.gateway.mcp import mcp_handler
 from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
 from fencegate.gateway.problems import error_middleware
 from fencegate.gateway.proxy import proxy_answer_headers, proxy_handler
 from fencegate.gateway.reconcile import Reconciler
 from fencegate.gateway.request_guard import request_guard
-from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from fencegate.gateway.state import (
+    ADAPTERS,
+    CONFIG,
+    HTTP_CLIENT,
+    MCP_TOOLS,
+    METRICS,
+    PENDING_ABORTS,
+    STORE,
+)
 from fencegate.gateway.version import gateway_version
 from fencegate.ledger.errors import StoreIncompatible, StoreUnavailable
 from fencegate.ledger.registry import open_store
@@ -139,6 +149,9 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.add_routes(ledger_api.routes)
     app.add_routes(operations.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
+    app[MCP_TOOLS] = McpToolCache()
+    for method in ("GET", "POST", "DELETE"):
+        app.router.add_route(method, "/mcp/{downstream}", mcp_handler)
     # Refusals made before the proxy handler (the request guard's 413...) carry Fence-* too.
     app.on_response_prepare.append(proxy_answer_headers)
     return app

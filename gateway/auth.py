@@ -119,8 +119,11 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("POST", "/v1/effects/{effect_id}/resolve"): _only(_OPERATOR),
         ("POST", "/v1/effects/{effect_id}/approve"): _only(_OPERATOR),
         ("POST", "/v1/effects/{effect_id}/reconcile"): _only(_OPERATOR),
-        # the fenced proxy: workers, under a lease
+        # the fenced proxy and the MCP gateway: workers, under a lease
         ("*", "/proxy/{tail}"): _only(_WORKER),
+        ("GET", "/mcp/{downstream}"): _only(_WORKER),
+        ("POST", "/mcp/{downstream}"): _only(_WORKER),
+        ("DELETE", "/mcp/{downstream}"): _only(_WORKER),
     }
 )
 
@@ -129,6 +132,7 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
 _OWN_PREFIXES = ("/v1/",)
 _OWN_PATHS = frozenset({"/metrics"})
 _PROXY_ROUTE = "/proxy/{tail}"
+_MCP_ROUTE = "/mcp/{downstream}"
 _MAX_TOKEN = 4096
 
 
@@ -343,6 +347,9 @@ def _scope_target(request: web.Request, key: tuple[str, str]) -> tuple[str | Non
             downstream = None
         tasks = request.headers.getall("Fence-Task", [])
         return downstream, tasks[0].strip() if len(tasks) == 1 else None
+    if key[1] == _MCP_ROUTE:
+        tasks = request.headers.getall("Fence-Task", [])
+        return request.match_info.get("downstream"), tasks[0].strip() if len(tasks) == 1 else None
     return None, request.match_info.get("task_id")
 
 

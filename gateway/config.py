@@ -313,7 +313,7 @@ Status = Annotated[int, Field(ge=100, le=599)]
 #: Placeholders a probe path may use.
 PROBE_PLACEHOLDERS = frozenset({"effectId", "taskId", "slot", "node", "revision"})
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-AdapterKind = Literal["http", "idempotent", "probe", "conditional", "manual"]
+AdapterKind = Literal["http", "idempotent", "probe", "conditional", "manual", "mcp"]
 
 
 class OutcomesConfig(_Section):
@@ -374,10 +374,31 @@ class ProbeConfig(_Section):
         return value
 
 
+class McpToolConfig(_Section):
+    """``[downstreams.tools.NAME]`` (adapter = "mcp"): what a tool is, whatever its
+    annotations in ``tools/list`` say (they are the server's hints)."""
+
+    #: read_only: fence-checked, never recorded; idempotent: re-sent after UNKNOWN within
+    #: dedupe_window_ms; effect: never re-sent. Unset: from the tool's annotations.
+    kind: Literal["read_only", "idempotent", "effect"] | None = None
+    #: How long the server deduplicates on the effectId it gets in params._meta.
+    dedupe_window_ms: Annotated[int, Field(ge=1, le=365 * _DAY_MS)] | None = None
+    #: Every call of this tool waits for an operator's approval of its exact payload.
+    require_approval: bool = False
+    #: This tool's forward timeout (default: the downstream's timeout_ms).
+    timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] | None = None
+
+    @model_validator(mode="after")
+    def _window_for_idempotent(self) -> McpToolConfig:
+        if self.dedupe_window_ms is not None and self.kind not in (None, "idempotent"):
+            raise ValueError("dedupe_window_ms is only for kind = 'idempotent' (or unset)")
+        return self
+
+
 class DownstreamConfig(_Section):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     url: str
-    #: http | idempotent | probe | conditional | manual (see config.example.toml).
+    #: http | idempotent | probe | conditional | manual | mcp (see config.example.toml).
     adapter: AdapterKind = "http"
     #: Whole forward, from connect to the last response byte. Past it the effect is UNKNOWN.
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] = 10_000
@@ -423,6 +444,11 @@ class DownstreamConfig(_Section):
     enforcement: Literal["enforce", "shadow"] | None = None
     #: manual: how long an approval stays usable.
     approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
+    #: mcp: per-tool policies, by tool name.
+    tools: Annotated[
+        dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_./:-]{1,200}$")], McpToolConfig],
+        Field(max_length=1000),
+    ] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _adapter_options(self) -> DownstreamConfig:
@@ -431,6 +457,7 @@ class DownstreamConfig(_Section):
             "dedupe_window_ms": ("idempotent",),
             "probe": ("probe",),
             "require_approval": ("manual",),
+            "tools": ("mcp",),
         }
         required = needs.get(self.adapter)
         if required is not None and getattr(self, required) is None:

@@ -14,6 +14,7 @@ from fencegate.adapters import (
     ProbeAdapter,
     ProbeSpec,
 )
+from fencegate.adapters.mcp import McpAdapter, ToolOverride
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.ledger.effects import EffectState
 
@@ -66,6 +67,12 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
         return make(ProbeAdapter, probe=spec)
     if downstream.adapter == "conditional":
         return make(ConditionalAdapter)
+    if downstream.adapter == "mcp":
+        tools = {
+            name: ToolOverride(t.kind, t.dedupe_window_ms, t.require_approval, t.timeout_ms)
+            for name, t in downstream.tools.items()
+        }
+        return make(McpAdapter, tools=tools)
     return make(
         ManualAdapter,
         approval_required=downstream.require_approval,

@@ -705,6 +705,55 @@ def _proxy_path() -> dict[str, Any]:
     return {"/proxy/{tail}": operations}
 
 
+def _mcp_path() -> dict[str, Any]:
+    """The MCP gateway (docs/PROTOCOL.md, "MCP"): the bodies are MCP's JSON-RPC messages, and
+    its refusals are JSON-RPC errors, not problem+json (authentication's 401/403 aside)."""
+    params = [
+        {
+            "name": "downstream",
+            "in": "path",
+            "required": True,
+            "description": "a downstream with adapter = \"mcp\"",
+            "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        },
+        *(
+            {"name": name, "in": "header", "required": False, "description": what,
+             "schema": {"type": "string"}}
+            for name, what in (
+                ("Fence-Task", "taskId (every method but the lease-free ones)"),
+                ("Fence-Attempt", "attemptId"),
+                ("Fence-Generation", "claimGeneration"),
+                ("Fence-Epoch", "schedulerEpoch"),
+                ("Fence-Cancel", "the cancelGeneration the worker observed"),
+                ("Fence-Node", "node, default main"),
+                ("Mcp-Session-Id", "the MCP session (handshake revisions)"),
+                ("MCP-Protocol-Version", "the MCP revision the session speaks"),
+            )
+        ),
+    ]  # fmt: skip
+    relayed = {
+        "description": "the MCP server's answer (JSON or text/event-stream), a replayed "
+        "answer, or a JSON-RPC error naming the refusal in error.data.code",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+    operations: dict[str, Any] = {"parameters": params}
+    for method, summary in (
+        ("get", "The server's stream of the session (relayed)"),
+        ("post", "One JSON-RPC message; tools/call is a fenced, recorded effect"),
+        ("delete", "End the session (relayed)"),
+    ):
+        operations[method] = {
+            "operationId": f"mcp{method.capitalize()}",
+            "summary": summary,
+            "tags": ["mcp"],
+            "responses": {"default": relayed},
+        }
+    return {"/mcp/{downstream}": operations}
+
+
 @cache
 def document() -> dict[str, Any]:
     """The whole OpenAPI 3.1 document (the same object on every call: do not mutate it)."""
@@ -720,6 +769,7 @@ def document() -> dict[str, Any]:
         **_scheduler_paths(),
         **_ledger_paths(),
         **_proxy_path(),
+        **_mcp_path(),
     }
     return {
         "openapi": "3.1.0",
@@ -728,7 +778,8 @@ def document() -> dict[str, Any]:
             "version": "1",
             "description": "Fencing gateway and idempotency ledger. The contract in prose is "
             "docs/PROTOCOL.md; every error is application/problem+json (RFC 9457) with a "
-            "machine-readable code. Authentication applies only when the gateway's config has "
+            "machine-readable code, except on /mcp, whose refusals are JSON-RPC errors. "
+            "Authentication applies only when the gateway's config has "
             "[auth] (docs/security.md).",
         },
         "servers": [{"url": "http://127.0.0.1:8700"}],
@@ -738,6 +789,7 @@ def document() -> dict[str, Any]:
             {"name": "ledger"},
             {"name": "operations"},
             {"name": "proxy"},
+            {"name": "mcp"},
         ],
         "paths": paths,
         "components": {

@@ -89,7 +89,16 @@ from fencegate.ledger.errors import (
 from fencegate.ledger.responses import OMITTED_BY_CONFIG, OMITTED_TOO_LARGE, response_json
 from fencegate.ledger.store import new_id
 
-__all__ = ["proxy_answer_headers", "proxy_handler"]
+__all__ = [
+    "account",
+    "counter_header",
+    "forward_window",
+    "id_header",
+    "proxy_answer_headers",
+    "proxy_handler",
+    "record_outcome",
+    "start_too_late",
+]
 
 log = structlog.get_logger("fencegate.proxy")
 
@@ -146,6 +155,11 @@ def _counter_header(request: web.Request, name: str) -> int:
     return int(value)
 
 
+#: The ``Fence-*`` header readers, for ``/mcp`` too.
+id_header = _id_header
+counter_header = _counter_header
+
+
 def _check_framing(request: web.Request) -> None:
     """Refuse requests whose body length is ambiguous; a proxy that guesses is smuggled."""
     lengths = request.headers.getall("Content-Length", [])
@@ -165,6 +179,8 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
     downstream = config.downstream(name)
     if downstream is None:
         raise NoSuchDownstream(f"no downstream named {name!r} is configured")
+    if downstream.adapter == "mcp":
+        raise NoSuchDownstream(f"{name!r} is an MCP server: its calls go to /mcp/{name}")
     _check_framing(request)
     refuse_method_override(method, request.headers.items(), tail)
     task_id = _id_header(request, "Fence-Task")
@@ -445,16 +461,7 @@ async def _carry_out(
     request: web.Request, call: _Call, decision: Decision, prepared: _Prepared | None = None
 ) -> web.StreamResponse:
     """The decision's log lines and metrics, then its answer or its forward."""
-    metrics = request.app[METRICS]
-    counters = {"effects": metrics.effects, "shadow_rejections": metrics.shadow_rejections}
-    for metric in decision.metrics:
-        if isinstance(metric, Validation):
-            metrics.decision(metric.point, metric.code, validated=metric.validated)
-        else:
-            counters[metric.counter].labels(*metric.labels).inc()
-    for record in decision.logs:
-        emit = log.warning if record.level == "warning" else log.info
-        emit(record.event, **record.fields)
+    account(request, decision)
     match decision.act:
         case Refuse(error):
             return _refusal(error)
@@ -471,6 +478,25 @@ async def _carry_out(
             if prepared.window.start_left_ms() <= 0:
                 return await _too_late(request, forward, prepared, call.progress)
             return await _forward_effect(request, call, forward, prepared.window)
+
+
+def account(request: web.Request, decision: Decision) -> None:
+    """A decision's log lines and metrics (``/proxy`` and ``/mcp`` alike)."""
+    metrics = request.app[METRICS]
+    counters = {"effects": metrics.effects, "shadow_rejections": metrics.shadow_rejections}
+    for metric in decision.metrics:
+        if isinstance(metric, Validation):
+            metrics.decision(metric.point, metric.code, validated=metric.validated)
+        else:
+            counters[metric.counter].labels(*metric.labels).inc()
+    for record in decision.logs:
+        emit = log.warning if record.level == "warning" else log.info
+        emit(record.event, **record.fields)
+
+
+def forward_window(request: web.Request, sent_at: float, deadline_ms: int) -> _ForwardWindow:
+    """The window a forward prepared at ``sent_at`` (the gateway's monotonic clock) runs in."""
+    return _ForwardWindow(sent_at, request.app[CONFIG].proxy.start_limit_ms, deadline_ms)
 
 
 #: A ceil_threshold no timeout reaches: aiohttp then never rounds a deadline up.
@@ -513,12 +539,24 @@ class _ForwardWindow:
 async def _too_late(
     request: web.Request, forward: Forward, prepared: _Prepared, progress: _Progress
 ) -> web.StreamResponse:
+    error = await start_too_late(
+        request, forward, prepared.effect_request, prepared.window, progress
+    )
+    return _refusal(error)
+
+
+async def start_too_late(
+    request: web.Request,
+    forward: Forward,
+    effect_request: EffectRequest,
+    window: _ForwardWindow,
+    progress: _Progress | None = None,
+) -> FencegateError:
     """The prepare was answered (or the gateway stalled) past the start limit: a bump or a
     cancel may have been acknowledged meanwhile, so nothing is sent. The forward is aborted
     by its id (certainly not sent), now or, when the store does not answer, in the
-    background."""
+    background; the refusal to answer is returned."""
     effect, fields = forward.effect, forward.fields
-    effect_request, window = prepared.effect_request, prepared.window
     deadline_ms = window.deadline_ms
     elapsed = round(window.elapsed_ms())
     log.warning("effect.start_too_late", elapsed_ms=elapsed,
@@ -539,13 +577,14 @@ async def _too_late(
         state = EffectState.PREPARED
     except FencegateError as exc:  # settled meanwhile (an operator): nothing to abort
         log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
-    progress.abort = time.perf_counter() - began
+    if progress is not None:
+        progress.abort = time.perf_counter() - began
     error = StoreUnavailable(
         f"the forward could not start within proxy.forward_start_limit_ms "
         f"({window.start_limit_ms} ms; {elapsed} ms had passed since the prepare was sent); "
         "nothing was forwarded, retry the call"
     )
-    return _refusal(_with_effect(error, effect, state))
+    return _with_effect(error, effect, state)
 
 
 #: Pause between attempts to find and abort a prepare the store did not answer.
@@ -904,12 +943,31 @@ async def _record(
     response_json: str | None,
     fields: Mapping[str, Any],
 ) -> Effect:
-    """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
-    deadline passes: never lost, never replayed as if it had not happened."""
+    """Step two (``record_outcome``), timed for the call's ``Server-Timing``."""
     began = time.perf_counter()
     try:
+        return await record_outcome(request, call.fence, call.downstream.name, effect, seq,
+                                    outcome, reason, response_json, fields)  # fmt: skip
+    finally:
+        call.progress.complete = time.perf_counter() - began
+
+
+async def record_outcome(
+    request: web.Request,
+    fence: Fence,
+    downstream: str,
+    effect: Effect,
+    seq: int,
+    outcome: EffectState,
+    reason: str,
+    response_json: str | None,
+    fields: Mapping[str, Any],
+) -> Effect:
+    """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
+    deadline passes: never lost, never replayed as if it had not happened."""
+    try:
         recorded, applied = await request.app[STORE].complete_effect(
-            call.fence.task_id, effect.effect_id, seq, call.fence.attempt_id, outcome, reason,
+            fence.task_id, effect.effect_id, seq, fence.attempt_id, outcome, reason,
             response_json,
         )  # fmt: skip
     except StoreUnavailable as exc:
@@ -922,13 +980,11 @@ async def _record(
             effect,
             EffectState.UNKNOWN,
         ) from exc
-    finally:
-        call.progress.complete = time.perf_counter() - began
     if not applied:
         log.warning("effect.stale_completion", outcome=outcome.value, state=recorded.state.value,
                     reason=reason, **fields)  # fmt: skip
         return recorded
-    request.app[METRICS].effects.labels(call.downstream.name, outcome.value).inc()
+    request.app[METRICS].effects.labels(downstream, outcome.value).inc()
     event = {
         EffectState.COMMITTED: "effect.committed",
         EffectState.NOT_APPLIED: "effect.not_applied",

@@ -9,11 +9,20 @@ import aiohttp
 from aiohttp import web
 
 from fencegate.adapters import Adapter
+from fencegate.adapters.mcp import McpToolCache
 from fencegate.gateway.config import Config
 from fencegate.gateway.metrics import Metrics
 from fencegate.ledger.store import Store
 
-__all__ = ["ADAPTERS", "CONFIG", "HTTP_CLIENT", "METRICS", "PENDING_ABORTS", "STORE"]
+__all__ = [
+    "ADAPTERS",
+    "CONFIG",
+    "HTTP_CLIENT",
+    "MCP_TOOLS",
+    "METRICS",
+    "PENDING_ABORTS",
+    "STORE",
+]
 
 CONFIG = web.AppKey("config", Config)
 STORE = web.AppKey("store", Store)
@@ -25,3 +34,5 @@ HTTP_CLIENT = web.AppKey("http_client", aiohttp.ClientSession)
 METRICS = web.AppKey("metrics", Metrics)
 #: Background aborts of prepares the store did not answer (cancelled at shutdown).
 PENDING_ABORTS = web.AppKey("pending_aborts", set[asyncio.Task[None]])
+#: MCP tools' annotations per (downstream, session): a cache (``gateway/mcp.py``).
+MCP_TOOLS = web.AppKey("mcp_tools", McpToolCache)

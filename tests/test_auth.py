@@ -66,6 +66,9 @@ EXPECTED: dict[tuple[str, str], set[str]] = {
     ("POST", "/v1/effects/{effect_id}/approve"): {OPS},
     ("POST", "/v1/effects/{effect_id}/reconcile"): {OPS},
     ("*", "/proxy/{tail}"): {WRK},
+    ("GET", "/mcp/{downstream}"): {WRK},
+    ("POST", "/mcp/{downstream}"): {WRK},
+    ("DELETE", "/mcp/{downstream}"): {WRK},
 }
 
 NO_EFFECT = "0" * 64
@@ -148,6 +151,14 @@ SAMPLES: dict[tuple[str, str], tuple[str, str, Any, dict[str, str]]] = {
         {},
     ),
     ("*", "/proxy/{tail}"): ("POST", "/proxy/api/ok/x", {"amount": 1}, NO_LEASE),
+    ("GET", "/mcp/{downstream}"): ("GET", "/mcp/api", None, NO_LEASE),
+    ("POST", "/mcp/{downstream}"): (
+        "POST",
+        "/mcp/api",
+        {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t"}},
+        NO_LEASE,
+    ),
+    ("DELETE", "/mcp/{downstream}"): ("DELETE", "/mcp/api", None, NO_LEASE),
 }
 
 

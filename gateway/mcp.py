@@ -1,0 +1,695 @@
+"""The MCP gateway: ``/mcp/{downstream}``, MCP's streamable-HTTP transport, fenced.
+
+An agent's MCP client talks to the gateway as it would to the server (POST of one JSON-RPC
+message, answered as JSON or as an SSE stream; GET for the server's stream; DELETE to end the
+session), with the lease in the same ``Fence-*`` headers as ``/proxy``. ``tools/call`` is the
+effect, with the ledger's two store steps around one forward exactly as for ``/proxy``
+(``prepare_effect``, forward, ``complete_effect``): nothing reaches the server without a
+PREPARED record, and the answer reaches the agent only once its outcome is recorded (an SSE
+stream's progress events go through as they come; its final answer waits for the record).
+What a message means for the ledger is decided in ``adapters.mcp`` (pure).
+
+Refusals are JSON-RPC error answers with HTTP 200 (``adapters.mcp.error_message``): an MCP
+client reads those, not problem+json. The gateway keeps no session state another gateway
+lacks: the tools' annotations are cached per (downstream, session) and fetched from the
+server (``tools/list`` under the session's id) by whichever gateway misses them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from fencegate.adapters import mcp
+from fencegate.adapters.mcp import McpAdapter, ToolKind, ToolPolicy
+from fencegate.gateway.config import DownstreamConfig
+from fencegate.gateway.http_client import send_once
+from fencegate.gateway.http_rules import canonical_body
+from fencegate.gateway.principals import principal_of
+from fencegate.gateway.proxy import (
+    account,
+    counter_header,
+    forward_window,
+    id_header,
+    record_outcome,
+    start_too_late,
+)
+from fencegate.gateway.proxy_decisions import (
+    Forward,
+    PassThrough,
+    Refuse,
+    Replay,
+    ShadowForward,
+    Subject,
+    call_fields,
+    decide_effect,
+)
+from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, MCP_TOOLS, STORE
+from fencegate.ledger.effects import (
+    Effect,
+    EffectRequest,
+    EffectState,
+    Fence,
+    PrepareOutcome,
+    payload_digest,
+)
+from fencegate.ledger.errors import (
+    BadRequest,
+    DownstreamTimeout,
+    DownstreamUnreachable,
+    FencegateError,
+    NoSuchDownstream,
+    PayloadTooLarge,
+    StoreUnavailable,
+)
+from fencegate.ledger.responses import response_json
+from fencegate.ledger.store import new_id
+
+__all__ = ["KNOWN_PROTOCOL_VERSIONS", "mcp_handler"]
+
+log = structlog.get_logger("fencegate.mcp")
+
+#: Request headers of the agent that the server gets (the transport's own); everything else
+#: stays here (the gateway's credential, Fence-*, cookies).
+_PASSED_REQUEST_HEADERS = frozenset(
+    {
+        "accept",
+        "content-type",
+        "mcp-session-id",
+        "mcp-protocol-version",
+        "mcp-method",
+        "mcp-name",
+        "last-event-id",
+    }
+)
+#: 2026-07-28's routing headers for a tool's arguments (``Mcp-Param-<name>``).
+_PASSED_REQUEST_PREFIX = "mcp-param-"
+#: Response headers of the server that the agent gets.
+_PASSED_RESPONSE_HEADERS = ("content-type", "mcp-session-id", "cache-control", "allow")
+#: Revisions whose messages the gateway understands (docs/PROTOCOL.md, "MCP"): the
+#: ``initialize`` handshake revisions, and 2026-07-28's stateless per-request envelope.
+KNOWN_PROTOCOL_VERSIONS = frozenset(
+    {"2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25", "2026-07-28"}
+)
+#: The per-request envelope's ``_meta`` keys (2026-07-28), copied onto the gateway's own
+#: ``tools/list``.
+_ENVELOPE = "io.modelcontextprotocol/"
+_SSE = "text/event-stream"
+#: Largest SSE event the gateway reads from a server (a larger one: the stream fails).
+_MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+# --- answers -----------------------------------------------------------------------------------
+
+
+def _jsonrpc(message: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=200,
+        body=json.dumps(message, separators=(",", ":")).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _refuse(request_id: Any, error: FencegateError, *, has_id: bool = True) -> web.Response:
+    """A refusal: a JSON-RPC error answer to that request (HTTP 200); a message without an id
+    (a notification, a response) cannot be answered in JSON-RPC, so its HTTP status says it."""
+    message = mcp.error_message(request_id if has_id else None, error)
+    if has_id:
+        return _jsonrpc(message)
+    return web.Response(
+        status=error.status,
+        body=json.dumps(message).encode(),
+        content_type="application/json",
+    )
+
+
+def _fence_meta(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:
+    error.extra.update(effectId=effect.effect_id, effectState=state.value)
+    return error
+
+
+# --- the request -------------------------------------------------------------------------------
+
+
+def _downstream(request: web.Request) -> tuple[DownstreamConfig, McpAdapter]:
+    name = request.match_info["downstream"]
+    downstream = request.app[CONFIG].downstream(name)
+    adapter = request.app[ADAPTERS].get(name) if downstream is not None else None
+    if downstream is None or not isinstance(adapter, McpAdapter):
+        raise NoSuchDownstream(f"no MCP downstream named {name!r} is configured")
+    return downstream, adapter
+
+
+def _fence(request: web.Request) -> Fence | None:
+    """The lease of the ``Fence-*`` headers, None when the request carries none."""
+    if not request.headers.getall("Fence-Task", []):
+        return None
+    task_id = id_header(request, "Fence-Task")
+    attempt_id = id_header(request, "Fence-Attempt")
+    assert task_id is not None and attempt_id is not None
+    principal = principal_of(request)
+    return Fence(
+        task_id=task_id,
+        attempt_id=attempt_id,
+        claim_generation=counter_header(request, "Fence-Generation"),
+        scheduler_epoch=counter_header(request, "Fence-Epoch"),
+        cancel_generation=counter_header(request, "Fence-Cancel"),
+        principal=principal.name if principal is not None else None,
+    )
+
+
+def _protocol_version(request: web.Request) -> None:
+    version = request.headers.get("MCP-Protocol-Version")
+    if version is not None and version not in KNOWN_PROTOCOL_VERSIONS:
+        raise BadRequest(
+            f"MCP-Protocol-Version {version!r} is not one this gateway speaks "
+            f"({', '.join(sorted(KNOWN_PROTOCOL_VERSIONS))})"
+        )
+
+
+def _outbound(
+    request: web.Request, adapter: McpAdapter, identity: Mapping[str, str]
+) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        lower = name.lower()
+        if lower in _PASSED_REQUEST_HEADERS or lower.startswith(_PASSED_REQUEST_PREFIX):
+            headers.add(name, value)
+    headers.update(identity)
+    return headers
+
+
+def _answer_headers(resp: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name in _PASSED_RESPONSE_HEADERS:
+        for value in resp.headers.getall(name, []):
+            headers.add(name, value)
+    return headers
+
+
+async def mcp_handler(request: web.Request) -> web.StreamResponse:
+    """POST (one JSON-RPC message), GET (the server's stream), DELETE (end the session)."""
+    try:
+        downstream, adapter = _downstream(request)
+        _protocol_version(request)
+        fence = _fence(request)
+    except FencegateError as exc:
+        return _refuse(None, exc, has_id=False)
+    if request.method == "POST":
+        return await _post(request, downstream, adapter, fence)
+    if request.method in ("GET", "DELETE"):
+        if fence is not None:
+            try:
+                await request.app[STORE].check_fence(fence)
+            except FencegateError as exc:
+                return _refuse(None, exc, has_id=False)
+        if request.method == "DELETE":
+            session = request.headers.get("Mcp-Session-Id")
+            if session is not None:
+                request.app[MCP_TOOLS].drop(downstream.name, session)
+        return await _relay(request, downstream, adapter, None)
+    raise web.HTTPMethodNotAllowed(request.method, ("GET", "POST", "DELETE"))
+
+
+async def _post(
+    request: web.Request, downstream: DownstreamConfig, adapter: McpAdapter, fence: Fence | None
+) -> web.StreamResponse:
+    limit = downstream.max_body_bytes
+    body = await request.read()
+    if limit is not None and len(body) > limit:
+        return _refuse(
+            None,
+            PayloadTooLarge(f"body over downstreams.{downstream.name}.max_body_bytes"),
+            has_id=False,
+        )
+    try:
+        canonical = canonical_body(body, "application/json")
+        message = json.loads(canonical)
+    except BadRequest as exc:
+        return _refuse(None, exc, has_id=False)
+    except ValueError:
+        return _jsonrpc(
+            {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
+        )
+    if isinstance(message, list):
+        return _jsonrpc(
+            {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {
+                    "code": -32600,
+                    "message": "Invalid Request: JSON-RPC batches are not supported (MCP "
+                    "2025-06-18 dropped them); send one message per POST",
+                },
+            }
+        )
+    if not isinstance(message, dict):
+        return _jsonrpc(
+            {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"}}
+        )
+    method = message.get("method")
+    has_id = "id" in message
+    request_id = message.get("id")
+    if fence is None and method not in mcp.LEASE_FREE_METHODS:
+        what = f"{method}" if isinstance(method, str) else "a response to the server"
+        error = BadRequest(
+            f"{what} needs a lease: send the Fence-Task, Fence-Attempt, "
+            "Fence-Generation, Fence-Epoch and Fence-Cancel headers"
+        )
+        return _refuse(request_id, error, has_id=has_id and isinstance(method, str))
+    if method == mcp.CALL and has_id:
+        assert fence is not None
+        return await _tool_call(request, downstream, adapter, fence, message, canonical is body)
+    if fence is not None:
+        try:
+            await request.app[STORE].check_fence(fence)
+        except FencegateError as exc:
+            return _refuse(request_id, exc, has_id=has_id and isinstance(method, str))
+    return await _relay(request, downstream, adapter, body)
+
+
+# --- tools/call ----------------------------------------------------------------------------
+
+
+async def _tool_policy(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    tool: str,
+    envelope: Mapping[str, Any],
+) -> ToolPolicy:
+    """The tool's policy: its configured kind, else its annotations (cached per session;
+    fetched with the session's own ``tools/list`` on a miss)."""
+    if tool in adapter.tools and adapter.tools[tool].kind is not None:
+        return adapter.policy(tool, None)
+    session = request.headers.get("Mcp-Session-Id", "")
+    cache = request.app[MCP_TOOLS]
+    tools = cache.get(downstream.name, session)
+    if tools is None or tool not in tools:
+        tools = await _list_tools(request, downstream, adapter, envelope)
+        cache.put(downstream.name, session, tools)
+    return adapter.policy(tool, tools.get(tool))
+
+
+async def _list_tools(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    envelope: Mapping[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """Every tool's annotations, as the server lists them to this session (all pages): sent
+    with the session's id and protocol version, and (2026-07-28) the call's envelope."""
+    tools: dict[str, dict[str, Any]] = {}
+    cursor: str | None = None
+    for page in range(100):
+        params: dict[str, Any] = {} if cursor is None else {"cursor": cursor}
+        if envelope:
+            params["_meta"] = dict(envelope)
+        message = {
+            "jsonrpc": "2.0",
+            "id": f"fencegate-tools-{page}",
+            "method": "tools/list",
+            "params": params,
+        }
+        headers = _outbound(request, adapter, adapter.outbound_headers(None, None))
+        headers["Accept"] = f"application/json, {_SSE}"
+        headers["Content-Type"] = "application/json"
+        headers.popall("Mcp-Name", None)
+        for name in [n for n in headers if n.lower().startswith(_PASSED_REQUEST_PREFIX)]:
+            headers.popall(name, None)
+        if "Mcp-Method" in headers:
+            headers["Mcp-Method"] = "tools/list"
+        timeout = aiohttp.ClientTimeout(total=downstream.timeout_ms / 1000)
+        try:
+            async with request.app[HTTP_CLIENT].post(
+                downstream.url,
+                data=json.dumps(message).encode(),
+                headers=headers,
+                timeout=timeout,
+                allow_redirects=False,
+            ) as resp:
+                answer = await _one_answer(resp, message["id"])
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise DownstreamUnreachable(
+                f"{downstream.name}: tools/list (to learn the tool's annotations) failed: "
+                f"{type(exc).__name__}; nothing was sent"
+            ) from exc
+        result = answer.get("result") if answer else None
+        if not isinstance(result, dict):
+            raise DownstreamUnreachable(
+                f"{downstream.name}: tools/list (to learn the tool's annotations) got no "
+                "result; nothing was sent"
+            )
+        for tool in result.get("tools") or []:
+            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                hints = tool.get("annotations")
+                tools[tool["name"]] = hints if isinstance(hints, dict) else {}
+        cursor = result.get("nextCursor")
+        if not isinstance(cursor, str):
+            break
+    return tools
+
+
+async def _one_answer(resp: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
+    """The JSON-RPC answer to ``request_id`` in a JSON or SSE response."""
+    if resp.status != 200:
+        return None
+    if resp.content_type == _SSE:
+        async for _raw, data in _sse_events(resp.content):
+            if isinstance(data, dict) and data.get("id") == request_id and "method" not in data:
+                return data
+        return None
+    answer = await resp.json(content_type=None)
+    return answer if isinstance(answer, dict) else None
+
+
+async def _tool_call(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    fence: Fence,
+    message: dict[str, Any],
+    lossy: bool,
+) -> web.StreamResponse:
+    request_id = message.get("id")
+    try:
+        if lossy:
+            raise BadRequest(
+                "tools/call: a number in the message does not survive a round trip through a "
+                "float (or is -0); send it as a string"
+            )
+        call = mcp.parse_tool_call(message.get("params"))
+        meta = message["params"].get("_meta") or {}
+        envelope = {k: v for k, v in meta.items() if k.startswith(_ENVELOPE)}
+        policy = await _tool_policy(request, downstream, adapter, call.name, envelope)
+    except FencegateError as exc:
+        return _refuse(request_id, exc)
+    if policy.timeout_ms is not None:
+        downstream = downstream.model_copy(update={"timeout_ms": policy.timeout_ms})
+    if policy.kind is ToolKind.READ_ONLY:
+        try:
+            await request.app[STORE].check_fence(fence)
+        except FencegateError as exc:
+            return _refuse(request_id, exc)
+        return await _relay(request, downstream, adapter, json.dumps(message).encode())
+
+    try:
+        node = id_header(request, "Fence-Node", required=False) or "main"
+    except FencegateError as exc:
+        return _refuse(request_id, exc)
+    path = f"/tools/call/{call.name}"
+    effect_request = EffectRequest(
+        fence=fence,
+        node=node,
+        slot=call.slot,
+        downstream=downstream.name,
+        method="POST",
+        path=path,
+        payload_digest=payload_digest("POST", downstream.name, path, call.payload),
+        forward_id=new_id(),
+    )
+    config = request.app[CONFIG]
+    deadline_ms = downstream.timeout_ms + config.proxy.prepared_margin_ms
+    fields = call_fields(
+        fence,
+        downstream.name,
+        "POST",
+        node=node,
+        slot=call.slot,
+        payload_digest=effect_request.payload_digest,
+        tool=call.name,
+    )
+    enforcement = downstream.enforcement or config.proxy.enforcement
+    subject = Subject(downstream.name, fields, enforcement == "shadow", adapter.kind)
+    sent_at = time.monotonic()
+    prepared: PrepareOutcome | FencegateError
+    try:
+        prepared = await request.app[STORE].prepare_effect(
+            effect_request,
+            deadline_ms,
+            resend_window_ms=policy.resend_window_ms,
+            require_approval=policy.require_approval,
+        )
+    except FencegateError as exc:
+        prepared = exc
+    decision = decide_effect(subject, prepared)
+    account(request, decision)
+    match decision.act:
+        case Refuse(error):
+            return _refuse(request_id, error)
+        case Replay(effect):
+            return _replay(effect, request_id)
+        case ShadowForward() | PassThrough():
+            return await _relay(request, downstream, adapter, json.dumps(message).encode())
+        case Forward() as forward:
+            window = forward_window(request, sent_at, deadline_ms)
+            if window.start_left_ms() <= 0:
+                error = await start_too_late(request, forward, effect_request, window)
+                return _refuse(request_id, error)
+            return await _forward_call(
+                request, downstream, adapter, fence, forward, window, message
+            )
+    raise AssertionError(decision.act)  # pragma: no cover
+
+
+def _replay(effect: Effect, request_id: Any) -> web.Response:
+    """A duplicate: the stored answer under this request's id, marked replayed. An answer
+    that was not stored (over ``replay_max_bytes``, ``store_response_body = false``, or settled
+    by an operator) replays as an empty result saying so, like ``Fence-Replay-Body`` on
+    ``/proxy``: the call ran, its answer is not here."""
+    stored = json.loads(effect.response_json) if effect.response_json else None
+    body = stored.get("bodyBase64") if stored else None
+    headers = {
+        "Fence-Effect-Id": effect.effect_id,
+        "Fence-Replayed": "true",
+        "Fence-Effect-State": effect.state.value,
+    }
+    if body is None:
+        empty = {"jsonrpc": "2.0", "id": request_id,
+                 "result": {"content": [], "_meta": {mcp.META_REPLAY_BODY: "omitted"}}}  # fmt: skip
+        return _jsonrpc(mcp.replay(empty, request_id), headers)
+    answer = json.loads(base64.b64decode(body))
+    return _jsonrpc(mcp.replay(answer, request_id), headers)
+
+
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, Any]]:
+    """The events of an SSE body as they arrive: (the event's bytes, its ``data`` parsed as
+    JSON or None)."""
+    buffer = b""
+    async for chunk in content.iter_any():
+        buffer += chunk.replace(b"\r\n", b"\n")
+        while b"\n\n" in buffer:
+            raw, buffer = buffer.split(b"\n\n", 1)
+            data_lines = [
+                line[5:].removeprefix(b" ")
+                for line in raw.split(b"\n")
+                if line.startswith(b"data:")
+            ]
+            data: Any = None
+            if data_lines:
+                try:
+                    data = json.loads(b"\n".join(data_lines))
+                except ValueError:
+                    data = None
+            yield raw + b"\n\n", data
+        if len(buffer) > _MAX_EVENT_BYTES:
+            raise aiohttp.ClientPayloadError("an SSE event over 16 MiB")
+
+
+def _message(body: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+async def _finish(stream: web.StreamResponse, last: bytes) -> None:
+    """Write a stream's last event and end it. An MCP client closes the stream as soon as it
+    has read its answer, so a close on the way is normal, not a failure: the outcome is
+    recorded already."""
+    try:
+        await stream.write(last)
+        await stream.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass
+
+
+async def _forward_call(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    fence: Fence,
+    forward: Forward,
+    window: Any,
+    message: dict[str, Any],
+) -> web.StreamResponse:
+    """Forward the prepared call (with its identity in ``params._meta``), record the answer's
+    outcome, then answer: a JSON answer whole, an SSE stream event by event with the final
+    answer written only after it is recorded."""
+    effect, seq = forward.effect, forward.seq
+    request_id = message.get("id")
+    token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
+    data = mcp.with_identity(message, effect.effect_id, token)
+    headers = _outbound(request, adapter, adapter.outbound_headers(effect.effect_id, token))
+    recorded = False
+    stream: web.StreamResponse | None = None
+
+    async def record(state: EffectState, reason: str, answer: dict[str, Any] | None) -> Effect:
+        nonlocal recorded
+        recorded = True
+        stored = None
+        if answer is not None:
+            raw = json.dumps(answer, separators=(",", ":")).encode()
+            kept = (
+                raw
+                if len(raw) <= downstream.replay_max_bytes and downstream.store_response_body
+                else None
+            )
+            stored = response_json(
+                200,
+                [("Content-Type", "application/json")],
+                kept,
+                omitted_reason=None if kept is not None else "not stored",
+            )
+        return await record_outcome(
+            request, fence, downstream.name, effect, seq, state, reason, stored, forward.fields
+        )
+
+    try:
+        async with request.app[HTTP_CLIENT].post(
+            downstream.url,
+            data=data,
+            headers=headers,
+            timeout=window.timeout(downstream),
+            allow_redirects=False,
+            middlewares=send_once(),
+        ) as resp:
+            live = _answer_headers(resp)
+            if resp.status != 200:
+                # 2026-07-28 servers answer some JSON-RPC errors with 400/404: the body says
+                # what happened when it is the answer to this call; else the status does.
+                body = await resp.read()
+                answer = _message(body) if resp.content_type == "application/json" else None
+                if answer is not None and answer.get("id") == request_id and "error" in answer:
+                    state, reason = mcp.classify(answer)
+                    reason += f" (status {resp.status})"
+                else:
+                    state = EffectState.UNKNOWN if resp.status >= 500 else EffectState.NOT_APPLIED
+                    reason = f"status {resp.status}"
+                done = await record(state, reason, answer)
+                live.update(
+                    {"Fence-Effect-Id": effect.effect_id, "Fence-Effect-State": done.state.value}
+                )
+                return web.Response(status=resp.status, body=body, headers=live)
+            if resp.content_type != _SSE:
+                answer = await resp.json(content_type=None)
+                if not isinstance(answer, dict):
+                    raise aiohttp.ClientPayloadError("the answer is not one JSON-RPC message")
+                state, reason = mcp.classify(answer)
+                done = await record(state, reason, answer)
+                live.update(
+                    {
+                        "Fence-Effect-Id": effect.effect_id,
+                        "Fence-Effect-State": done.state.value,
+                        "Fence-Replayed": "false",
+                    }
+                )
+                live.popall("Content-Type", None)
+                return _jsonrpc(answer, live)
+            live["Fence-Effect-Id"] = effect.effect_id
+            stream = web.StreamResponse(status=200, headers=live)
+            await stream.prepare(request)
+            async for raw, event in _sse_events(resp.content):
+                if (
+                    isinstance(event, dict)
+                    and event.get("id") == request_id
+                    and "method" not in event
+                ):
+                    state, reason = mcp.classify(event)
+                    await record(state, reason, event)
+                    await _finish(stream, raw)
+                    return stream
+                await stream.write(raw)
+            raise aiohttp.ClientPayloadError("the stream ended without the call's answer")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        if recorded:
+            raise
+        connect = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+        state = EffectState.NOT_APPLIED if connect else EffectState.UNKNOWN
+        what = (
+            "connect failed"
+            if connect
+            else ("timed out" if isinstance(exc, TimeoutError) else "failed after sending")
+        )
+        reason = f"{what}: {type(exc).__name__}"
+        try:
+            done = await record(state, reason, None)
+            final = done.state
+        except FencegateError:
+            final = EffectState.UNKNOWN
+        error: FencegateError = (
+            DownstreamUnreachable(f"{downstream.name}: {reason}")
+            if connect
+            else DownstreamTimeout(f"{downstream.name}: {reason}")
+        )
+        error = _fence_meta(error, effect, final)
+        if stream is not None:
+            # The agent already has the stream: its last event is the refusal.
+            refusal = json.dumps(mcp.error_message(request_id, error), separators=(",", ":"))
+            await _finish(stream, f"event: message\ndata: {refusal}\n\n".encode())
+            return stream
+        return _refuse(request_id, error)
+    except StoreUnavailable as exc:
+        if stream is not None:
+            refusal = json.dumps(mcp.error_message(request_id, exc), separators=(",", ":"))
+            await _finish(stream, f"event: message\ndata: {refusal}\n\n".encode())
+            return stream
+        return _refuse(request_id, exc)
+
+
+# --- everything else: fence-checked (above), relayed as it is ----------------------------------
+
+
+async def _relay(
+    request: web.Request, downstream: DownstreamConfig, adapter: McpAdapter, body: bytes | None
+) -> web.StreamResponse:
+    """Forward one HTTP request of the session without a ledger entry and pass the answer
+    through as it comes (a JSON body, an SSE stream, a 202)."""
+    headers = _outbound(request, adapter, adapter.outbound_headers(None, None))
+    streaming = request.method == "GET"
+    timeout = aiohttp.ClientTimeout(
+        total=None if streaming else downstream.timeout_ms / 1000,
+        connect=downstream.connect_timeout / 1000,
+        sock_read=None if streaming else downstream.read_timeout / 1000,
+    )
+    try:
+        async with request.app[HTTP_CLIENT].request(
+            request.method,
+            downstream.url,
+            data=body,
+            headers=headers,
+            timeout=timeout,
+            allow_redirects=False,
+        ) as resp:
+            live = _answer_headers(resp)
+            if resp.content_type != _SSE:
+                return web.Response(status=resp.status, body=await resp.read(), headers=live)
+            answer = web.StreamResponse(status=resp.status, headers=live)
+            await answer.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await answer.write(chunk)
+            await answer.write_eof()
+            return answer
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        error = DownstreamUnreachable(f"{downstream.name}: {type(exc).__name__}")
+        return _refuse(None, error, has_id=False)
