@@ -40,6 +40,7 @@ __all__ = [
     "META_REPLAYED",
     "META_REPLAY_BODY",
     "META_SLOT",
+    "REFUSAL_CODE",
     "McpAdapter",
     "McpToolCache",
     "ToolCall",

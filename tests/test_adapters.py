@@ -505,7 +505,7 @@ async def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
 
     example = Path(__file__).resolve().parent.parent / "config.example.toml"
     kinds = {d.adapter for d in load_config(example).downstreams}
-    assert kinds == {"http", "idempotent", "probe", "conditional", "manual"}
+    assert kinds == {"http", "idempotent", "probe", "conditional", "manual", "mcp"}
     copy = tmp_path / "config.example.toml"
     copy.write_text(example.read_text())
     gateway = GatewayProcess(copy, free_port()).start()

@@ -1,0 +1,180 @@
+"""The MCP adapter's pure rules (adapters/mcp.py): which effect a tools/call is, what the
+server gets, what an answer means, how a duplicate and a refusal look. No network here; the
+end-to-end behaviour with the official SDK on both sides is tests/test_mcp.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fencegate.adapters import mcp
+from fencegate.adapters.mcp import ToolKind
+from fencegate.ledger.effects import EffectState
+from fencegate.ledger.errors import BadRequest, EffectUnknown, Fenced
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=10,
+)  # fmt: skip
+
+
+@given(st.dictionaries(st.text(max_size=6), _JSON, max_size=5))
+def test_the_derived_slot_is_the_tool_and_its_arguments_whatever_their_key_order(
+    arguments: dict[str, Any],
+) -> None:
+    shuffled = dict(reversed(list(arguments.items())))
+    one = mcp.parse_tool_call({"name": "charge", "arguments": arguments})
+    two = mcp.parse_tool_call(
+        {"name": "charge", "arguments": shuffled, "_meta": {"progressToken": 7}}
+    )
+    assert one == two  # _meta (a progress token, the envelope) is not part of the effect
+    assert one.slot.startswith("mcp:") and len(one.slot) == 36
+    other = mcp.parse_tool_call({"name": "refund", "arguments": arguments})
+    assert other.slot != one.slot and other.payload != one.payload
+
+
+def test_an_explicit_slot_names_the_effect_and_the_payload_still_binds_the_arguments() -> None:
+    a = mcp.parse_tool_call({"name": "t", "arguments": {"x": 1}, "_meta": {mcp.META_SLOT: "s1"}})
+    b = mcp.parse_tool_call({"name": "t", "arguments": {"x": 2}, "_meta": {mcp.META_SLOT: "s1"}})
+    assert a.slot == b.slot == "s1"
+    assert a.payload != b.payload  # the ledger refuses the second: PAYLOAD_CONFLICT
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        (None, "params must be an object"),
+        ({}, "params.name"),
+        ({"name": ""}, "params.name"),
+        ({"name": "t" * 201}, "params.name"),
+        ({"name": "t", "arguments": [1]}, "params.arguments"),
+        ({"name": "t", "_meta": "x"}, "params._meta"),
+        ({"name": "t", "_meta": {mcp.META_SLOT: "a b"}}, "fencegate/slot"),
+        ({"name": "t", "_meta": {mcp.META_SLOT: 7}}, "fencegate/slot"),
+    ],
+)
+def test_a_call_that_names_no_effect_is_refused_naming_the_field(params: Any, named: str) -> None:
+    with pytest.raises(BadRequest, match=named):
+        mcp.parse_tool_call(params)
+
+
+def test_the_server_gets_the_identity_and_every_other_meta_key_unchanged() -> None:
+    message = {
+        "jsonrpc": "2.0",
+        "id": 9,
+        "method": "tools/call",
+        "params": {
+            "name": "charge",
+            "arguments": {"amount": 5},
+            "_meta": {
+                "progressToken": 9,
+                "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                mcp.META_SLOT: "s1",
+                mcp.META_EFFECT_ID: "forged-by-the-agent",
+            },
+        },
+    }
+    sent = json.loads(mcp.with_identity(message, "e" * 64, "3.7"))
+    assert sent["params"]["_meta"] == {
+        "progressToken": 9,
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        mcp.META_EFFECT_ID: "e" * 64,
+        mcp.META_FENCING_TOKEN: "3.7",
+    }
+    assert {k: v for k, v in sent.items() if k != "params"} == {
+        "jsonrpc": "2.0",
+        "id": 9,
+        "method": "tools/call",
+    }
+    assert sent["params"]["name"] == "charge" and sent["params"]["arguments"] == {"amount": 5}
+    assert message["params"]["_meta"][mcp.META_EFFECT_ID] == "forged-by-the-agent"  # a copy
+    bare = json.loads(mcp.with_identity({"id": 1, "method": "tools/call"}, "f" * 64, "1.1"))
+    assert bare["params"]["_meta"] == {mcp.META_EFFECT_ID: "f" * 64, mcp.META_FENCING_TOKEN: "1.1"}
+
+
+@pytest.mark.parametrize(
+    ("answer", "state"),
+    [
+        ({"id": 1, "result": {"content": []}}, EffectState.COMMITTED),
+        ({"id": 1, "result": {"content": [], "isError": True}}, EffectState.COMMITTED),
+        ({"id": 1, "error": {"code": -32601, "message": "no"}}, EffectState.NOT_APPLIED),
+        ({"id": 1, "error": {"code": -32602, "message": "bad"}}, EffectState.NOT_APPLIED),
+        ({"id": 1, "error": {"code": -32603, "message": "internal"}}, EffectState.UNKNOWN),
+        ({"id": 1, "error": {"code": -32800, "message": "cancelled"}}, EffectState.UNKNOWN),
+        ({"id": 1, "error": {"code": -32050}}, EffectState.UNKNOWN),
+        ({"id": 1, "error": "garbled"}, EffectState.UNKNOWN),
+    ],
+)
+def test_what_an_answer_means_for_the_effect(answer: dict[str, Any], state: EffectState) -> None:
+    assert mcp.classify(answer)[0] is state
+
+
+def test_a_duplicate_gets_the_stored_answer_under_its_own_id_marked_replayed() -> None:
+    stored = {"jsonrpc": "2.0", "id": 3, "result": {"content": [1], "_meta": {"server": "x"}}}
+    again = mcp.replay(stored, "req-9")
+    assert again == {
+        "jsonrpc": "2.0",
+        "id": "req-9",
+        "result": {"content": [1], "_meta": {"server": "x", mcp.META_REPLAYED: True}},
+    }
+    assert stored["id"] == 3 and mcp.META_REPLAYED not in stored["result"]["_meta"]  # type: ignore[index]
+
+
+def test_a_refusal_is_a_jsonrpc_error_carrying_the_problem() -> None:
+    refused = mcp.error_message(4, Fenced("attempt is stale", effectId="e1", effectState="NONE"))
+    assert refused["id"] == 4 and refused["error"]["code"] == mcp.REFUSAL_CODE
+    assert refused["error"]["data"] == {
+        "code": "FENCED",
+        "status": 409,
+        "detail": "attempt is stale",
+        "effectId": "e1",
+        "effectState": "NONE",
+    }
+    assert mcp.error_message(5, BadRequest("x"))["error"]["code"] == -32602
+    unknown = mcp.error_message(6, EffectUnknown("ran?", retryAfterMs=100))
+    assert unknown["error"]["data"]["code"] == "EFFECT_UNKNOWN"
+    assert unknown["error"]["data"]["retryAfterMs"] == 100
+
+
+@pytest.mark.parametrize(
+    ("hints", "kind", "window", "expected"),
+    [
+        ({"readOnlyHint": True}, None, 5_000, (ToolKind.READ_ONLY, None, "annotations")),
+        ({"idempotentHint": True}, None, 5_000, (ToolKind.IDEMPOTENT, 5_000, "annotations")),
+        ({"idempotentHint": True}, None, None, (ToolKind.IDEMPOTENT, None, "annotations")),
+        ({"destructiveHint": True}, None, None, (ToolKind.EFFECT, None, "annotations")),
+        (None, None, None, (ToolKind.EFFECT, None, "annotations")),
+        # The table wins over the server's hints, both ways.
+        ({"readOnlyHint": True}, "effect", None, (ToolKind.EFFECT, None, "config")),
+        ({}, "idempotent", 9_000, (ToolKind.IDEMPOTENT, 9_000, "config")),
+        ({"idempotentHint": True}, "read_only", None, (ToolKind.READ_ONLY, None, "config")),
+        # A window only matters for an idempotent tool: never a re-send for anything else.
+        ({}, "effect", None, (ToolKind.EFFECT, None, "config")),
+        ({"readOnlyHint": True, "idempotentHint": True}, None, 1, (ToolKind.READ_ONLY, None,
+                                                                   "annotations")),
+    ],
+)  # fmt: skip
+def test_the_policy_of_a_tool(
+    hints: dict[str, Any] | None,
+    kind: str | None,
+    window: int | None,
+    expected: tuple[ToolKind, int | None, str],
+) -> None:
+    policy = mcp.policy_for(hints, kind, dedupe_window_ms=window)
+    assert (policy.kind, policy.resend_window_ms, policy.source) == expected
+
+
+def test_the_annotation_cache_is_bounded() -> None:
+    cache = mcp.McpToolCache(max_sessions=2)
+    cache.put("d", "s1", {"a": {}})
+    cache.put("d", "s2", {"b": {}})
+    cache.put("d", "s3", {"c": {}})
+    assert cache.get("d", "s1") is None and cache.get("d", "s3") == {"c": {}}
+    cache.drop("d", "s3")
+    assert cache.get("d", "s3") is None
