@@ -12,7 +12,9 @@ the JSON-RPC ``id``. What an UNKNOWN call may do comes from the tool's annotatio
   ``dedupe_window_ms`` (like the ``idempotent`` adapter), else never;
 * anything else: never re-sent; an operator settles it (like ``manual``'s UNKNOWNs).
 
-A result (``isError: true`` included: the tool ran) is COMMITTED; the JSON-RPC errors
+A result (``isError: true`` included: the tool ran) is COMMITTED, except 2026-07-28's
+``resultType: "input_required"`` (the server asks the client for input and the call goes on in
+the client's next request: NOT_APPLIED, so that request is forwarded); the JSON-RPC errors
 ``-32601`` (no such method) and ``-32602`` (invalid params) are NOT_APPLIED (refused before
 the tool ran); any other error is UNKNOWN.
 """
@@ -178,6 +180,10 @@ def classify(message: Mapping[str, Any]) -> tuple[EffectState, str]:
     """What the server's answer to a ``tools/call`` means for the effect."""
     if "result" in message:
         result = message["result"]
+        if isinstance(result, dict) and result.get("resultType") == "input_required":
+            # 2026-07-28: the server needs input first; the client sends the call again with
+            # it, and that request carries on (or finishes) the call.
+            return EffectState.NOT_APPLIED, "input_required: the call goes on in a later request"
         if isinstance(result, dict) and result.get("isError") is True:
             return EffectState.COMMITTED, "result with isError: the tool ran"
         return EffectState.COMMITTED, "result"

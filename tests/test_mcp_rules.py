@@ -103,6 +103,12 @@ def test_the_server_gets_the_identity_and_every_other_meta_key_unchanged() -> No
     [
         ({"id": 1, "result": {"content": []}}, EffectState.COMMITTED),
         ({"id": 1, "result": {"content": [], "isError": True}}, EffectState.COMMITTED),
+        ({"id": 1, "result": {"resultType": "complete"}}, EffectState.COMMITTED),
+        ({"id": 1, "result": {"resultType": "task", "task": {}}}, EffectState.COMMITTED),
+        (
+            {"id": 1, "result": {"resultType": "input_required", "requestState": "s"}},
+            EffectState.NOT_APPLIED,
+        ),
         ({"id": 1, "error": {"code": -32601, "message": "no"}}, EffectState.NOT_APPLIED),
         ({"id": 1, "error": {"code": -32602, "message": "bad"}}, EffectState.NOT_APPLIED),
         ({"id": 1, "error": {"code": -32603, "message": "internal"}}, EffectState.UNKNOWN),
