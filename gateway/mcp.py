@@ -274,7 +274,7 @@ async def _post(
             await request.app[STORE].check_fence(fence)
         except FencegateError as exc:
             return _refuse(request_id, exc, has_id=has_id and isinstance(method, str))
-    return await _relay(request, downstream, adapter, body)
+    return await _relay(request, downstream, adapter, body, message)
 
 
 # --- tools/call ----------------------------------------------------------------------------
@@ -368,8 +368,18 @@ async def _one_answer(resp: aiohttp.ClientResponse, request_id: Any) -> dict[str
             if isinstance(data, dict) and data.get("id") == request_id and "method" not in data:
                 return data
         return None
-    answer = await resp.json(content_type=None)
-    return answer if isinstance(answer, dict) else None
+    return _message(await _bounded_body(resp))
+
+
+async def _bounded_body(resp: aiohttp.ClientResponse) -> bytes:
+    """A JSON answer, read whole up to ``_MAX_EVENT_BYTES`` (a larger one fails the call as
+    a body that broke off would: the server is configured, but its answers are bounded)."""
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > _MAX_EVENT_BYTES:
+            raise aiohttp.ClientPayloadError("an answer over 16 MiB")
+    return bytes(body)
 
 
 async def _tool_call(
@@ -400,7 +410,7 @@ async def _tool_call(
             await request.app[STORE].check_fence(fence)
         except FencegateError as exc:
             return _refuse(request_id, exc)
-        return await _relay(request, downstream, adapter, json.dumps(message).encode())
+        return await _relay(request, downstream, adapter, json.dumps(message).encode(), message)
 
     try:
         node = id_header(request, "Fence-Node", required=False) or "main"
@@ -449,7 +459,7 @@ async def _tool_call(
         case Replay(effect):
             return _replay(effect, request_id)
         case ShadowForward() | PassThrough():
-            return await _relay(request, downstream, adapter, json.dumps(message).encode())
+            return await _relay(request, downstream, adapter, json.dumps(message).encode(), message)
         case Forward() as forward:
             window = forward_window(request, sent_at, deadline_ms)
             if window.start_left_ms() <= 0:
@@ -578,7 +588,7 @@ async def _forward_call(
             if resp.status != 200:
                 # 2026-07-28 servers answer some JSON-RPC errors with 400/404: the body says
                 # what happened when it is the answer to this call; else the status does.
-                body = await resp.read()
+                body = await _bounded_body(resp)
                 answer = _message(body) if resp.content_type == "application/json" else None
                 if answer is not None and answer.get("id") == request_id and "error" in answer:
                     state, reason = mcp.classify(answer)
@@ -592,8 +602,8 @@ async def _forward_call(
                 )
                 return web.Response(status=resp.status, body=body, headers=live)
             if resp.content_type != _SSE:
-                answer = await resp.json(content_type=None)
-                if not isinstance(answer, dict):
+                answer = _message(await _bounded_body(resp))
+                if answer is None:
                     raise aiohttp.ClientPayloadError("the answer is not one JSON-RPC message")
                 state, reason = mcp.classify(answer)
                 done = await record(state, reason, answer)
@@ -661,7 +671,11 @@ async def _forward_call(
 
 
 async def _relay(
-    request: web.Request, downstream: DownstreamConfig, adapter: McpAdapter, body: bytes | None
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    body: bytes | None,
+    message: Mapping[str, Any] | None = None,
 ) -> web.StreamResponse:
     """Forward one HTTP request of the session without a ledger entry and pass the answer
     through as it comes (a JSON body, an SSE stream, a 202)."""
@@ -672,6 +686,7 @@ async def _relay(
         connect=downstream.connect_timeout / 1000,
         sock_read=None if streaming else downstream.read_timeout / 1000,
     )
+    answer: web.StreamResponse | None = None
     try:
         async with request.app[HTTP_CLIENT].request(
             request.method,
@@ -681,15 +696,22 @@ async def _relay(
             timeout=timeout,
             allow_redirects=False,
         ) as resp:
-            live = _answer_headers(resp)
-            if resp.content_type != _SSE:
-                return web.Response(status=resp.status, body=await resp.read(), headers=live)
-            answer = web.StreamResponse(status=resp.status, headers=live)
+            # Passed through as it comes, whatever its type: nothing here is kept.
+            answer = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
             await answer.prepare(request)
             async for chunk in resp.content.iter_any():
                 await answer.write(chunk)
             await answer.write_eof()
             return answer
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        if answer is None:
+            raise
+        return answer  # the agent went away: the upstream request ends with this handler
     except (TimeoutError, aiohttp.ClientError) as exc:
-        error = DownstreamUnreachable(f"{downstream.name}: {type(exc).__name__}")
-        return _refuse(None, error, has_id=False)
+        if answer is not None and answer.prepared:
+            return answer  # broke off mid-stream: the agent sees its stream end
+        error = DownstreamUnreachable(
+            f"{downstream.name}: {type(exc).__name__}; nothing was recorded"
+        )
+        has_id = message is not None and "id" in message and "method" in message
+        return _refuse(message.get("id") if message else None, error, has_id=has_id)
