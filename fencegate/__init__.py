@@ -15,8 +15,9 @@
 
 ``Client`` is the connection to one gateway (scheduler, worker and operator calls);
 ``Lease`` is one claim (``fencegate.lease``); every refusal of the gateway is a typed
-exception (``fencegate.errors``). ``fencegate demo`` plays the whole story against a real
-gateway. See docs/sdk.md.
+exception (``fencegate.errors``). An MCP client calls tools under a lease through
+``/mcp/{downstream}`` with ``lease.mcp_headers()`` on its transport and ``mcp_meta(slot)`` on
+a call. ``fencegate demo`` plays the whole story against a real gateway. See docs/sdk.md.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
         Lease,
         ProxyResponse,
         canonical_json,
+        mcp_meta,
         result_digest,
         wait_out_in_flight,
     )
@@ -129,6 +131,7 @@ __all__ = [
     "Unavailable",
     "UnsupportedMediaType",
     "canonical_json",
+    "mcp_meta",
     "result_digest",
     "wait_out_in_flight",
 ]

@@ -82,7 +82,13 @@ def proxied_downstream(path: str) -> str | None:
 
 
 class Transport(Protocol):
-    """What a lease needs of the client that made it: one HTTP exchange, one JSON call."""
+    """What a lease needs of the client that made it: one HTTP exchange, one JSON call, and
+    the headers that go with every call (the gateway credential among them)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Headers sent with every call (``Fence-Authorization`` when the client has a token)."""
+        ...
 
     async def send(
         self,

@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ __all__ = [
     "Lease",
     "ProxyResponse",
     "canonical_json",
+    "mcp_meta",
     "result_digest",
     "wait_out_in_flight",
 ]
@@ -60,6 +62,12 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Characters left as they are in a proxied path (anything else is percent-encoded).
 _PATH_SAFE = "/?&=%:@!$'()*+,;~[]-._"
 _NO_JSON: Any = object()
+#: The slot grammar of the contract (docs/PROTOCOL.md): what the gateway accepts as a slot.
+_SLOT = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
+#: Where an MCP ``tools/call`` names its side effect: a key of ``params._meta``.
+_MCP_SLOT_META = "fencegate/slot"
+#: The gateway credential header (``Client(token=...)``), lower-cased for comparison.
+_CREDENTIAL = "fence-authorization"
 
 
 def canonical_json(value: Any) -> bytes:
@@ -75,6 +83,21 @@ def result_digest(value: Any) -> str:
 
 
 _result_digest = result_digest
+
+
+def mcp_meta(slot: str) -> dict[str, str]:
+    """The ``_meta`` of an MCP ``tools/call`` that names its side effect ``slot``, as ``slot=``
+    does for ``Lease.request``: ``await mcp.call_tool(name, args, meta=mcp_meta("charge-1"))``.
+
+    Without it the gateway derives the slot from the tool name and the arguments, so a second
+    call meant as a new effect (another charge of the same amount) would be replayed instead;
+    a named slot also makes a retry with changed arguments ``PAYLOAD_CONFLICT`` rather than a
+    second effect. A slot outside the contract's grammar (1 to 200 of ``A-Z a-z 0-9 . _ : @ /
+    -``) raises ``ValueError`` here, before the MCP client sends anything.
+    """
+    if not isinstance(slot, str) or not _SLOT.fullmatch(slot):
+        raise ValueError(f"slot {slot!r}: expected 1 to 200 characters of A-Z a-z 0-9 . _ : @ / -")
+    return {_MCP_SLOT_META: slot}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +257,27 @@ class Lease:
             headers["Fence-Node"] = node
         if slot is not None:
             headers["Fence-Slot"] = slot
+        return headers
+
+    def mcp_headers(self, *, node: str | None = None) -> dict[str, str]:
+        """The headers an MCP client sets once on its transport to call tools through
+        ``/mcp/{downstream}`` under this lease, e.g. ``httpx2.AsyncClient(headers=...)``.
+
+        The ``Fence-*`` headers of the claim (``Fence-Node`` when ``node`` is given; no slot:
+        each ``tools/call`` names its own with ``mcp_meta``), plus the gateway credential the
+        SDK client sends (``Fence-Authorization``, when it has one), because here the MCP
+        client makes the requests, not this SDK. Renewals change none of them, so they hold
+        for the lease's whole life. Nothing stops the MCP client's calls locally once the
+        lease is lost (as with a bare lease): the gateway refuses each of them (``FENCED``,
+        ``STALE_EPOCH``...), and a guarded lease still cancels its body.
+        """
+        headers = self.fence_headers(node=node)
+        credential = next(
+            (value for name, value in self._client.headers.items() if name.lower() == _CREDENTIAL),
+            None,
+        )
+        if credential is not None:
+            headers["Fence-Authorization"] = credential
         return headers
 
     def _identity(self) -> dict[str, Any]:
