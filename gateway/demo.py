@@ -2,7 +2,8 @@
 
 One command, no set-up. It starts a real gateway (in this process, on a free loopback port,
 with the embedded SQLite store in a temporary directory, or ``--store URL``) in front of a
-small "shop" API that records every call it receives, then plays four stories with the SDK:
+small "shop" API that records every call it receives (and a small MCP tool server), then
+plays five stories with the SDK:
 
 1. A worker pauses past its lease; another takes over. The paused one wakes: its renewal is
    LEASE_EXPIRED, then FENCED, its effect and its commit are FENCED; the new owner commits,
@@ -14,8 +15,12 @@ small "shop" API that records every call it receives, then plays four stories wi
    waited out, every duplicate gets the replay (Fence-Replayed: true).
 4. An epoch bump fences every old claim at once: their bodies are cancelled within one
    renewal period, and their successors claim at once under the new epoch.
+5. An MCP tool server behind ``/mcp/invoices``: A's ``tools/call`` loses its answer; a stale A
+   is refused (a JSON-RPC error, ``FENCED``) before the server sees anything; B's retry gets
+   A's recorded result under its own JSON-RPC id; the read-only tool is not recorded.
 
 It ends with what the shop actually received, per Idempotency-Key (exactly one call each),
+and what the MCP server ran (each effect once),
 and exits 0 only if every verdict was the expected one: it doubles as a smoke test. Each story
 says in its own words what failure it shows and why the gateway's answer is the right one.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -13,11 +14,13 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+import aiohttp
 import structlog
 from aiohttp import web
 
@@ -25,6 +28,13 @@ from fencegate.client import Client
 from fencegate.errors import FencegateError, LeaseLost, ProblemError
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config
+from fencegate.gateway.demo_mcp import (
+    PROTOCOL_VERSION,
+    McpAgent,
+    McpAnswer,
+    McpRun,
+    McpToolServer,
+)
 from fencegate.lease import Commit, Lease, ProxyResponse
 
 __all__ = ["run_demo"]
@@ -37,6 +47,12 @@ TTL_MS = 600
 SHOP_TIMEOUT_MS = 400
 SLOW_S = 1.0
 PAGES = 5
+#: The MCP tool server behind ``/mcp/invoices``: ``send_invoice`` takes MCP_SEND_MS, the
+#: agent's MCP client waits MCP_PATIENCE_MS for an answer, the gateway MCP_TIMEOUT_MS.
+MCP_DOWNSTREAM = "invoices"
+MCP_SEND_MS = 500
+MCP_PATIENCE_MS = 250
+MCP_TIMEOUT_MS = 2000
 
 
 # --- the shop: a small downstream that remembers what it received ---------------------------
@@ -164,6 +180,10 @@ def verdict_of(value: object) -> str:
         return value.outcome
     if isinstance(value, Lease):
         return "GRANTED"
+    if isinstance(value, McpAnswer):
+        if value.error is not None:
+            return value.problem or f"JSON-RPC error {value.error.get('code')}"
+        return "REPLAYED" if value.replayed else "OK"
     return "OK"
 
 
@@ -348,29 +368,9 @@ async def story_lost_answer(n: Narrator, client: Client, shop: Shop) -> None:
         n.result(verdict_of(failed), "", False, "DOWNSTREAM_TIMEOUT")
         return
     n.say("A", "crashes; nothing renews its lease")
-    n.say("B", f"claims {task}")
-    b: Lease | None = None
-    refused: list[str] = []
-    deadline = time.monotonic() + 5
-    while b is None and time.monotonic() < deadline:
-        got = await _attempt(client.acquire(task, owner="worker-b", ttl_ms=5000))
-        if isinstance(got, Lease):
-            b = got
-        elif isinstance(got, ProblemError) and got.code == "CLAIMED":
-            refused.append(got.code)
-            await asyncio.sleep(0.1)
-        else:
-            break
-    n.result(
-        "CLAIMED" if refused else "(never refused)",
-        "A's lease has not run out yet; B waits",
-        bool(refused),
-        "CLAIMED",
-    )
+    b = await _take_over(n, client, task)
     if b is None:
-        n.result("NOT GRANTED", "", False, "GRANTED")
         return
-    n.result("GRANTED", f"generation {b.claim_generation}, once A's lease ran out")
     await step(
         n,
         "B",
@@ -440,6 +440,34 @@ async def story_lost_answer(n: Narrator, client: Client, shop: Shop) -> None:
         "COMMITTED",
         "one refund, settled and committed",
     )
+
+
+async def _take_over(n: Narrator, client: Client, task: str) -> Lease | None:
+    """B claims ``task`` while A's lease still runs: CLAIMED until it runs out, then GRANTED."""
+    n.say("B", f"claims {task}")
+    b: Lease | None = None
+    refused: list[str] = []
+    deadline = time.monotonic() + 5
+    while b is None and time.monotonic() < deadline:
+        got = await _attempt(client.acquire(task, owner="worker-b", ttl_ms=5000))
+        if isinstance(got, Lease):
+            b = got
+        elif isinstance(got, ProblemError) and got.code == "CLAIMED":
+            refused.append(got.code)
+            await asyncio.sleep(0.1)
+        else:
+            break
+    n.result(
+        "CLAIMED" if refused else "(never refused)",
+        "A's lease has not run out yet; B waits",
+        bool(refused),
+        "CLAIMED",
+    )
+    if b is None:
+        n.result("NOT GRANTED", "", False, "GRANTED")
+        return None
+    n.result("GRANTED", f"generation {b.claim_generation}, once A's lease ran out")
+    return b
 
 
 async def story_duplicates(n: Narrator, client: Client, shop: Shop) -> None:
@@ -648,6 +676,207 @@ async def story_epoch_bump(n: Narrator, client: Client, shop: Shop) -> None:
         )
 
 
+async def mcp_step(
+    n: Narrator,
+    who: str,
+    action: str,
+    call: Awaitable[McpAnswer],
+    expect: str,
+    meaning: str | Callable[[McpAnswer], str],
+) -> McpAnswer:
+    """``step`` for an MCP request: the verdict is in the JSON-RPC answer (a refusal is an
+    error answer, ``error.data.code`` its problem code), ``meaning`` may read the answer."""
+    n.say(who, action)
+    answer = await call
+    verdict = verdict_of(answer)
+    if verdict == expect:
+        n.result(verdict, meaning(answer) if callable(meaning) else meaning)
+    else:
+        n.result(f"{verdict} {json.dumps(answer.message)[:200]}", "", False, expect)
+    return answer
+
+
+async def _call_waiting_out(agent: McpAgent, tool: str, arguments: dict[str, Any]) -> McpAnswer:
+    """A ``tools/call`` retried while the gateway answers EFFECT_IN_FLIGHT (the first call of
+    the same effect is still being forwarded), as ``wait_in_flight`` does for ``/proxy``."""
+    deadline = time.monotonic() + 5
+    while True:
+        answer = await agent.call_tool(tool, arguments)
+        if answer.problem != "EFFECT_IN_FLIGHT" or time.monotonic() > deadline:
+            return answer
+        data = (answer.error or {}).get("data") or {}
+        await asyncio.sleep(min(max(int(data.get("retryAfterMs") or 50), 10), 500) / 1000)
+
+
+async def _within(seconds: float, call: Awaitable[T]) -> T | None:
+    """The call's value, or None if it took longer than ``seconds`` (then it is cancelled: a
+    client that gives up closes its connection)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await call
+    except TimeoutError:
+        return None
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+async def story_mcp(
+    n: Narrator, client: Client, shop: Shop, *, tools: McpToolServer, gateway: str
+) -> None:
+    n.story(
+        5,
+        "An MCP tool server behind the gateway: tools/call is an effect",
+        "An agent's tools/call whose answer got lost is sent again by whoever retries the task, "
+        "and an agent that stalled wakes up still calling tools as the task's owner: a plain "
+        "MCP server runs the tool each time. The gateway records every call of a tool that is "
+        "not read-only, forwards it once with its effectId in params._meta, answers a retry "
+        "with the recorded result and refuses the stale agent before the server sees a byte.",
+    )
+    task = "invoice-77"
+    endpoint = f"{gateway}/mcp/{MCP_DOWNSTREAM}"
+    invoice = {"customer": "ana", "amount": 4200}
+    await client.put_task(task, "sha256:in-77")
+    n.say("scheduler", f"creates task {task}")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        a = McpAgent(http, endpoint)
+        await mcp_step(
+            n,
+            "A",
+            f"opens an MCP session through /mcp/{MCP_DOWNSTREAM}: initialize, then "
+            "notifications/initialized; no lease yet",
+            a.initialize(),
+            "OK",
+            lambda hello: (
+                f"{hello.result.get('serverInfo', {}).get('name')} speaks "
+                f"{a.protocol}, session {short(a.session or '')}; notifications/initialized: "
+                f"{a.initialized}"
+            ),
+        )
+        n.check(
+            a.protocol == PROTOCOL_VERSION and a.session is not None and a.initialized == 202,
+            f"A sends MCP-Protocol-Version: {a.protocol} and Mcp-Session-Id from now on",
+            f"expected protocol {PROTOCOL_VERSION}, a session and 202, got {a.protocol}, "
+            f"{a.session}, {a.initialized}",
+        )
+        listed = await mcp_step(
+            n,
+            "A",
+            "lists the tools (tools/list, no lease either)",
+            a.request("tools/list"),
+            "OK",
+            lambda answer: ", ".join(
+                f"{t.get('name')} {_compact(t.get('annotations') or {})}"
+                for t in answer.result.get("tools", [])
+            ),
+        )
+        hints = {t.get("name"): t.get("annotations") for t in listed.result.get("tools", [])}
+        n.check(
+            hints == {"send_invoice": None, "get_invoice": {"readOnlyHint": True}},
+            "send_invoice is an effect (no annotations), get_invoice a read (readOnlyHint)",
+            f"unexpected tools {hints}",
+        )
+        lease = await step(
+            n,
+            "A",
+            f"claims {task} for {TTL_MS} ms; its MCP requests now carry lease.mcp_headers()",
+            client.acquire(task, owner="worker-a", ttl_ms=TTL_MS),
+            "GRANTED",
+            "generation 1",
+        )
+        if lease is None:
+            return
+        a.lease = lease
+        n.say(
+            "A",
+            f"calls send_invoice(ana, 42.00 EUR); the server takes {MCP_SEND_MS} ms, "
+            f"A's client waits {MCP_PATIENCE_MS} ms",
+        )
+        lost = await _within(MCP_PATIENCE_MS / 1000, a.call_tool("send_invoice", invoice))
+        n.result(
+            "NO ANSWER" if lost is None else verdict_of(lost),
+            "A gave up and closed its connection; the gateway still waits for the server, "
+            "and records its answer",
+            lost is None,
+            "NO ANSWER (A's client gives up)",
+        )
+        lost_id = a.last_id
+        n.say("A", "crashes; nothing renews its lease")
+        b_lease = await _take_over(n, client, task)
+        if b_lease is None:
+            return
+        runs_before = len(tools.runs)
+        await mcp_step(
+            n,
+            "A",
+            "wakes up, still thinking it owns the task, and sends a corrected invoice (45.00 EUR)",
+            a.call_tool("send_invoice", {"customer": "ana", "amount": 4500}),
+            "FENCED",
+            lambda refused: (
+                f"JSON-RPC error {(refused.error or {}).get('code')} (HTTP "
+                f"{refused.status}), error.data.code FENCED: generation 1 is not the task's claim"
+            ),
+        )
+        n.say("server", "tool runs since")
+        n.check(
+            len(tools.runs) == runs_before,
+            "none: the stale call was refused before a byte left the gateway",
+            f"{len(tools.runs) - runs_before} reached the server",
+        )
+        b = McpAgent(http, endpoint)
+        await mcp_step(n, "B", "opens its own MCP session", b.initialize(), "OK", "no lease needed")
+        b.lease = b_lease
+        replay = await mcp_step(
+            n,
+            "B",
+            "redoes the task: send_invoice(ana, 42.00 EUR), the same arguments, so the same "
+            "derived slot",
+            _call_waiting_out(b, "send_invoice", invoice),
+            "REPLAYED",
+            "A's call ran: B gets its recorded result; the server is not called again",
+        )
+        n.say(
+            "B",
+            f"reads it: id {replay.id} (A's call was id {lost_id}), "
+            f"result._meta {_compact(replay.result.get('_meta'))}, {_compact(replay.content)}",
+        )
+        n.check(
+            replay.id == b.last_id and replay.content == tools.invoices.get("inv-1"),
+            "the answer A never got, under B's own JSON-RPC id",
+            f"expected invoice inv-1 under id {b.last_id}, got {replay.message}",
+        )
+        number = (replay.content or {}).get("invoice", "inv-1")
+        await mcp_step(
+            n,
+            "B",
+            f"checks it: get_invoice({number}), readOnlyHint",
+            b.call_tool("get_invoice", {"invoice": number}),
+            "OK",
+            lambda looked: (
+                f"fence-checked and relayed, no ledger entry: {_compact(looked.content)}"
+            ),
+        )
+        await step(
+            n,
+            "B",
+            "commits",
+            b_lease.commit({"invoice": number}),
+            "COMMITTED",
+            "one invoice, sent once",
+        )
+    effects = await client.list_effects(task_id=task)
+    n.say("operator", f"lists the ledger's effects of {task}")
+    only = effects[0] if len(effects) == 1 else {}
+    n.check(
+        only.get("path") == "/tools/call/send_invoice" and only.get("state") == "COMMITTED",
+        f"one: {short(only.get('effectId', ''))} (POST /tools/call/send_invoice, "
+        "COMMITTED); get_invoice has none",
+        f"expected one COMMITTED send_invoice effect, got "
+        f"{[(e['path'], e['state']) for e in effects]}",
+    )
+
+
 #: Calls a story started in the background and may not have awaited (it stopped early, or
 #: Ctrl-C): ``run_demo`` cancels them before it cleans up.
 _BACKGROUND: set[asyncio.Task[Any]] = set()
@@ -703,6 +932,47 @@ async def summary(n: Narrator, client: Client, shop: Shop) -> None:
         "exactly once",
         f"expected {expected_keys} effects of one call each, got "
         f"{ {short(k): len(c) for k, c in per_key.items()} }",
+    )
+
+
+async def summary_mcp(n: Narrator, client: Client, shop: Shop, *, tools: McpToolServer) -> None:
+    n.line()
+    n.line("== What the MCP server actually ran ==")
+    n.line(f"  {'runs':>5}  {'fencegate/effectId':<18}  {'task/slot':<30}  tool call")
+    rows: dict[object, list[McpRun]] = {}  # per effectId; each read a row of its own
+    for run in tools.runs:
+        rows.setdefault(run.effect_id or object(), []).append(run)
+    for runs in rows.values():
+        first = runs[0]
+        key, where = "(none)", "(not in the ledger)"
+        if first.effect_id is not None:
+            key, where = short(first.effect_id), "?"
+            with contextlib.suppress(FencegateError):
+                record = await client.get_effect(first.effect_id)
+                where = f"{record['taskId']}/{short(record['slot'])}"
+        n.line(
+            f"  {len(runs):>5}  {key:<18}  {where:<30}  {first.tool} {_compact(first.arguments)}"
+        )
+    seen = Counter(method for method, _ in tools.received)
+    own = sum(
+        1
+        for method, request_id in tools.received
+        if method == "tools/list" and str(request_id).startswith("fencegate-")
+    )
+    n.line(
+        f"  It also answered {seen['initialize']} initialize, "
+        f"{seen['notifications/initialized']} notifications/initialized and "
+        f"{seen['tools/list']} tools/list"
+    )
+    n.line(f"  ({own} of those the gateway's own, to read the tools' annotations).")
+    effects = [runs for runs in rows.values() if runs[0].effect_id is not None]
+    sends = tools.runs_of("send_invoice")
+    n.check(
+        len(effects) == 1 and len(effects[0]) == 1 and len(sends) == 1,
+        f"{len(effects)} effect, {len(sends)} send_invoice run: every effect reached the MCP "
+        "server exactly once; the stale call never did",
+        "expected one send_invoice run under one effectId, got "
+        f"{[(r.tool, r.effect_id, r.arguments) for r in tools.runs]}",
     )
 
 
@@ -819,12 +1089,20 @@ async def _delete_keys(url: str, prefix: str) -> int:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(store: DemoStore, shop_url: str) -> AsyncIterator[str]:
+async def _gateway(store: DemoStore, shop_url: str, mcp_url: str) -> AsyncIterator[str]:
     config = Config.model_validate(
         {
             "store": {"url": store.url, "redis_key_prefix": store.key_prefix},
             "proxy": {"prepared_margin_ms": 1000},
-            "downstreams": [{"name": "shop", "url": shop_url, "timeout_ms": SHOP_TIMEOUT_MS}],
+            "downstreams": [
+                {"name": "shop", "url": shop_url, "timeout_ms": SHOP_TIMEOUT_MS},
+                {
+                    "name": MCP_DOWNSTREAM,
+                    "url": mcp_url,
+                    "adapter": "mcp",
+                    "timeout_ms": MCP_TIMEOUT_MS,
+                },
+            ],
         }
     )
     runner = web.AppRunner(create_app(config), access_log=None, shutdown_timeout=2.0)
@@ -868,26 +1146,39 @@ async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | 
         return 2
     log_file = _log_to(workdir / "gateway.log")
     shop = await Shop().start()
+    tools = McpToolServer(send_delay_s=MCP_SEND_MS / 1000)
     try:
+        await tools.start()
         # Bounded as a whole, start and shutdown included: a smoke test must not hang.
         async with (
             asyncio.timeout(45),
-            _gateway(where, shop.url) as url,
+            _gateway(where, shop.url, tools.url) as url,
             Client(url, timeout=10) as client,
         ):
             n.line(f"fencegate demo: a real gateway on {url},")
-            n.line(f'in front of a small "shop" API on {shop.url} that records every call.')
+            n.line(f'in front of a small "shop" API on {shop.url} that records every call,')
+            n.line(f"and a small MCP tool server on {tools.url} that records every tool it runs.")
             n.line(where.describe(keep))
             n.line(
                 f"Leases last {TTL_MS} ms, so they run out while you watch; the shop gets "
                 f"{SHOP_TIMEOUT_MS} ms to answer."
             )
-            stories = (story_takeover, story_lost_answer, story_duplicates, story_epoch_bump)
+            stories: tuple[Callable[[Narrator, Client, Shop], Awaitable[None]], ...] = (
+                story_takeover,
+                story_lost_answer,
+                story_duplicates,
+                story_epoch_bump,
+                functools.partial(story_mcp, tools=tools, gateway=url),
+                summary,
+                functools.partial(summary_mcp, tools=tools),
+            )
             try:
-                for story in (*stories, summary):
+                for story in stories:
                     try:
                         await story(n, client, shop)
-                    except FencegateError as exc:
+                    # The SDK's refusals, and the MCP story's own client failing (no answer,
+                    # not JSON): the story stops, the next ones still play.
+                    except (FencegateError, aiohttp.ClientError, ValueError) as exc:
                         n.check(False, "", f"the story stopped on {type(exc).__name__}: {exc}")
             finally:  # before the client closes: a call left running would open another
                 await _cancel_background()
@@ -897,6 +1188,7 @@ async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | 
         # Also on Ctrl-C (asyncio.run cancels this task first): the gateway has stopped, so
         # nothing writes to the store any more.
         await shop.stop()
+        await tools.stop()
         log_file.close()
         await _clean_up(n, where, keep)
     n.line()

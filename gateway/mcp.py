@@ -284,6 +284,7 @@ async def _tool_policy(
     request: web.Request,
     downstream: DownstreamConfig,
     adapter: McpAdapter,
+    fence: Fence,
     tool: str,
     envelope: Mapping[str, Any],
 ) -> ToolPolicy:
@@ -295,6 +296,9 @@ async def _tool_policy(
     cache = request.app[MCP_TOOLS]
     tools = cache.get(downstream.name, session)
     if tools is None or tool not in tools:
+        # Before asking the server anything for this call, refuse a stale agent (the prepare
+        # checks the fence again, atomically, before anything is forwarded).
+        await request.app[STORE].check_fence(fence)
         tools = await _list_tools(request, downstream, adapter, envelope)
         cache.put(downstream.name, session, tools)
     return adapter.policy(tool, tools.get(tool))
@@ -400,7 +404,7 @@ async def _tool_call(
         call = mcp.parse_tool_call(message.get("params"))
         meta = message["params"].get("_meta") or {}
         envelope = {k: v for k, v in meta.items() if k.startswith(_ENVELOPE)}
-        policy = await _tool_policy(request, downstream, adapter, call.name, envelope)
+        policy = await _tool_policy(request, downstream, adapter, fence, call.name, envelope)
     except FencegateError as exc:
         return _refuse(request_id, exc)
     if policy.timeout_ms is not None:
@@ -552,6 +556,7 @@ async def _forward_call(
     data = mcp.with_identity(message, effect.effect_id, token)
     headers = _outbound(request, adapter, adapter.outbound_headers(effect.effect_id, token))
     recorded = False
+    agent_gone = False
     stream: web.StreamResponse | None = None
 
     async def record(state: EffectState, reason: str, answer: dict[str, Any] | None) -> Effect:
@@ -627,9 +632,16 @@ async def _forward_call(
                 ):
                     state, reason = mcp.classify(event)
                     await record(state, reason, event)
-                    await _finish(stream, raw)
+                    if not agent_gone:
+                        await _finish(stream, raw)
                     return stream
-                await stream.write(raw)
+                if not agent_gone:
+                    try:
+                        await stream.write(raw)
+                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                        # The agent left; the call goes on: read the server's answer to the
+                        # end and record it (a retry then gets it replayed).
+                        agent_gone = True
             raise aiohttp.ClientPayloadError("the stream ended without the call's answer")
     except (TimeoutError, aiohttp.ClientError) as exc:
         if recorded:
@@ -654,7 +666,7 @@ async def _forward_call(
         )
         error = _fence_meta(error, effect, final)
         if stream is not None:
-            # The agent already has the stream: its last event is the refusal.
+            # The agent already has the stream (or had it): its last event is the refusal.
             refusal = json.dumps(mcp.error_message(request_id, error), separators=(",", ":"))
             await _finish(stream, f"event: message\ndata: {refusal}\n\n".encode())
             return stream

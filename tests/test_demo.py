@@ -24,22 +24,38 @@ from tests.servers import RedisServer
 #: Lines the narration must contain (verdicts in plain words), with how often at least.
 KEY_LINES = {
     "-> LEASE_EXPIRED: the lease ran out while A was frozen": 1,
-    "-> FENCED: ": 3,
+    "-> FENCED: ": 4,
     "-> DOWNSTREAM_TIMEOUT: no answer in 400 ms: the refund is UNKNOWN": 1,
-    "-> CLAIMED: ": 1,
+    "-> CLAIMED: ": 2,
     "-> PAYLOAD_CONFLICT: the slot is bound to X": 1,
     "-> EFFECT_UNKNOWN: X may have happened": 1,
     "-> EFFECT_IN_FLIGHT: ": 1,
-    "-> REPLAYED: ": 3,
+    "-> REPLAYED: ": 4,
     "-> CLAIMS_PAUSED: ": 1,
     "-> LeaseLost (STALE_EPOCH): ": 3,
-    "-> COMMITTED: ": 6,
+    "-> COMMITTED: ": 7,
     "every effect reached the shop exactly once": 1,
+    # The MCP story: a lost answer, a stale agent, a replay, a read.
+    "-> NO ANSWER: A gave up and closed its connection": 1,
+    "-> FENCED: JSON-RPC error -32000 (HTTP 200), error.data.code FENCED": 1,
+    "-> ok: none: the stale call was refused before a byte left the gateway": 1,
+    "-> REPLAYED: A's call ran: B gets its recorded result": 1,
+    "-> ok: the answer A never got, under B's own JSON-RPC id": 1,
+    "-> OK: fence-checked and relayed, no ledger entry": 1,
+    "; get_invoice has none": 1,
+    "every effect reached the MCP server exactly once; the stale call never did": 1,
 }
 SUMMARY_ROW = re.compile(r"^\s+(\d+)\s+[0-9a-f]{12}\.\.\.\s+(\S+)/(\S+)\s", re.MULTILINE)
 #: The narration's store line on Redis names the run's own key prefix.
 PREFIX_LINE = re.compile(r'every key under the prefix "(demo[0-9a-f]{8}):"')
-STORY_TITLES = 4
+STORY_TITLES = 5
+SHOP_SUMMARY = "== What the shop actually received =="
+MCP_SUMMARY = "== What the MCP server actually ran =="
+#: The MCP server's runs: (runs, effectId or "(none)", where, tool, arguments).
+MCP_ROW = re.compile(
+    r"^\s+(\d+)\s+([0-9a-f]{12}\.\.\.|\(none\))\s+(\S+(?: \S+)*?)\s{2,}(\w+) (\{.*\})$",
+    re.MULTILINE,
+)
 
 
 def run_demo(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -64,15 +80,33 @@ def check_narration(done: subprocess.CompletedProcess[str], tmp_path: Path) -> N
     for line, times in KEY_LINES.items():
         assert out.count(line) >= times, (line, out)
     assert re.search(r"All \d+ verdicts as expected \((\d+\.\d) s\)", out), out
-    rows = SUMMARY_ROW.findall(out)
+    assert out.count(SHOP_SUMMARY) == 1 and out.count(MCP_SUMMARY) == 1, out
+    shop_part, mcp_part = out.split(SHOP_SUMMARY)[1].split(MCP_SUMMARY)
+    rows = SUMMARY_ROW.findall(shop_part)
     assert len(rows) == 19, out  # 2 + 1 + 1 + 3 reports x 5 pages
     assert all(calls == "1" for calls, _, _ in rows)
     assert {task for _, task, _ in rows} == {
         "invoice-42", "refund-7", "email-9", "report-1", "report-2", "report-3"
     }  # fmt: skip
+    check_mcp_server_ran(mcp_part)
     assert not list(tmp_path.glob("fencegate-demo-*")), "the demo left its temp dir behind"
     assert not list(tmp_path.glob("*.db*")), "the demo wrote a store outside its temp dir"
     check_stories_explain_themselves(out)
+
+
+def check_mcp_server_ran(summary: str) -> None:
+    """What the MCP server ran, by its own record: A's send_invoice once, under an effectId
+    of invoice-77 (B's retry was replayed, A's stale corrected invoice never arrived), and
+    B's get_invoice once, with no effectId and no ledger entry. Any other run (the stale
+    invoice of 45.00 EUR, a second send) would be a row of its own."""
+    rows = MCP_ROW.findall(summary)
+    assert [(runs, tool, args) for runs, _, _, tool, args in rows] == [
+        ("1", "send_invoice", '{"amount":4200,"customer":"ana"}'),
+        ("1", "get_invoice", '{"invoice":"inv-1"}'),
+    ], summary
+    (_, effect, where, _, _), (_, read, read_where, _, _) = rows
+    assert effect != "(none)" and re.fullmatch(r"invoice-77/mcp:[0-9a-f]{8}\.\.\.", where), rows
+    assert (read, read_where) == ("(none)", "(not in the ledger)"), rows
 
 
 def check_stories_explain_themselves(out: str) -> None:
