@@ -25,7 +25,7 @@ import copy
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -36,12 +36,14 @@ from fencegate.ledger.errors import BadRequest, FencegateError
 
 __all__ = [
     "CALL",
+    "HEADER_MISMATCH",
     "LEASE_FREE_METHODS",
     "META_EFFECT_ID",
     "META_FENCING_TOKEN",
     "META_REPLAYED",
     "META_REPLAY_BODY",
     "META_SLOT",
+    "NOT_APPLIED_CODES",
     "REFUSAL_CODE",
     "McpAdapter",
     "McpToolCache",
@@ -51,9 +53,11 @@ __all__ = [
     "ToolPolicy",
     "classify",
     "error_message",
+    "message_shape",
     "parse_tool_call",
     "policy_for",
     "replay",
+    "routing_mismatch",
     "with_identity",
 ]
 
@@ -70,8 +74,9 @@ META_REPLAYED = "fencegate/replayed"
 META_REPLAY_BODY = "fencegate/replayBody"
 _OURS = "fencegate/"
 
-#: The JSON-RPC errors that refuse a call before the tool ran.
-_NOT_APPLIED_CODES = {-32601: "method not found", -32602: "invalid params"}
+#: The JSON-RPC errors that refuse a call before the tool ran, unless a tool's table says
+#: otherwise (``not_applied_codes``: a tool that may raise one of these after acting).
+NOT_APPLIED_CODES: frozenset[int] = frozenset({-32601, -32602})
 #: The JSON-RPC error code of every fencegate refusal (the implementation-defined server
 #: error range); ``error.data.code`` says which (``FENCED``, ``EFFECT_UNKNOWN``...).
 REFUSAL_CODE = -32000
@@ -97,6 +102,8 @@ class ToolPolicy:
     timeout_ms: int | None = None
     #: Where the kind came from: ``config`` (the tools table) or ``annotations``.
     source: str = "annotations"
+    #: JSON-RPC error codes that mean the tool did not run (``classify``).
+    not_applied_codes: frozenset[int] = NOT_APPLIED_CODES
 
 
 def policy_for(
@@ -106,6 +113,7 @@ def policy_for(
     dedupe_window_ms: int | None = None,
     require_approval: bool = False,
     timeout_ms: int | None = None,
+    not_applied_codes: frozenset[int] = NOT_APPLIED_CODES,
 ) -> ToolPolicy:
     """The policy of a tool: the configured ``kind`` wins over the server's hints."""
     source = "config"
@@ -120,7 +128,7 @@ def policy_for(
             kind = ToolKind.EFFECT
     tool_kind = ToolKind(kind)
     window = dedupe_window_ms if tool_kind is ToolKind.IDEMPOTENT else None
-    return ToolPolicy(tool_kind, window, require_approval, timeout_ms, source)
+    return ToolPolicy(tool_kind, window, require_approval, timeout_ms, source, not_applied_codes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +172,57 @@ def parse_tool_call(params: Any) -> ToolCall:
     return ToolCall(name, slot, payload)
 
 
+def message_shape(message: Mapping[str, Any]) -> str | None:
+    """Why one JSON-RPC message is not one the gateway relays (None: it is): a request needs
+    a string method and, unless it is a ``notifications/`` one, an id; a message without a
+    method is a response (``result`` or ``error``) to a request of the server."""
+    method = message.get("method")
+    if method is None:
+        if "id" in message and ("result" in message or "error" in message):
+            return None
+        return "Invalid Request: a message needs a method, or an id with a result or an error"
+    if not isinstance(method, str):
+        return "Invalid Request: method must be a string"
+    if "id" not in message and not method.startswith("notifications/"):
+        return (
+            f"Invalid Request: {method} without an id; only notifications/* go without one "
+            "(a call without an id would get no answer and no ledger record)"
+        )
+    return None
+
+
+#: 2026-07-28's routing-header mismatch (the server refuses such a request before it runs).
+HEADER_MISMATCH = -32020
+_STATELESS_VERSIONS = frozenset({"2026-07-28"})
+_ENVELOPE_VERSION = "io.modelcontextprotocol/protocolVersion"
+
+
+def routing_mismatch(
+    version: str | None, headers: Mapping[str, Sequence[str]], message: Mapping[str, Any]
+) -> str | None:
+    """2026-07-28 requests repeat their method, tool name and version in headers, and the
+    server refuses a request whose headers disagree with its body. Checked here, before the
+    call is recorded: a refusal by the server would leave the call UNKNOWN (a tool may raise
+    the same code after running), and the SDK client re-sends once after it. ``headers``:
+    lower-case name -> every value sent."""
+    if version not in _STATELESS_VERSIONS:
+        return None
+    for name in ("mcp-method", "mcp-name", "mcp-protocol-version"):
+        if len(headers.get(name, ())) > 1:
+            return f"{name} sent more than once"
+    raw_params = message.get("params")
+    params: Mapping[str, Any] = raw_params if isinstance(raw_params, dict) else {}
+    raw_meta = params.get("_meta")
+    meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+    if list(headers.get("mcp-method", ())) != [message.get("method")]:
+        return "Mcp-Method does not match the request body's method"
+    if list(headers.get("mcp-name", ())) != [params.get("name")]:
+        return "Mcp-Name does not match params.name"
+    if meta.get(_ENVELOPE_VERSION) != version:
+        return f"MCP-Protocol-Version does not match params._meta[{_ENVELOPE_VERSION!r}]"
+    return None
+
+
 def with_identity(message: Mapping[str, Any], effect_id: str, fencing_token: str) -> bytes:
     """The message as the server gets it: the effect's identity in ``params._meta`` (any
     ``fencegate/`` key the client sent is replaced: only the gateway names effects)."""
@@ -176,7 +235,9 @@ def with_identity(message: Mapping[str, Any], effect_id: str, fencing_token: str
     return json.dumps(out, separators=(",", ":")).encode()
 
 
-def classify(message: Mapping[str, Any]) -> tuple[EffectState, str]:
+def classify(
+    message: Mapping[str, Any], not_applied_codes: frozenset[int] = NOT_APPLIED_CODES
+) -> tuple[EffectState, str]:
     """What the server's answer to a ``tools/call`` means for the effect."""
     if "result" in message:
         result = message["result"]
@@ -189,8 +250,8 @@ def classify(message: Mapping[str, Any]) -> tuple[EffectState, str]:
         return EffectState.COMMITTED, "result"
     error = message.get("error")
     code = error.get("code") if isinstance(error, dict) else None
-    if isinstance(code, int) and code in _NOT_APPLIED_CODES:
-        return EffectState.NOT_APPLIED, f"JSON-RPC error {code} ({_NOT_APPLIED_CODES[code]})"
+    if isinstance(code, int) and code in not_applied_codes:
+        return EffectState.NOT_APPLIED, f"JSON-RPC error {code}: refused before the tool ran"
     return EffectState.UNKNOWN, f"JSON-RPC error {code}: the tool may have run"
 
 
@@ -205,10 +266,14 @@ def replay(stored: Mapping[str, Any], request_id: Any) -> dict[str, Any]:
     return out
 
 
-def error_message(request_id: Any, error: FencegateError) -> dict[str, Any]:
+def error_message(
+    request_id: Any, error: FencegateError, code: int | None = None
+) -> dict[str, Any]:
     """A refusal as a JSON-RPC error answer (HTTP 200): ``error.data`` holds the problem code,
-    its detail and what the problem+json body would hold (``effectId``, ``effectState``...)."""
-    code = -32602 if isinstance(error, BadRequest) else REFUSAL_CODE
+    its detail and what the problem+json body would hold (``effectId``, ``effectState``...).
+    ``code``: the JSON-RPC code, when the refusal has its own (-32600, -32020)."""
+    if code is None:
+        code = -32602 if isinstance(error, BadRequest) else REFUSAL_CODE
     data: dict[str, Any] = {"code": error.code, "status": error.status, "detail": error.detail}
     data.update(error.extra)
     return {
@@ -227,6 +292,7 @@ class ToolOverride:
     dedupe_window_ms: int | None = None
     require_approval: bool = False
     timeout_ms: int | None = None
+    not_applied_codes: frozenset[int] = NOT_APPLIED_CODES
 
 
 @dataclass(frozen=True)
@@ -247,6 +313,7 @@ class McpAdapter(HttpAdapter):
             dedupe_window_ms=override.dedupe_window_ms,
             require_approval=override.require_approval,
             timeout_ms=override.timeout_ms,
+            not_applied_codes=override.not_applied_codes,
         )
 
 

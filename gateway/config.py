@@ -387,6 +387,12 @@ class McpToolConfig(_Section):
     require_approval: bool = False
     #: This tool's forward timeout (default: the downstream's timeout_ms).
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] | None = None
+    #: JSON-RPC error codes that mean the tool did not run (NOT_APPLIED: the call may go
+    #: again); any other error is UNKNOWN. [] for a tool that may raise these after acting.
+    not_applied_codes: Annotated[
+        tuple[Annotated[int, Field(ge=-(2**31), le=2**31 - 1)], ...],
+        Field(strict=False, max_length=100),
+    ] = (-32601, -32602)
 
     @model_validator(mode="after")
     def _window_for_idempotent(self) -> McpToolConfig:

@@ -69,7 +69,13 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
         return make(ConditionalAdapter)
     if downstream.adapter == "mcp":
         tools = {
-            name: ToolOverride(t.kind, t.dedupe_window_ms, t.require_approval, t.timeout_ms)
+            name: ToolOverride(
+                t.kind,
+                t.dedupe_window_ms,
+                t.require_approval,
+                t.timeout_ms,
+                frozenset(t.not_applied_codes),
+            )
             for name, t in downstream.tools.items()
         }
         return make(McpAdapter, tools=tools)

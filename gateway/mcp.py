@@ -17,6 +17,7 @@ server (``tools/list`` under the session's id) by whichever gateway misses them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -119,10 +120,13 @@ def _jsonrpc(message: Mapping[str, Any], headers: Mapping[str, str] | None = Non
     )
 
 
-def _refuse(request_id: Any, error: FencegateError, *, has_id: bool = True) -> web.Response:
+def _refuse(
+    request_id: Any, error: FencegateError, *, has_id: bool = True, code: int | None = None
+) -> web.Response:
     """A refusal: a JSON-RPC error answer to that request (HTTP 200); a message without an id
-    (a notification, a response) cannot be answered in JSON-RPC, so its HTTP status says it."""
-    message = mcp.error_message(request_id if has_id else None, error)
+    (a notification, a response) cannot be answered in JSON-RPC, so its HTTP status says it.
+    ``code``: the JSON-RPC code when the refusal has its own (``mcp.error_message``)."""
+    message = mcp.error_message(request_id if has_id else None, error, code)
     if has_id:
         return _jsonrpc(message)
     return web.Response(
@@ -207,6 +211,10 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
     if request.method == "POST":
         return await _post(request, downstream, adapter, fence)
     if request.method in ("GET", "DELETE"):
+        if fence is None and request.method == "GET":
+            # A stream holds a pooled connection for as long as it is open: only under a lease.
+            error = BadRequest("GET (the server's stream) needs a lease: send the Fence-* headers")
+            return _refuse(None, error, has_id=False)
         if fence is not None:
             try:
                 await request.app[STORE].check_fence(fence)
@@ -236,7 +244,7 @@ async def _post(
         message = json.loads(canonical)
     except BadRequest as exc:
         return _refuse(None, exc, has_id=False)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what a parser follows
         return _jsonrpc(
             {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
         )
@@ -259,6 +267,13 @@ async def _post(
     method = message.get("method")
     has_id = "id" in message
     request_id = message.get("id")
+    shape = mcp.message_shape(message)
+    if shape is not None:
+        # A request without an id is a notification: only notifications/* may go without
+        # one (a tools/call without an id would otherwise reach the server unrecorded).
+        return _refuse(
+            request_id, BadRequest(shape), has_id=has_id and isinstance(method, str), code=-32600
+        )
     if fence is None and method not in mcp.LEASE_FREE_METHODS:
         what = f"{method}" if isinstance(method, str) else "a response to the server"
         error = BadRequest(
@@ -402,6 +417,19 @@ async def _tool_call(
                 "float (or is -0); send it as a string"
             )
         call = mcp.parse_tool_call(message.get("params"))
+        routing = {
+            name: request.headers.getall(name, [])
+            for name in ("mcp-method", "mcp-name", "mcp-protocol-version")
+        }
+        mismatch = mcp.routing_mismatch(
+            request.headers.get("MCP-Protocol-Version"), routing, message
+        )
+        if mismatch is not None:
+            # As the server would answer it (400), before anything is recorded or sent.
+            refusal = mcp.error_message(request_id, BadRequest(mismatch), mcp.HEADER_MISMATCH)
+            return web.Response(
+                status=400, body=json.dumps(refusal).encode(), content_type="application/json"
+            )
         meta = message["params"].get("_meta") or {}
         envelope = {k: v for k, v in meta.items() if k.startswith(_ENVELOPE)}
         policy = await _tool_policy(request, downstream, adapter, fence, call.name, envelope)
@@ -470,7 +498,14 @@ async def _tool_call(
                 error = await start_too_late(request, forward, effect_request, window)
                 return _refuse(request_id, error)
             return await _forward_call(
-                request, downstream, adapter, fence, forward, window, message
+                request,
+                downstream,
+                adapter,
+                fence,
+                forward,
+                window,
+                message,
+                policy.not_applied_codes,
             )
     raise AssertionError(decision.act)  # pragma: no cover
 
@@ -546,10 +581,12 @@ async def _forward_call(
     forward: Forward,
     window: Any,
     message: dict[str, Any],
+    not_applied: frozenset[int],
 ) -> web.StreamResponse:
     """Forward the prepared call (with its identity in ``params._meta``), record the answer's
     outcome, then answer: a JSON answer whole, an SSE stream event by event with the final
-    answer written only after it is recorded."""
+    answer written only after it is recorded. ``not_applied``: the JSON-RPC codes that mean
+    the tool did not run (the tool's policy)."""
     effect, seq = forward.effect, forward.seq
     request_id = message.get("id")
     token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
@@ -596,7 +633,7 @@ async def _forward_call(
                 body = await _bounded_body(resp)
                 answer = _message(body) if resp.content_type == "application/json" else None
                 if answer is not None and answer.get("id") == request_id and "error" in answer:
-                    state, reason = mcp.classify(answer)
+                    state, reason = mcp.classify(answer, not_applied)
                     reason += f" (status {resp.status})"
                 else:
                     state = EffectState.UNKNOWN if resp.status >= 500 else EffectState.NOT_APPLIED
@@ -610,7 +647,7 @@ async def _forward_call(
                 answer = _message(await _bounded_body(resp))
                 if answer is None:
                     raise aiohttp.ClientPayloadError("the answer is not one JSON-RPC message")
-                state, reason = mcp.classify(answer)
+                state, reason = mcp.classify(answer, not_applied)
                 done = await record(state, reason, answer)
                 live.update(
                     {
@@ -630,7 +667,7 @@ async def _forward_call(
                     and event.get("id") == request_id
                     and "method" not in event
                 ):
-                    state, reason = mcp.classify(event)
+                    state, reason = mcp.classify(event, not_applied)
                     await record(state, reason, event)
                     if not agent_gone:
                         await _finish(stream, raw)
@@ -682,6 +719,24 @@ async def _forward_call(
 # --- everything else: fence-checked (above), relayed as it is ----------------------------------
 
 
+async def _copy(resp: aiohttp.ClientResponse, answer: web.StreamResponse) -> None:
+    async for chunk in resp.content.iter_any():
+        await answer.write(chunk)
+    await answer.write_eof()
+
+
+#: How often a relayed stream looks whether its agent is still connected.
+_GONE_POLL_S = 1.0
+
+
+async def _until_gone(request: web.Request) -> None:
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return
+        await asyncio.sleep(_GONE_POLL_S)
+
+
 async def _relay(
     request: web.Request,
     downstream: DownstreamConfig,
@@ -711,9 +766,17 @@ async def _relay(
             # Passed through as it comes, whatever its type: nothing here is kept.
             answer = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
             await answer.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await answer.write(chunk)
-            await answer.write_eof()
+            copy = asyncio.ensure_future(_copy(resp, answer))
+            if streaming:
+                # A silent stream would notice an agent that left only at its next byte:
+                # watch the agent's connection, and end the server's stream with it.
+                gone = asyncio.ensure_future(_until_gone(request))
+                await asyncio.wait({copy, gone}, return_when=asyncio.FIRST_COMPLETED)
+                gone.cancel()
+                if not copy.done():
+                    copy.cancel()
+                    return answer
+            await copy
             return answer
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         if answer is None:

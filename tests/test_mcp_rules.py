@@ -184,3 +184,53 @@ def test_the_annotation_cache_is_bounded() -> None:
     assert cache.get("d", "s1") is None and cache.get("d", "s3") == {"c": {}}
     cache.drop("d", "s3")
     assert cache.get("d", "s3") is None
+
+
+def test_a_tool_that_may_raise_invalid_params_after_acting_keeps_it_unknown() -> None:
+    """The tools table's ``not_applied_codes`` (default -32601, -32602): a tool whose body may
+    raise one of them after it acted is configured with none, so its error stays UNKNOWN and
+    the call is never sent again by itself."""
+    answer = {"id": 1, "error": {"code": -32602, "message": "bad amount"}}
+    assert mcp.classify(answer)[0] is EffectState.NOT_APPLIED
+    assert mcp.classify(answer, frozenset())[0] is EffectState.UNKNOWN
+    assert mcp.classify({"id": 1, "error": {"code": -32050}}, frozenset({-32050}))[0] is (
+        EffectState.NOT_APPLIED
+    )
+
+
+@pytest.mark.parametrize(
+    ("message", "refused"),
+    [
+        ({"jsonrpc": "2.0", "id": 1, "method": "tools/call"}, False),
+        ({"jsonrpc": "2.0", "method": "notifications/cancelled"}, False),
+        ({"jsonrpc": "2.0", "id": 4, "result": {}}, False),
+        ({"jsonrpc": "2.0", "id": 4, "error": {"code": 1}}, False),
+        ({"jsonrpc": "2.0", "method": "tools/call", "params": {"name": "t"}}, True),
+        ({"jsonrpc": "2.0", "method": "ping"}, True),
+        ({"jsonrpc": "2.0", "id": 1, "method": 7}, True),
+        ({"jsonrpc": "2.0", "params": {"name": "t"}}, True),
+        ({"jsonrpc": "2.0", "id": 1}, True),
+    ],
+)
+def test_only_notifications_go_without_an_id(message: dict[str, Any], refused: bool) -> None:
+    """A tools/call without an id would get no answer and so no ledger record: refused."""
+    assert (mcp.message_shape(message) is not None) is refused
+
+
+def test_routing_headers_that_disagree_with_the_body_are_refused_before_anything_is_sent() -> None:
+    body = {
+        "method": "tools/call",
+        "params": {"name": "t", "_meta": {"io.modelcontextprotocol/protocolVersion": "2026-07-28"}},
+    }
+    good = {"mcp-method": ["tools/call"], "mcp-name": ["t"], "mcp-protocol-version": ["2026-07-28"]}
+    assert mcp.routing_mismatch("2026-07-28", good, body) is None
+    assert mcp.routing_mismatch("2025-11-25", {}, body) is None  # the handshake era has none
+    for name, values in [
+        ("mcp-name", ["u"]),
+        ("mcp-name", []),
+        ("mcp-method", ["tools/list"]),
+        ("mcp-name", ["t", "t"]),
+    ]:
+        assert mcp.routing_mismatch("2026-07-28", {**good, name: values}, body), (name, values)
+    other = {"method": "tools/call", "params": {"name": "t", "_meta": {}}}
+    assert mcp.routing_mismatch("2026-07-28", good, other)
