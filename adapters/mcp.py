@@ -75,8 +75,10 @@ META_REPLAY_BODY = "fencegate/replayBody"
 _OURS = "fencegate/"
 
 #: The JSON-RPC errors that refuse a call before the tool ran, unless a tool's table says
-#: otherwise (``not_applied_codes``: a tool that may raise one of these after acting).
-NOT_APPLIED_CODES: frozenset[int] = frozenset({-32601, -32602})
+#: otherwise (``not_applied_codes``: a tool that may raise one of these after acting):
+#: no such method, invalid params, and 2026-07-28's routing-header mismatch (checked by the
+#: transport before the tool is dispatched; the SDK client re-sends once after it).
+NOT_APPLIED_CODES: frozenset[int] = frozenset({-32601, -32602, -32020})
 #: The JSON-RPC error code of every fencegate refusal (the implementation-defined server
 #: error range); ``error.data.code`` says which (``FENCED``, ``EFFECT_UNKNOWN``...).
 REFUSAL_CODE = -32000

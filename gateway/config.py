@@ -392,7 +392,7 @@ class McpToolConfig(_Section):
     not_applied_codes: Annotated[
         tuple[Annotated[int, Field(ge=-(2**31), le=2**31 - 1)], ...],
         Field(strict=False, max_length=100),
-    ] = (-32601, -32602)
+    ] = (-32601, -32602, -32020)
 
     @model_validator(mode="after")
     def _window_for_idempotent(self) -> McpToolConfig:

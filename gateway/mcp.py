@@ -215,11 +215,13 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
             # A stream holds a pooled connection for as long as it is open: only under a lease.
             error = BadRequest("GET (the server's stream) needs a lease: send the Fence-* headers")
             return _refuse(None, error, has_id=False)
-        if fence is not None:
+        if fence is not None and request.method == "GET":
             try:
                 await request.app[STORE].check_fence(fence)
             except FencegateError as exc:
                 return _refuse(None, exc, has_id=False)
+        # Ending a session runs no tool: relayed whatever the lease (a fenced agent's client
+        # still ends its session on exit, and refusing it would only leave it open).
         if request.method == "DELETE":
             session = request.headers.get("Mcp-Session-Id")
             if session is not None:
