@@ -20,9 +20,17 @@ Tools:
 * ``lookup(key) -> str``: ``readOnlyHint``; returns ``"value-of-<key>"``.
 * ``slow(steps, delay_ms) -> str``: ``steps`` progress notifications ``delay_ms`` apart (sent
   only when the request carries ``_meta.progressToken``), then ``"done <steps>"``.
-* ``charge(account, amount) -> str``: ``idempotentHint``; dedupes on
+* ``charge(account, amount, delay_ms=0) -> str``: ``idempotentHint``; dedupes on
   ``params._meta["fencegate/effectId"]``: one effect id charges once and answers the same text.
+  ``delay_ms`` delays the answer of a first (charging) run only, after the charge is made, so a
+  gateway timeout can lose the answer of a charge that happened while its re-send is answered at
+  once from the dedupe record.
 * ``sleepy(ms) -> str``: sleeps, then ``"slept <ms>"``.
+* ``routed(region, label) -> int``: no annotations; counts like ``counter`` (its own labels).
+  ``region`` is marked ``x-mcp-header: Region``, so a 2026-07-28 client mirrors it into an
+  ``Mcp-Param-Region`` header, which it can only do once it has listed the tool: called before,
+  the server refuses it with -32020 HEADER_MISMATCH (the tool does not run) and the SDK client
+  lists the tools and re-sends the call once.
 * ``drop(ms) -> str``: closes its own SSE response stream at once (handshake era, needs
   ``--event-store``; a no-op otherwise), then answers ``"dropped <ms>"`` after ``ms``, which the
   client gets by resuming with ``GET`` + ``Last-Event-ID``.
@@ -53,7 +61,7 @@ import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
@@ -62,6 +70,7 @@ from mcp.server.streamable_http import EventCallback, EventId, EventMessage, Eve
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types import JSONRPCMessage, ToolAnnotations
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -156,11 +165,14 @@ def build_server(record: _Record | None = None) -> tuple[MCPServer, _Record]:
         return f"done {steps}"
 
     @mcp.tool(annotations=ToolAnnotations(idempotent_hint=True))
-    async def charge(account: str, amount: int, ctx: Context) -> str:
-        """Charge account once per effect id (params._meta["fencegate/effectId"])."""
+    async def charge(account: str, amount: int, ctx: Context, delay_ms: int = 0) -> str:
+        """Charge account once per effect id (params._meta["fencegate/effectId"]); a first run
+        answers delay_ms after charging."""
         meta = _meta(ctx) or {}
         effect_id = meta.get(EFFECT_ID_META_KEY)
-        args = {"account": account, "amount": amount}
+        args: dict[str, Any] = {"account": account, "amount": amount}
+        if delay_ms:
+            args["delay_ms"] = delay_ms
         if isinstance(effect_id, str) and effect_id in rec.charges:
             rec.add("charge", args, ctx, effect_id=effect_id, deduped=True)
             return rec.charges[effect_id]
@@ -169,6 +181,8 @@ def build_server(record: _Record | None = None) -> tuple[MCPServer, _Record]:
         if isinstance(effect_id, str):
             rec.charges[effect_id] = answer
         rec.add("charge", args, ctx, effect_id=effect_id, deduped=False)
+        if delay_ms:
+            await anyio.sleep(delay_ms / 1000)
         return answer
 
     @mcp.tool()
@@ -178,6 +192,18 @@ def build_server(record: _Record | None = None) -> tuple[MCPServer, _Record]:
         await anyio.sleep(ms / 1000)
         entry["finished"] = True
         return f"slept {ms}"
+
+    @mcp.tool()
+    async def routed(
+        region: Annotated[str, Field(json_schema_extra={"x-mcp-header": "Region"})],
+        label: str,
+        ctx: Context,
+    ) -> int:
+        """Count one more for label (not idempotent); region goes in a Mcp-Param header."""
+        key = f"{region}/{label}"
+        rec.counters[key] = rec.counters.get(key, 0) + 1
+        rec.add("routed", {"region": region, "label": label}, ctx, result=rec.counters[key])
+        return rec.counters[key]
 
     @mcp.tool()
     async def fail(message: str, ctx: Context) -> str:
