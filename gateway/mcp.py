@@ -53,7 +53,7 @@ from fencegate.gateway.proxy_decisions import (
     call_fields,
     decide_effect,
 )
-from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, MCP_TOOLS, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, MCP_TOOLS, METRICS, STORE
 from fencegate.ledger.effects import (
     Effect,
     EffectRequest,
@@ -597,10 +597,18 @@ async def _forward_call(
     recorded = False
     agent_gone = False
     stream: web.StreamResponse | None = None
+    started = time.monotonic()
+    seconds = request.app[METRICS].forward_seconds
+
+    def observe(outcome: str) -> None:
+        """``fencegate_forward_seconds``, as for ``/proxy``: until the answer, or the failure."""
+        seconds.labels(downstream.name, outcome).observe(time.monotonic() - started)
 
     async def record(state: EffectState, reason: str, answer: dict[str, Any] | None) -> Effect:
         nonlocal recorded
         recorded = True
+        if answer is not None or reason.startswith("status "):
+            observe(state.value.lower())
         stored = None
         if answer is not None:
             raw = json.dumps(answer, separators=(",", ":")).encode()
@@ -686,6 +694,8 @@ async def _forward_call(
         if recorded:
             raise
         connect = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+        timed_out = isinstance(exc, TimeoutError)
+        observe("unreachable" if connect else "timeout" if timed_out else "unknown")
         state = EffectState.NOT_APPLIED if connect else EffectState.UNKNOWN
         what = (
             "connect failed"

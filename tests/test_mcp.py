@@ -271,6 +271,18 @@ def modern_call(request_id: Any, name: str, arguments: dict[str, Any]) -> dict[s
     }
 
 
+async def forwards_observed(gateway: GatewayProcess, outcome: str) -> int:
+    """``fencegate_forward_seconds`` observations of the MCP downstream with ``outcome``."""
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/metrics") as resp:
+        text_ = await resp.text()
+    prefix = "fencegate_forward_seconds_count{"
+    for line in text_.splitlines():
+        if (line.startswith(prefix) and f'downstream="{DOWNSTREAM}"' in line
+                and f'outcome="{outcome}"' in line):  # fmt: skip
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 async def raw_post(
     gateway: GatewayProcess, lease: Lease, body: Any, name: str = "counter"
 ) -> dict[str, Any]:
@@ -332,6 +344,8 @@ async def test_duplicate_call_runs_once_and_is_replayed_under_its_own_id(
     [effect] = await api.effects(lease.task_id)
     assert effect["state"] == "COMMITTED"
     assert effect["path"] == "/tools/call/counter"
+    # One forward, observed like a proxied one (the replays are not forwards).
+    assert await forwards_observed(gateway, "committed") == 1
 
 
 async def test_explicit_slot_with_other_arguments_is_a_payload_conflict(
@@ -496,6 +510,7 @@ async def test_lost_answer_of_an_effect_is_unknown_and_never_resent(
     assert second["effectId"] == first["effectId"]
     assert mcp_server.runs("sleepy") == 1
     assert (await api.effect(first["effectId"]))["state"] == "UNKNOWN"
+    assert await forwards_observed(gateway, "timeout") == 1
 
 
 async def test_lost_answer_of_an_idempotent_tool_is_resent_once_under_its_effect_id(
