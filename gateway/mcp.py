@@ -731,10 +731,43 @@ async def _forward_call(
 # --- everything else: fence-checked (above), relayed as it is ----------------------------------
 
 
-async def _copy(resp: aiohttp.ClientResponse, answer: web.StreamResponse) -> None:
+async def _copy(
+    resp: aiohttp.ClientResponse, answer: web.StreamResponse, kept: bytearray | None = None
+) -> None:
+    """Pass the body through; ``kept`` also gets a copy of it, up to ``_MAX_KEPT_BYTES``."""
     async for chunk in resp.content.iter_any():
+        if kept is not None and len(kept) + len(chunk) <= _MAX_KEPT_BYTES:
+            kept += chunk
         await answer.write(chunk)
     await answer.write_eof()
+
+
+#: Largest ``tools/list`` answer of an agent the gateway reads for the tools' annotations.
+_MAX_KEPT_BYTES = 1024 * 1024
+
+
+def _tools_of(body: bytes, request_id: Any) -> dict[str, dict[str, Any]] | None:
+    """The annotations in an agent's own ``tools/list`` answer (JSON or one SSE stream), when
+    it is the whole list (no next page): the gateway then needs no ``tools/list`` of its own."""
+    answer = _message(body)
+    if answer is None:
+        for event in body.replace(b"\r\n", b"\n").split(b"\n\n"):
+            data = b"\n".join(
+                line[5:].removeprefix(b" ") for line in event.split(b"\n")
+                if line.startswith(b"data:")
+            )  # fmt: skip
+            candidate = _message(data) if data else None
+            if candidate is not None and candidate.get("id") == request_id:
+                answer = candidate
+    result = answer.get("result") if answer is not None else None
+    if not isinstance(result, dict) or result.get("nextCursor") is not None:
+        return None
+    tools: dict[str, dict[str, Any]] = {}
+    for tool in result.get("tools") or []:
+        if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            hints = tool.get("annotations")
+            tools[tool["name"]] = hints if isinstance(hints, dict) else {}
+    return tools
 
 
 #: How often a relayed stream looks whether its agent is still connected.
@@ -778,7 +811,15 @@ async def _relay(
             # Passed through as it comes, whatever its type: nothing here is kept.
             answer = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
             await answer.prepare(request)
-            copy = asyncio.ensure_future(_copy(resp, answer))
+            params = message.get("params") if message is not None else None
+            listing = (
+                message is not None
+                and message.get("method") == "tools/list"
+                and not (isinstance(params, dict) and params.get("cursor"))
+                and resp.status == 200
+            )
+            kept = bytearray() if listing else None
+            copy = asyncio.ensure_future(_copy(resp, answer, kept))
             if streaming:
                 # A silent stream would notice an agent that left only at its next byte:
                 # watch the agent's connection, and end the server's stream with it.
@@ -789,6 +830,11 @@ async def _relay(
                     copy.cancel()
                     return answer
             await copy
+            if kept is not None and message is not None:
+                tools = _tools_of(bytes(kept), message.get("id"))
+                if tools is not None:
+                    session = request.headers.get("Mcp-Session-Id", "")
+                    request.app[MCP_TOOLS].put(downstream.name, session, tools)
             return answer
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         if answer is None:
