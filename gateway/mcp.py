@@ -370,10 +370,7 @@ async def _list_tools(
                 f"{downstream.name}: tools/list (to learn the tool's annotations) got no "
                 "result; nothing was sent"
             )
-        for tool in result.get("tools") or []:
-            if isinstance(tool, dict) and isinstance(tool.get("name"), str):
-                hints = tool.get("annotations")
-                tools[tool["name"]] = hints if isinstance(hints, dict) else {}
+        tools.update(_annotations(result))
         cursor = result.get("nextCursor")
         if not isinstance(cursor, str):
             break
@@ -532,6 +529,19 @@ def _replay(effect: Effect, request_id: Any) -> web.Response:
     return _jsonrpc(mcp.replay(answer, request_id), headers)
 
 
+def _event_data(event: bytes) -> Any:
+    """One SSE event's ``data`` lines, parsed as JSON (None: no data, or not JSON)."""
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
+    if not lines:
+        return None
+    try:
+        return json.loads(b"\n".join(lines))
+    except ValueError:
+        return None
+
+
 async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, Any]]:
     """The events of an SSE body as they arrive: (the event's bytes, its ``data`` parsed as
     JSON or None)."""
@@ -540,18 +550,7 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[byte
         buffer += chunk.replace(b"\r\n", b"\n")
         while b"\n\n" in buffer:
             raw, buffer = buffer.split(b"\n\n", 1)
-            data_lines = [
-                line[5:].removeprefix(b" ")
-                for line in raw.split(b"\n")
-                if line.startswith(b"data:")
-            ]
-            data: Any = None
-            if data_lines:
-                try:
-                    data = json.loads(b"\n".join(data_lines))
-                except ValueError:
-                    data = None
-            yield raw + b"\n\n", data
+            yield raw + b"\n\n", _event_data(raw)
         if len(buffer) > _MAX_EVENT_BYTES:
             raise aiohttp.ClientPayloadError("an SSE event over 16 MiB")
 
@@ -752,16 +751,17 @@ def _tools_of(body: bytes, request_id: Any) -> dict[str, dict[str, Any]] | None:
     answer = _message(body)
     if answer is None:
         for event in body.replace(b"\r\n", b"\n").split(b"\n\n"):
-            data = b"\n".join(
-                line[5:].removeprefix(b" ") for line in event.split(b"\n")
-                if line.startswith(b"data:")
-            )  # fmt: skip
-            candidate = _message(data) if data else None
-            if candidate is not None and candidate.get("id") == request_id:
+            candidate = _event_data(event)
+            if isinstance(candidate, dict) and candidate.get("id") == request_id:
                 answer = candidate
     result = answer.get("result") if answer is not None else None
     if not isinstance(result, dict) or result.get("nextCursor") is not None:
         return None
+    return _annotations(result)
+
+
+def _annotations(result: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Tool name -> annotations (``{}`` when it has none) of one ``tools/list`` result."""
     tools: dict[str, dict[str, Any]] = {}
     for tool in result.get("tools") or []:
         if isinstance(tool, dict) and isinstance(tool.get("name"), str):
