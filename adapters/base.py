@@ -1,20 +1,64 @@
 """The adapter seam: what differs between downstreams, behind one small protocol.
 
-The proxy asks an adapter: which headers go out (the effect's identity, the gateway-held
-credentials), which request headers are part of the payload, how a response maps to an
-outcome, and three policies the atomic prepare step applies (may an UNKNOWN effect go again
-by itself, for how long; does every forward need an operator's approval). Everything else
-(fencing, the ledger, forwarding) is the same for every downstream.
+The gateway asks an adapter what the effect of a request is (its slot and the payload digest
+the ledger binds it to), what goes out with the forward (headers: the effect's identity, the
+gateway-held credentials; the body, which may carry the identity too), what an answer means
+for the effect (from its status and its body), how a stored answer is replayed to a new
+request, and three policies the atomic prepare step applies (may an UNKNOWN effect go again by
+itself, for how long; does every forward need an operator's approval). Fencing, the ledger and
+the I/O of forwarding are the same for every downstream (``gateway/proxy.py`` for HTTP kinds,
+``gateway/mcp.py`` for MCP's transport); a kind that can tell whether an effect happened also
+probes (``ProbeAdapter``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from fencegate.ledger.effects import Effect, EffectState
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "Answer", "EffectShape", "Outgoing"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """One request of an agent, as an adapter sees it (parsed and bounded by the gateway)."""
+
+    method: str
+    downstream: str
+    #: The downstream-relative path with its query (``/v1/charges?x=1``).
+    path: str
+    headers: Sequence[tuple[str, str]]
+    body: bytes
+    #: ``Fence-Slot`` (None when the request carries none).
+    slot: str | None = None
+
+    def header(self, name: str) -> str:
+        lower = name.lower()
+        return next((v for k, v in self.headers if k.lower() == lower), "")
+
+
+@dataclass(frozen=True, slots=True)
+class EffectShape:
+    """What the ledger binds an effect to: its slot, and what the payload digest covers."""
+
+    slot: str
+    method: str
+    path: str
+    payload_digest: str
+    #: The request's values of ``digest_headers`` (what a re-send may depend on).
+    preconditions: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A replayed answer: status, headers and body (None: not stored, say so)."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes | None
 
 
 class Adapter(Protocol):
@@ -41,6 +85,22 @@ class Adapter(Protocol):
 
     def classify(self, status: int, effect: Effect) -> tuple[EffectState, str]:
         """The outcome a response status means for this effect, and why."""
+        ...
+
+    def effect_of(self, request: Outgoing) -> EffectShape:
+        """The effect a request asks for; ``BadRequest`` when it names none."""
+        ...
+
+    def outbound_body(self, body: bytes, effect_id: str, fencing_token: str) -> bytes:
+        """The body a recorded forward sends (an MCP call carries its identity in it)."""
+        ...
+
+    def outcome(self, status: int, body: bytes | None, effect: Effect) -> tuple[EffectState, str]:
+        """What an answer (its status, and its body when read whole) means for the effect."""
+        ...
+
+    def replay(self, effect: Effect, request: Outgoing) -> Answer:
+        """The stored answer of a COMMITTED effect, as a duplicate ``request`` gets it."""
         ...
 
     def outbound_headers(self, effect_id: str | None, fencing_token: str | None) -> dict[str, str]:

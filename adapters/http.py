@@ -17,10 +17,15 @@ executed leaves the effect UNKNOWN (the ledger's rule, not the adapter's).
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fencegate.ledger.effects import Effect, EffectState
+from fencegate.adapters.base import Answer, EffectShape, Outgoing
+from fencegate.ledger.effects import Effect, EffectState, payload_digest
+from fencegate.ledger.errors import BadRequest
+from fencegate.ledger.payloads import canonical_body
 
 __all__ = ["NOT_APPLIED_STATUSES", "UNKNOWN_STATUSES", "HttpAdapter"]
 
@@ -73,3 +78,43 @@ class HttpAdapter:
         if fencing_token is not None:
             headers[self.fencing_token_header] = fencing_token
         return headers
+
+    def effect_of(self, request: Outgoing) -> EffectShape:
+        """The request itself: method, path and query, the canonical body, and the values of
+        ``digest_headers`` (preconditions are part of what a request does)."""
+        if request.slot is None:
+            raise BadRequest("Fence-Slot: header is required")
+        path = request.path or "/"
+        preconditions: list[tuple[str, str]] | None = None
+        if self.digest_headers:
+            preconditions = [
+                (name, value)
+                for name in self.digest_headers
+                for key, value in request.headers
+                if key.lower() == name.lower()
+            ]
+        digest = payload_digest(
+            request.method,
+            request.downstream,
+            path,
+            canonical_body(request.body, request.header("Content-Type")),
+            preconditions,
+        )
+        return EffectShape(request.slot, request.method, path, digest, tuple(preconditions or ()))
+
+    def outbound_body(self, body: bytes, effect_id: str, fencing_token: str) -> bytes:
+        return body  # the identity goes in headers (``outbound_headers``)
+
+    def outcome(self, status: int, body: bytes | None, effect: Effect) -> tuple[EffectState, str]:
+        return self.classify(status, effect)  # an HTTP answer's status says it
+
+    def replay(self, effect: Effect, request: Outgoing) -> Answer:
+        """The stored status, headers and body; ``body`` None when none was stored (an
+        operator settled it knowing no answer: status 204; over ``replay_max_bytes`` or
+        ``store_response_body = false``: the stored status and headers)."""
+        if effect.response_json is None:
+            return Answer(204, (), None)
+        stored = json.loads(effect.response_json)
+        headers = tuple((str(k), str(v)) for k, v in stored.get("headers", []))
+        body = base64.b64decode(stored["bodyBase64"]) if "bodyBase64" in stored else None
+        return Answer(int(stored.get("status", 200)), headers, body)

@@ -21,6 +21,7 @@ the tool ran); any other error is UNKNOWN.
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -30,9 +31,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from fencegate.adapters.base import Answer, EffectShape, Outgoing
 from fencegate.adapters.http import HttpAdapter
-from fencegate.ledger.effects import EffectState
+from fencegate.ledger.effects import Effect, EffectState, payload_digest
 from fencegate.ledger.errors import BadRequest, FencegateError
+from fencegate.ledger.payloads import canonical_body
 
 __all__ = [
     "CALL",
@@ -139,6 +142,14 @@ class ToolCall:
     slot: str
     #: The payload: canonical JSON of ``{"arguments": ..., "name": ...}``.
     payload: bytes
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _canonical(value: Any) -> bytes:
@@ -306,6 +317,57 @@ class McpAdapter(HttpAdapter):
     @property
     def kind(self) -> str:
         return "mcp"
+
+    def effect_of(self, request: Outgoing) -> EffectShape:
+        """A ``tools/call``: the slot of its ``_meta`` (or derived), the payload its tool name
+        and canonical arguments; ``BadRequest`` for a message that is no such call, or holds a
+        number that does not survive a round trip through a float."""
+        canonical = canonical_body(request.body, "application/json")
+        try:
+            message = json.loads(canonical)
+        except (ValueError, RecursionError):
+            raise BadRequest("tools/call: the body is not one JSON-RPC message") from None
+        if canonical is request.body:
+            raise BadRequest(
+                "tools/call: a number in the message does not survive a round trip through a "
+                "float (or is -0); send it as a string"
+            )
+        if not isinstance(message, dict) or message.get("method") != CALL:
+            raise BadRequest("not a tools/call")
+        call = parse_tool_call(message.get("params"))
+        path = f"/tools/call/{call.name}"
+        digest = payload_digest("POST", request.downstream, path, call.payload)
+        return EffectShape(call.slot, "POST", path, digest)
+
+    def outbound_body(self, body: bytes, effect_id: str, fencing_token: str) -> bytes:
+        return with_identity(json.loads(body), effect_id, fencing_token)
+
+    def outcome(self, status: int, body: bytes | None, effect: Effect) -> tuple[EffectState, str]:
+        """From the body when it is the call's JSON-RPC answer (2026-07-28 servers answer some
+        errors with 400/404, older ones with 200), else from the status: 4xx refused before
+        anything ran, 5xx (or a 200 that is no answer) may have run."""
+        answer = _json_object(body) if body is not None else None
+        if answer is not None and ("result" in answer or "error" in answer):
+            tool = effect.path.removeprefix("/tools/call/")
+            codes = self.tools.get(tool, ToolOverride()).not_applied_codes
+            state, reason = classify(answer, codes)
+            return state, reason if status == 200 else f"{reason} (status {status})"
+        if 400 <= status < 500:
+            return EffectState.NOT_APPLIED, f"status {status}"
+        return EffectState.UNKNOWN, f"status {status}: no answer to the call"
+
+    def replay(self, effect: Effect, request: Outgoing) -> Answer:
+        """The stored answer under the new request's id, marked replayed; an answer that was
+        not stored replays as an empty result saying so (``fencegate/replayBody``)."""
+        request_id = (_json_object(request.body) or {}).get("id")
+        stored = json.loads(effect.response_json) if effect.response_json else None
+        body = stored.get("bodyBase64") if stored else None
+        answer = _json_object(base64.b64decode(body)) if body is not None else None
+        if answer is None:
+            omitted = {"content": [], "_meta": {META_REPLAY_BODY: "omitted"}}
+            answer = {"jsonrpc": "2.0", "result": omitted}
+        replayed = json.dumps(replay(answer, request_id), separators=(",", ":")).encode()
+        return Answer(200, (("Content-Type", "application/json"),), replayed)
 
     def policy(self, tool: str, annotations: Mapping[str, Any] | None) -> ToolPolicy:
         override = self.tools.get(tool, ToolOverride())

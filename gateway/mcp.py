@@ -18,7 +18,6 @@ server (``tools/list`` under the session's id) by whichever gateway misses them.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -30,6 +29,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from fencegate.adapters import mcp
+from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.mcp import McpAdapter, ToolKind, ToolPolicy
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.http_client import send_once
@@ -60,7 +60,6 @@ from fencegate.ledger.effects import (
     EffectState,
     Fence,
     PrepareOutcome,
-    payload_digest,
 )
 from fencegate.ledger.errors import (
     BadRequest,
@@ -285,7 +284,7 @@ async def _post(
         return _refuse(request_id, error, has_id=has_id and isinstance(method, str))
     if method == mcp.CALL and has_id:
         assert fence is not None
-        return await _tool_call(request, downstream, adapter, fence, message, canonical is body)
+        return await _tool_call(request, downstream, adapter, fence, message, body)
     if fence is not None:
         try:
             await request.app[STORE].check_fence(fence)
@@ -406,15 +405,12 @@ async def _tool_call(
     adapter: McpAdapter,
     fence: Fence,
     message: dict[str, Any],
-    lossy: bool,
+    body: bytes,
 ) -> web.StreamResponse:
     request_id = message.get("id")
+    outgoing = Outgoing("POST", downstream.name, "/", tuple(request.headers.items()), body)
     try:
-        if lossy:
-            raise BadRequest(
-                "tools/call: a number in the message does not survive a round trip through a "
-                "float (or is -0); send it as a string"
-            )
+        shape = adapter.effect_of(outgoing)  # the effect: slot and payload digest
         call = mcp.parse_tool_call(message.get("params"))
         routing = {
             name: request.headers.getall(name, [])
@@ -447,15 +443,14 @@ async def _tool_call(
         node = id_header(request, "Fence-Node", required=False) or "main"
     except FencegateError as exc:
         return _refuse(request_id, exc)
-    path = f"/tools/call/{call.name}"
     effect_request = EffectRequest(
         fence=fence,
         node=node,
-        slot=call.slot,
+        slot=shape.slot,
         downstream=downstream.name,
-        method="POST",
-        path=path,
-        payload_digest=payload_digest("POST", downstream.name, path, call.payload),
+        method=shape.method,
+        path=shape.path,
+        payload_digest=shape.payload_digest,
         forward_id=new_id(),
     )
     config = request.app[CONFIG]
@@ -465,7 +460,7 @@ async def _tool_call(
         downstream.name,
         "POST",
         node=node,
-        slot=call.slot,
+        slot=shape.slot,
         payload_digest=effect_request.payload_digest,
         tool=call.name,
     )
@@ -488,7 +483,7 @@ async def _tool_call(
         case Refuse(error):
             return _refuse(request_id, error)
         case Replay(effect):
-            return _replay(effect, request_id)
+            return _replay(adapter.replay(effect, outgoing), effect)
         case ShadowForward() | PassThrough():
             return await _relay(request, downstream, adapter, json.dumps(message).encode(), message)
         case Forward() as forward:
@@ -497,36 +492,21 @@ async def _tool_call(
                 error = await start_too_late(request, forward, effect_request, window)
                 return _refuse(request_id, error)
             return await _forward_call(
-                request,
-                downstream,
-                adapter,
-                fence,
-                forward,
-                window,
-                message,
-                policy.not_applied_codes,
+                request, downstream, adapter, fence, forward, window, message, body
             )
     raise AssertionError(decision.act)  # pragma: no cover
 
 
-def _replay(effect: Effect, request_id: Any) -> web.Response:
-    """A duplicate: the stored answer under this request's id, marked replayed. An answer
-    that was not stored (over ``replay_max_bytes``, ``store_response_body = false``, or settled
-    by an operator) replays as an empty result saying so, like ``Fence-Replay-Body`` on
-    ``/proxy``: the call ran, its answer is not here."""
-    stored = json.loads(effect.response_json) if effect.response_json else None
-    body = stored.get("bodyBase64") if stored else None
+def _replay(answer: Answer, effect: Effect) -> web.Response:
+    """A duplicate: the stored answer under this request's id, marked replayed
+    (``McpAdapter.replay``), with the Fence-* headers."""
     headers = {
         "Fence-Effect-Id": effect.effect_id,
         "Fence-Replayed": "true",
         "Fence-Effect-State": effect.state.value,
     }
-    if body is None:
-        empty = {"jsonrpc": "2.0", "id": request_id,
-                 "result": {"content": [], "_meta": {mcp.META_REPLAY_BODY: "omitted"}}}  # fmt: skip
-        return _jsonrpc(mcp.replay(empty, request_id), headers)
-    answer = json.loads(base64.b64decode(body))
-    return _jsonrpc(mcp.replay(answer, request_id), headers)
+    return web.Response(status=answer.status, body=answer.body, headers=dict(answer.headers)
+                        | headers)  # fmt: skip
 
 
 def _event_data(event: bytes) -> Any:
@@ -582,16 +562,16 @@ async def _forward_call(
     forward: Forward,
     window: Any,
     message: dict[str, Any],
-    not_applied: frozenset[int],
+    body: bytes,
 ) -> web.StreamResponse:
     """Forward the prepared call (with its identity in ``params._meta``), record the answer's
     outcome, then answer: a JSON answer whole, an SSE stream event by event with the final
-    answer written only after it is recorded. ``not_applied``: the JSON-RPC codes that mean
-    the tool did not run (the tool's policy)."""
+    answer written only after it is recorded. What the answer means is the adapter's
+    (``McpAdapter.outcome``); ``body`` is the agent's message, as it was sent."""
     effect, seq = forward.effect, forward.seq
     request_id = message.get("id")
     token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
-    data = mcp.with_identity(message, effect.effect_id, token)
+    data = adapter.outbound_body(body, effect.effect_id, token)
     headers = _outbound(request, adapter, adapter.outbound_headers(effect.effect_id, token))
     recorded = False
     agent_gone = False
@@ -639,24 +619,22 @@ async def _forward_call(
             if resp.status != 200:
                 # 2026-07-28 servers answer some JSON-RPC errors with 400/404: the body says
                 # what happened when it is the answer to this call; else the status does.
-                body = await _bounded_body(resp)
-                answer = _message(body) if resp.content_type == "application/json" else None
-                if answer is not None and answer.get("id") == request_id and "error" in answer:
-                    state, reason = mcp.classify(answer, not_applied)
-                    reason += f" (status {resp.status})"
-                else:
-                    state = EffectState.UNKNOWN if resp.status >= 500 else EffectState.NOT_APPLIED
-                    reason = f"status {resp.status}"
+                raw = await _bounded_body(resp)
+                answer = _message(raw) if resp.content_type == "application/json" else None
+                if answer is None or answer.get("id") != request_id or "error" not in answer:
+                    answer = None  # not this call's answer (a session refused, a proxy's page)
+                state, reason = adapter.outcome(resp.status, raw if answer else None, effect)
                 done = await record(state, reason, answer)
                 live.update(
                     {"Fence-Effect-Id": effect.effect_id, "Fence-Effect-State": done.state.value}
                 )
-                return web.Response(status=resp.status, body=body, headers=live)
+                return web.Response(status=resp.status, body=raw, headers=live)
             if resp.content_type != _SSE:
-                answer = _message(await _bounded_body(resp))
+                raw = await _bounded_body(resp)
+                answer = _message(raw)
                 if answer is None:
                     raise aiohttp.ClientPayloadError("the answer is not one JSON-RPC message")
-                state, reason = mcp.classify(answer, not_applied)
+                state, reason = adapter.outcome(200, raw, effect)
                 done = await record(state, reason, answer)
                 live.update(
                     {
@@ -676,7 +654,7 @@ async def _forward_call(
                     and event.get("id") == request_id
                     and "method" not in event
                 ):
-                    state, reason = mcp.classify(event, not_applied)
+                    state, reason = adapter.outcome(200, json.dumps(event).encode(), effect)
                     await record(state, reason, event)
                     if not agent_gone:
                         await _finish(stream, raw)

@@ -21,7 +21,6 @@ through ``_forward``.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import time
@@ -36,13 +35,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from fencegate.adapters import Adapter, ProbeAdapter
+from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.http import NOT_APPLIED_STATUSES, UNKNOWN_STATUSES, HttpAdapter
 from fencegate.gateway import failpoints
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.http_client import PoolWait, ResendRefused, send_once
 from fencegate.gateway.http_rules import (
     SAFE_METHODS,
-    canonical_body,
     downstream_request_headers,
     refuse_method_override,
     split_proxy_path,
@@ -74,7 +73,6 @@ from fencegate.ledger.effects import (
     EffectState,
     Fence,
     PrepareOutcome,
-    payload_digest,
 )
 from fencegate.ledger.errors import (
     BadRequest,
@@ -97,6 +95,7 @@ __all__ = [
     "proxy_answer_headers",
     "proxy_handler",
     "record_outcome",
+    "resend_window",
     "start_too_late",
 ]
 
@@ -410,42 +409,43 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
     return await _carry_out(request, call, decision, _Prepared(effect_request, window))
 
 
-def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, int | None]:
-    """What the prepare asks for (the payload digest covers the adapter's precondition
-    headers), and how long after its first forward an UNKNOWN effect may be re-sent."""
-    assert call.slot is not None
-    path = call.tail or "/"
-    preconditions = None
-    if call.adapter.digest_headers:
-        preconditions = [
-            (name, value)
-            for name in call.adapter.digest_headers
-            for value in request.headers.getall(name, [])
-        ]
-    digest = payload_digest(
+def _outgoing(request: web.Request, call: _Call) -> Outgoing:
+    return Outgoing(
         call.method,
         call.downstream.name,
-        path,
-        canonical_body(call.body, request.headers.get("Content-Type", "")),
-        preconditions,
+        call.tail or "/",
+        tuple(request.headers.items()),
+        call.body,
+        call.slot,
     )
+
+
+def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, int | None]:
+    """What the prepare asks for (the adapter says what the effect is: ``effect_of``), and
+    how long after its first forward an UNKNOWN effect may be re-sent."""
+    shape = call.adapter.effect_of(_outgoing(request, call))
     effect_request = EffectRequest(
         fence=call.fence,
         node=call.node,
-        slot=call.slot,
+        slot=shape.slot,
         downstream=call.downstream.name,
-        method=call.method,
-        path=path,
-        payload_digest=digest,
+        method=shape.method,
+        path=shape.path,
+        payload_digest=shape.payload_digest,
         forward_id=new_id(),
     )
-    resend_window_ms = call.adapter.resend_window_ms(preconditions or ())
-    if resend_window_ms is not None:
-        # A re-send admitted now may reach the downstream up to the start limit later, and
-        # must still reach it inside its window (counted from its first sight of the key).
-        start_limit_ms = request.app[CONFIG].proxy.start_limit_ms
-        resend_window_ms = max(resend_window_ms - start_limit_ms, 0)
-    return effect_request, resend_window_ms
+    return effect_request, resend_window(
+        request, call.adapter.resend_window_ms(shape.preconditions)
+    )
+
+
+def resend_window(request: web.Request, window_ms: int | None) -> int | None:
+    """An adapter's resend window as the prepare applies it: a re-send admitted now may reach
+    the downstream up to the start limit later, and must still reach it inside its window
+    (counted from its first sight of the key)."""
+    if window_ms is None:
+        return None
+    return max(window_ms - request.app[CONFIG].proxy.start_limit_ms, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,7 +466,7 @@ async def _carry_out(
         case Refuse(error):
             return _refusal(error)
         case Replay(effect):
-            return _replay(effect)
+            return _replay(call.adapter.replay(effect, _outgoing(request, call)), effect)
         case PassThrough():
             return await _forward_plain(request, call, call.adapter.outbound_headers(None, None))
         case ShadowForward(code, effect_id):
@@ -855,7 +855,7 @@ async def _forward_effect(
         resp: aiohttp.ClientResponse, body: bytes, whole: bool, live: CIMultiDict[str]
     ) -> Mapping[str, str]:
         await failpoints.hit("after_response")
-        outcome, reason = call.adapter.classify(resp.status, effect)
+        outcome, reason = call.adapter.outcome(resp.status, body if whole else None, effect)
         kept: bytes | None = None
         omitted: str | None = None
         if not call.downstream.store_response_body:
@@ -908,24 +908,22 @@ def _busy(call: _Call) -> DownstreamBusy:
     )
 
 
-def _replay(effect: Effect) -> web.Response:
-    if effect.response_json is None:
-        # Settled COMMITTED by an operator who knew no response: say so, invent nothing.
-        nothing = _fence_headers(effect, None, True)
-        nothing["Fence-Replay-Body"] = "none"
-        return web.Response(status=204, headers=nothing)
-    stored = json.loads(effect.response_json)
+def _replay(answer: Answer, effect: Effect) -> web.Response:
+    """A duplicate's answer (``Adapter.replay``), with the Fence-* headers. An effect settled
+    COMMITTED by an operator who knew no response is 204 ``Fence-Replay-Body: none``: invent
+    nothing; one whose body was not stored keeps its status and headers,
+    ``Fence-Replay-Body: omitted``."""
     headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in stored.get("headers", []):
+    for name, value in answer.headers:
         headers.add(name, value)
     headers.update(_fence_headers(effect, None, True))
-    body = b""
-    if "bodyBase64" in stored:
-        body = base64.b64decode(stored["bodyBase64"])
-    else:
+    if effect.response_json is None:
+        headers["Fence-Replay-Body"] = "none"
+        return web.Response(status=204, headers=headers)
+    if answer.body is None:
         headers["Fence-Replay-Body"] = "omitted"
         headers.pop("Content-Encoding", None)
-    return web.Response(status=int(stored.get("status", 200)), body=body, headers=headers)
+    return web.Response(status=answer.status, body=answer.body or b"", headers=headers)
 
 
 def _with_effect(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:

@@ -7,6 +7,7 @@ interrupted, and touch nothing it did not write.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -100,9 +101,9 @@ def check_mcp_server_ran(summary: str) -> None:
     B's get_invoice once, with no effectId and no ledger entry. Any other run (the stale
     invoice of 45.00 EUR, a second send) would be a row of its own."""
     rows = MCP_ROW.findall(summary)
-    assert [(runs, tool, args) for runs, _, _, tool, args in rows] == [
-        ("1", "send_invoice", '{"amount":4200,"customer":"ana"}'),
-        ("1", "get_invoice", '{"invoice":"inv-1"}'),
+    assert [(runs, tool, json.loads(args)) for runs, _, _, tool, args in rows] == [
+        ("1", "send_invoice", {"amount": 4200, "customer": "ana"}),
+        ("1", "get_invoice", {"invoice": "inv-1"}),
     ], summary
     (_, effect, where, _, _), (_, read, read_where, _, _) = rows
     assert effect != "(none)" and re.fullmatch(r"invoice-77/mcp:[0-9a-f]{8}\.\.\.", where), rows

@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from fencegate.adapters import http as http_adapter
 from fencegate.gateway import proxy
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config
@@ -387,7 +388,7 @@ async def test_an_unexpected_failure_is_500_with_what_the_gateway_knows(
         raise RuntimeError("a bug")
 
     with monkeypatch.context() as patch:
-        patch.setattr(proxy, "canonical_body", broken)  # before anything was prepared
+        patch.setattr(http_adapter, "canonical_body", broken)  # before anything was prepared
         sent = await send(api, lease, "api/pay", data=b"{}")
     assert_problem(sent, 500, "INTERNAL", state="NONE")
     assert recorder.seen == []
