@@ -13,7 +13,7 @@ import re
 import string
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -401,11 +401,12 @@ class McpToolConfig(_Section):
         return self
 
 
-class DownstreamConfig(_Section):
+class _DownstreamBase(_Section):
+    """What every kind of downstream takes; each kind is its own model (below), so a key
+    of another kind is refused at start-up, naming it."""
+
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     url: str
-    #: http | idempotent | probe | conditional | manual | mcp (see config.example.toml).
-    adapter: AdapterKind = "http"
     #: Whole forward, from connect to the last response byte. Past it the effect is UNKNOWN.
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] = 10_000
     #: Connecting only; a connect that fails or times out certainly delivered nothing.
@@ -439,39 +440,23 @@ class DownstreamConfig(_Section):
     store_response_body: bool = True
     #: Status -> outcome overrides.
     outcomes: OutcomesConfig = OutcomesConfig()
-    #: idempotent: how long the downstream deduplicates on a key (an UNKNOWN effect is re-sent
-    #: under its original key only inside this window, counted from its first forward).
-    dedupe_window_ms: Annotated[int, Field(ge=1, le=365 * _DAY_MS)] | None = None
-    #: probe: the lookup that settles UNKNOWN effects.
-    probe: ProbeConfig | None = None
-    #: manual: every forward waits for an operator's approval of its exact payload digest.
-    require_approval: bool = False
     #: Overrides proxy.enforcement for this downstream.
     enforcement: Literal["enforce", "shadow"] | None = None
-    #: manual: how long an approval stays usable.
-    approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
-    #: mcp: per-tool policies, by tool name.
-    tools: Annotated[
-        dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_./:-]{1,200}$")], McpToolConfig],
-        Field(max_length=1000),
-    ] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _adapter_options(self) -> DownstreamConfig:
-        needs = {"idempotent": "dedupe_window_ms", "probe": "probe"}
-        only = {
-            "dedupe_window_ms": ("idempotent",),
-            "probe": ("probe",),
-            "require_approval": ("manual",),
-            "tools": ("mcp",),
-        }
-        required = needs.get(self.adapter)
-        if required is not None and getattr(self, required) is None:
-            raise ValueError(f"adapter {self.adapter!r} needs {required}")
-        for option, kinds in only.items():
-            if option in self.model_fields_set and self.adapter not in kinds:
-                raise ValueError(f"{option} is only for adapter = {kinds[0]!r}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_of_this_kind(cls, data: Any) -> Any:
+        """Say which kind a key belongs to, and what a kind needs, in words: pydantic would
+        say "unknown key" and "field required"."""
+        if isinstance(data, dict):
+            kind = data.get("adapter", "http")
+            for option, owner in _KIND_OF_KEY.items():
+                if option in data and kind != owner:
+                    raise ValueError(f"{option} is only for adapter = {owner!r}")
+            required = _KIND_NEEDS.get(kind)
+            if required is not None and data.get(required) is None:
+                raise ValueError(f"adapter {kind!r} needs {required}")
+        return data
 
     @property
     def unstored_headers(self) -> frozenset[str]:
@@ -494,6 +479,70 @@ class DownstreamConfig(_Section):
         if not value.startswith(("http://", "https://")):
             raise ValueError("expected an http:// or https:// base URL")
         return value.rstrip("/")
+
+
+#: Keys that belong to one kind of downstream, and what a kind cannot do without.
+_KIND_OF_KEY = {
+    "dedupe_window_ms": "idempotent",
+    "probe": "probe",
+    "require_approval": "manual",
+    "approval_ttl_ms": "manual",
+    "tools": "mcp",
+}
+_KIND_NEEDS = {"idempotent": "dedupe_window_ms", "probe": "probe"}
+
+
+class HttpDownstream(_DownstreamBase):
+    """``adapter = "http"`` (the default): the contract's defaults, nothing re-sent by itself."""
+
+    adapter: Literal["http"] = "http"
+
+
+class IdempotentDownstream(_DownstreamBase):
+    adapter: Literal["idempotent"]
+    #: How long the downstream deduplicates on a key (an UNKNOWN effect is re-sent under its
+    #: original key only inside this window, counted from its first forward).
+    dedupe_window_ms: Annotated[int, Field(ge=1, le=365 * _DAY_MS)]
+
+
+class ProbeDownstream(_DownstreamBase):
+    adapter: Literal["probe"]
+    #: The lookup that settles UNKNOWN effects.
+    probe: ProbeConfig
+
+
+class ConditionalDownstream(_DownstreamBase):
+    adapter: Literal["conditional"]
+
+
+class ManualDownstream(_DownstreamBase):
+    adapter: Literal["manual"]
+    #: Every forward waits for an operator's approval of its exact payload digest.
+    require_approval: bool = False
+    #: How long an approval stays usable.
+    approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
+
+
+class McpDownstream(_DownstreamBase):
+    adapter: Literal["mcp"]
+    #: Per-tool policies, by tool name.
+    tools: Annotated[
+        dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_./:-]{1,200}$")], McpToolConfig],
+        Field(max_length=1000),
+    ] = Field(default_factory=dict)
+
+
+#: One ``[[downstreams]]`` table: its ``adapter`` (default ``http``) says which model reads it
+#: (http | idempotent | probe | conditional | manual | mcp; see config.example.toml).
+DownstreamConfig = Annotated[
+    HttpDownstream
+    | IdempotentDownstream
+    | ProbeDownstream
+    | ConditionalDownstream
+    | ManualDownstream
+    | McpDownstream,
+    Field(discriminator="adapter"),
+]
 
 
 #: What a principal may do (the role matrix is ``gateway/auth.py``, docs/security.md).
@@ -628,6 +677,16 @@ class Config(_Section):
     #: None: no authentication (docs/security.md).
     auth: AuthConfig | None = None
 
+    @field_validator("downstreams", mode="before")
+    @classmethod
+    def _default_adapter(cls, value: Any) -> Any:
+        """A table without ``adapter`` is ``http`` (the union picks its model by the key)."""
+        if isinstance(value, list | tuple):
+            return [
+                {"adapter": "http", **item} if isinstance(item, dict) else item for item in value
+            ]
+        return value
+
     @model_validator(mode="after")
     def _unique_downstreams(self) -> Config:
         seen: set[str] = set()
@@ -685,15 +744,21 @@ def _key(loc: tuple[int | str, ...], data: object = None) -> str:
     """``downstreams[1] ('stripe').probe.path``: the key, and the downstream's name."""
     out = ""
     node = data
+    after_index = False
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
             node = node[part] if isinstance(node, list) and part < len(node) else None
             if isinstance(node, dict) and isinstance(node.get("name"), str):
                 out += f" ({node['name']!r})"
-        else:
-            out += ("." if out else "") + part
-            node = node.get(part) if isinstance(node, dict) else None
+            after_index = True
+            continue
+        if after_index and isinstance(node, dict) and part == node.get("adapter", "http"):
+            after_index = False
+            continue  # the union's tag (which kind's model read the table), not a key
+        after_index = False
+        out += ("." if out else "") + part
+        node = node.get(part) if isinstance(node, dict) else None
     return out or "(top level)"
 
 
@@ -701,9 +766,13 @@ def _describe(exc: ValidationError, data: object = None) -> str:
     lines = []
     for error in exc.errors():
         message = error["msg"].removeprefix("Value error, ")
+        loc = error["loc"]
         if error["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"{_key(error['loc'], data)}: {message}")
+        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc = (*loc, "adapter")
+            message = f"expected one of {', '.join(repr(k) for k in get_args(AdapterKind))}"
+        lines.append(f"{_key(loc, data)}: {message}")
     return "; ".join(lines)
 
 

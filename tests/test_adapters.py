@@ -481,6 +481,12 @@ BAD_CONFIGS = [
      "('d').headers_from_env.Authorization: environment variable 'FG_SURELY_UNSET_VAR'"),
     ('name = "d"\nurl = "http://127.0.0.1:1"\nrequire_approval = true',
      "require_approval is only for adapter = 'manual'"),
+    ('name = "d"\nurl = "http://127.0.0.1:1"\nadapter = "probe"\ndedupe_window_ms = 5\n'
+     'probe = { path = "/x/{effectId}" }', "('d'): dedupe_window_ms is only for adapter = 'idempotent'"),
+    ('name = "d"\nurl = "http://127.0.0.1:1"\ntools = { t = { kind = "effect" } }',
+     "('d'): tools is only for adapter = 'mcp'"),
+    ('name = "d"\nurl = "http://127.0.0.1:1"\nadapter = "mcp"\nretries = 3',
+     "downstreams[0] ('d').retries: unknown key"),
 ]  # fmt: skip
 
 

@@ -38,7 +38,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
-from fencegate.gateway.config import Config, DownstreamConfig
+from fencegate.gateway.config import Config, HttpDownstream
 from fencegate.gateway.http_rules import stored_response_headers
 from fencegate.ledger.effects import effect_id
 from fencegate.ledger.effects import effect_to_json as _effect_to_json
@@ -391,15 +391,15 @@ def test_stored_headers_never_keep_credentials_or_the_configured_names() -> None
 
 def test_the_config_keys_are_validated_and_unstored_names_include_headers_from_env() -> None:
     base = {"name": "d", "url": "http://127.0.0.1:1"}
-    config = DownstreamConfig.model_validate(
+    config = HttpDownstream.model_validate(
         {**base, "headers_from_env": {"X-Api-Key": "K"}, "never_store_headers": ["X-Trace"]}
     )
     assert config.unstored_headers == {"x-api-key", "x-trace"}
     assert config.store_response_body is True
     with pytest.raises(ValueError, match="never_store_headers"):
-        DownstreamConfig.model_validate({**base, "never_store_headers": ["bad header"]})
+        HttpDownstream.model_validate({**base, "never_store_headers": ["bad header"]})
     with pytest.raises(ValueError, match="store_response_body"):
-        DownstreamConfig.model_validate({**base, "store_response_body": "no"})
+        HttpDownstream.model_validate({**base, "store_response_body": "no"})
 
 
 def test_a_config_file_error_names_the_key(tmp_path: Path) -> None:
