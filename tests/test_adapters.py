@@ -482,7 +482,8 @@ BAD_CONFIGS = [
     ('name = "d"\nurl = "http://127.0.0.1:1"\nrequire_approval = true',
      "require_approval is only for adapter = 'manual'"),
     ('name = "d"\nurl = "http://127.0.0.1:1"\nadapter = "probe"\ndedupe_window_ms = 5\n'
-     'probe = { path = "/x/{effectId}" }', "('d'): dedupe_window_ms is only for adapter = 'idempotent'"),
+     'probe = { path = "/x/{effectId}" }',
+     "('d'): dedupe_window_ms is only for adapter = 'idempotent'"),
     ('name = "d"\nurl = "http://127.0.0.1:1"\ntools = { t = { kind = "effect" } }',
      "('d'): tools is only for adapter = 'mcp'"),
     ('name = "d"\nurl = "http://127.0.0.1:1"\nadapter = "mcp"\nretries = 3',
