@@ -192,12 +192,15 @@ class SQLiteStore(SqlStore):
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.executescript(_SCHEMA)
-        conn.execute(
-            "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) ON CONFLICT (id) DO NOTHING",
-            (sql_steps.SCHEMA_VERSION,),
-        )
-        (version,) = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
-        sql_steps.check_schema_version(int(version), f"SQLite file {self.path!r}")
+        row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
+        if row is None:  # a new file (or one from before versions): written once, then read
+            conn.execute(
+                "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
+                "ON CONFLICT (id) DO NOTHING",
+                (sql_steps.SCHEMA_VERSION,),
+            )
+            row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
+        sql_steps.check_schema_version(int(row[0]), f"SQLite file {self.path!r}")
         row = conn.execute(
             "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
         ).fetchone()
