@@ -808,6 +808,8 @@ def finish_probe(
     released = replace(current, probe_holder=None, probe_until=None, updated_at=now)
     action: dict[str, Any] = {"action": "reconcile", "by": actor, "at": now,
                               "verdict": verdict.value}  # fmt: skip
+    if asked_at is not None:
+        action["askedAt"] = asked_at
     if verdict is ProbeVerdict.ABSENT:
         until = landing_until(current, settle_ms)
         if until is not None and (now if asked_at is None else asked_at) < until:
