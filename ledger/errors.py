@@ -11,10 +11,11 @@ The tree::
     │   ├── NoSuchEffect           NO_SUCH_EFFECT
     │   └── NoSuchDownstream       NO_SUCH_DOWNSTREAM
     ├── Rejected                   409: the fence said no
-    │   ├── Claimed
+    │   ├── Claimed, DependenciesPending
     │   ├── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput, AlreadyCommitted,
     │   │   RuntimeExceeded        (also ClaimRefused: the claim is gone)
     │   └── EffectInFlight, EffectUnknown, EffectSettled, ApprovalRequired
+    ├── EventsGone                 410 EVENTS_GONE (an event position past retained history)
     ├── PayloadConflict            422 PAYLOAD_CONFLICT
     ├── PayloadTooLarge            413 PAYLOAD_TOO_LARGE
     ├── DownstreamUnreachable      502 DOWNSTREAM_UNREACHABLE
@@ -48,12 +49,14 @@ __all__ = [
     "ClaimRefused",
     "Claimed",
     "ClaimsPaused",
+    "DependenciesPending",
     "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
     "EffectInFlight",
     "EffectSettled",
     "EffectUnknown",
+    "EventsGone",
     "Fenced",
     "FencegateError",
     "Forbidden",
@@ -149,6 +152,21 @@ class Rejected(FencegateError):
 class Claimed(Rejected):
     code = "CLAIMED"
     title = "Another attempt holds an unexpired lease"
+
+
+class DependenciesPending(Rejected):
+    """A WAITING task: some dependency has no canonical commit (for its current revision)."""
+
+    code = "DEPENDENCIES_PENDING"
+    title = "The task waits for its dependencies to commit"
+
+
+class EventsGone(FencegateError):
+    """A resume position older than the retained event history: events were dropped since."""
+
+    code = "EVENTS_GONE"
+    status = 410
+    title = "That event position is older than the retained history"
 
 
 class Fenced(Rejected, ClaimRefused):

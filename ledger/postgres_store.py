@@ -50,9 +50,11 @@ R = TypeVar("R")
 #: A pooled connection, as the pool hands it out.
 _Conn: TypeAlias = "PoolConnectionProxy[asyncpg.Record]"
 
-#: Advisory lock keys (per database): the scheduler row's readers/writers, and schema set-up.
+#: Advisory lock keys (per database): the scheduler row's readers/writers, schema set-up, and
+#: puts that change the dependency graph.
 _SCHEDULER_LOCK = 0x66656E6365  # "fence"
 _SCHEMA_LOCK = 0x666E636573  # "fnces"
+_GRAPH_LOCK = 0x6772617068  # "graph"
 
 #: A step that lost a race for a new row (or a deadlock) is run again, this many times at most.
 _RETRIES = 8
@@ -87,6 +89,66 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS effects_order ON effects (created_at, effect_id)",
     "CREATE INDEX IF NOT EXISTS effects_task ON effects (task_id, created_at, effect_id)",
     "CREATE INDEX IF NOT EXISTS effects_state ON effects (state, created_at, effect_id)",
+)
+
+#: Schema version 2 (task flow, ``sql_steps.SCHEMA_VERSION``), run on a new database or one
+#: of version 1, each statement idempotent: queue columns, dependents, and the change feed.
+#: An event row's ``xid`` is its transaction's (``ledger.sql_steps.read_events`` says why).
+_TASK_EVENT = """json_build_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW.state,
+        'revision', (NEW.fields::jsonb ->> 'revision')::bigint,
+        'claimGeneration', (NEW.fields::jsonb ->> 'claim_generation')::bigint,
+        'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text"""
+_EFFECT_EVENT = """json_build_object('type', 'effect', 'effectId', NEW.effect_id,
+        'taskId', NEW.task_id, 'state', NEW.state, 'downstream', NEW.downstream,
+        'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text"""
+_FLOW_SCHEMA = (
+    *(
+        f"ALTER TABLE tasks ADD COLUMN IF NOT EXISTS {name} {sql_type}"
+        for name, sql_type in sql_steps.TASK_FLOW_COLUMNS
+    ),
+    "CREATE INDEX IF NOT EXISTS tasks_queue "
+    "ON tasks (queue, state, priority DESC, ready_at, task_id)",
+    """CREATE TABLE IF NOT EXISTS dependents (
+        task_id      TEXT NOT NULL,
+        dependent_id TEXT NOT NULL,
+        PRIMARY KEY (task_id, dependent_id)
+    )""",
+    """CREATE TABLE IF NOT EXISTS events (
+        xid  BIGINT NOT NULL DEFAULT (pg_current_xact_id()::text::bigint),
+        seq  BIGSERIAL PRIMARY KEY,
+        body TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS events_order ON events (xid, seq)",
+    """CREATE TABLE IF NOT EXISTS events_trimmed (
+        id  INTEGER PRIMARY KEY CHECK (id = 1),
+        xid BIGINT NOT NULL,
+        seq BIGINT NOT NULL
+    )""",
+    f"""CREATE OR REPLACE FUNCTION fencegate_task_event() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' OR OLD.state IS DISTINCT FROM NEW.state
+           OR (OLD.fields::jsonb ->> 'revision') IS DISTINCT FROM (NEW.fields::jsonb ->> 'revision')
+           OR (OLD.fields::jsonb ->> 'claim_generation')
+              IS DISTINCT FROM (NEW.fields::jsonb ->> 'claim_generation') THEN
+            INSERT INTO events (body) VALUES ({_TASK_EVENT});
+        END IF;
+        RETURN NULL;
+    END $$""",
+    f"""CREATE OR REPLACE FUNCTION fencegate_effect_event() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' OR OLD.state IS DISTINCT FROM NEW.state THEN
+            INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+        END IF;
+        RETURN NULL;
+    END $$""",
+    "DROP TRIGGER IF EXISTS tasks_event ON tasks",
+    "CREATE TRIGGER tasks_event AFTER INSERT OR UPDATE ON tasks "
+    "FOR EACH ROW EXECUTE FUNCTION fencegate_task_event()",
+    "DROP TRIGGER IF EXISTS effects_event ON effects",
+    "CREATE TRIGGER effects_event AFTER INSERT OR UPDATE ON effects "
+    "FOR EACH ROW EXECUTE FUNCTION fencegate_effect_event()",
 )
 
 #: The database's time in ms. ``clock_timestamp()`` (not ``now()``, fixed at BEGIN): read
@@ -140,6 +202,10 @@ _POSTGRES = sql_steps.Dialect(
     lock_scheduler_exclusive=f"SELECT pg_advisory_xact_lock({_SCHEDULER_LOCK})",
     json_text=lambda key: f"(fields::jsonb ->> '{key}')",
     json_int=lambda key: f"((fields::jsonb ->> '{key}')::bigint)",
+    for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
+    lock_dependency_graph=f"SELECT pg_advisory_xact_lock({_GRAPH_LOCK})",
+    events_visible="xid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
+    events_end=f"SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint - 1, {2**62}",
 )
 
 
@@ -255,15 +321,20 @@ class PostgresStore(SqlStore):
                     await conn.execute(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
                     for statement in _SCHEMA:
                         await conn.execute(statement)
-                    await conn.execute(
-                        "INSERT INTO fencegate_schema (id, version) VALUES (1, $1) "
-                        "ON CONFLICT (id) DO NOTHING",
-                        sql_steps.SCHEMA_VERSION,
-                    )
-                    version: int = await conn.fetchval(
+                    found: int | None = await conn.fetchval(
                         "SELECT version FROM fencegate_schema WHERE id = 1"
                     )
-                    return version
+                    if found is not None and found >= sql_steps.SCHEMA_VERSION:
+                        return found
+                    # New, or written by an older fencegate: upgrade (idempotent steps).
+                    for statement in _FLOW_SCHEMA:
+                        await conn.execute(statement)
+                    await conn.execute(
+                        "INSERT INTO fencegate_schema (id, version) VALUES (1, $1) "
+                        "ON CONFLICT (id) DO UPDATE SET version = excluded.version",
+                        sql_steps.SCHEMA_VERSION,
+                    )
+                    return sql_steps.SCHEMA_VERSION
 
             version = await self._with_connection(create)
             sql_steps.check_schema_version(version, f"PostgreSQL database {_public(self.url)}")
@@ -428,13 +499,15 @@ def _check_url(url: str) -> None:
 
 
 def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
-    return PostgresStore(
+    store = PostgresStore(
         url,
         policy,
         timeout_ms=options.timeout_ms,
         password=options.password,
         max_connections=options.postgres_max_connections,
     )
+    store.max_dependents = options.max_dependents
+    return store
 
 
 #: ``postgresql://USER@HOST:PORT/DB`` (several ``HOST:PORT`` separated by commas, with

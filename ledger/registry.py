@@ -94,6 +94,7 @@ def open_store(
     password: str | None = None,
     redis_max_connections: int = 200,
     postgres_max_connections: int = 20,
+    max_dependents: int = 10_000,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS),
@@ -108,5 +109,6 @@ def open_store(
         password=password,
         redis_max_connections=redis_max_connections,
         postgres_max_connections=postgres_max_connections,
+        max_dependents=max_dependents,
     )
     return kind.create(url, policy, options)

@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 from fencegate.ledger import effects, queries, tasks
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
-from fencegate.ledger.errors import NoSuchEffect, NoSuchTask, StoreIncompatible
+from fencegate.ledger.errors import (
+    BadRequest,
+    EventsGone,
+    NoSuchEffect,
+    NoSuchTask,
+    StoreIncompatible,
+)
+from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
 from fencegate.ledger.store import TASK_SCAN, EffectTransition, encode_cursor
 from fencegate.ledger.tasks import (
@@ -39,11 +46,14 @@ from fencegate.ledger.tasks import (
     RenewRequest,
     Scheduler,
     Task,
+    TaskState,
 )
 
 __all__ = [
     "NOW",
     "SCHEMA_VERSION",
+    "TASK_FLOW_COLUMNS",
+    "TRIM_BATCH",
     "Dialect",
     "Sql",
     "Step",
@@ -55,7 +65,19 @@ T = TypeVar("T")
 
 #: The version of the tables these steps read and write. A store finding a newer one in its
 #: database refuses to start: a newer fencegate wrote rows this code may misread.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Version 2 (task flow): tasks gained the columns ``queue``, ``priority``, ``ready_at``,
+#: ``claim_epoch`` (every row of version 1 has no queue: NULLs are right for it), the tables
+#: ``dependents`` and ``events`` (with triggers filling it) came new. A store opening a
+#: version-1 database adds them and writes 2 (``TASK_FLOW_COLUMNS``).
+
+#: The columns version 2 added to ``tasks`` (name, portable type).
+TASK_FLOW_COLUMNS = (
+    ("queue", "TEXT"),
+    ("priority", "INTEGER NOT NULL DEFAULT 0"),
+    ("ready_at", "BIGINT"),
+    ("claim_epoch", "BIGINT"),
+)
 
 
 def check_schema_version(found: int, where: str) -> None:
@@ -99,6 +121,17 @@ class Dialect:
     json_text: Callable[[str], str]
     #: SQL giving key ``k`` of the JSON in column ``fields`` as an integer (NULL if absent).
     json_int: Callable[[str], str]
+    #: Appended to the SELECT that picks a queue's next task (``" FOR UPDATE SKIP LOCKED"``:
+    #: concurrent claimers each take a different row instead of queueing on one).
+    for_update_skip_locked: str
+    #: Run before a put that changes a task's dependencies (exclusive): such puts happen one
+    #: at a time, so the cycle check walks a graph no concurrent put is changing.
+    lock_dependency_graph: str
+    #: SQL condition an ``events`` row must meet to be read: its transaction can no longer be
+    #: overtaken by one still running (PostgreSQL: below the snapshot's xmin).
+    events_visible: str
+    #: SELECT of the position "after everything visible now" (two columns: xid, seq).
+    events_end: str
 
     # SQL mirrors of the pure rules (each names the function it mirrors).
     def overdue(self) -> str:
@@ -154,16 +187,61 @@ def save_task(task: Task, existed: bool) -> Step[None]:
     """UPDATE a row the step loaded (and locked), INSERT one it saw absent (a concurrent
     INSERT of the same task then fails, and that step is run again)."""
     fields = _dumps(tasks.task_to_fields(task))
+    columns = (
+        task.state.value,
+        task.lease_expires_at,
+        task.queue,
+        task.priority,
+        task.ready_at,
+        task.claim_epoch,
+        fields,
+    )
     if existed:
         yield Sql(
-            "UPDATE tasks SET state = ?, lease_expires_at = ?, fields = ? WHERE task_id = ?",
-            (task.state.value, task.lease_expires_at, fields, task.task_id),
+            "UPDATE tasks SET state = ?, lease_expires_at = ?, queue = ?, priority = ?, "
+            "ready_at = ?, claim_epoch = ?, fields = ? WHERE task_id = ?",
+            (*columns, task.task_id),
         )
     else:
         yield Sql(
-            "INSERT INTO tasks (task_id, state, lease_expires_at, fields) VALUES (?, ?, ?, ?)",
-            (task.task_id, task.state.value, task.lease_expires_at, fields),
+            "INSERT INTO tasks (state, lease_expires_at, queue, priority, ready_at, claim_epoch, "
+            "fields, task_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (*columns, task.task_id),
         )
+
+
+def _task_of(row: Any) -> Task:
+    return tasks.task_from_fields(json.loads(row[0]))
+
+
+def dependents_of(task_id: str) -> Step[list[str]]:
+    rows = yield Sql(
+        "SELECT dependent_id FROM dependents WHERE task_id = ? ORDER BY dependent_id",
+        (task_id,),
+        "all",
+    )
+    return [str(r[0]) for r in rows]
+
+
+def _walk_for_cycle(d: Dialect, task_id: str, start: tuple[str, ...]) -> Step[None]:
+    """Would ``task_id`` depending on ``start`` close a cycle? Follows ``depends_on`` from
+    ``start`` (breadth first, each task once, at most ``tasks.MAX_GRAPH_VISITS``)."""
+    seen: set[str] = set()
+    frontier = list(start)
+    while frontier:
+        current = frontier.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        if len(seen) > tasks.MAX_GRAPH_VISITS:
+            raise tasks.graph_too_large()
+        found = yield from load_task(d, current, lock=False)
+        if found is None:
+            continue
+        for dep in found.depends_on:
+            if dep == task_id:
+                raise tasks.cycle(task_id, current)
+            frontier.append(dep)
 
 
 def read_scheduler(d: Dialect, *, deciding: bool) -> Step[Scheduler]:
@@ -228,13 +306,66 @@ def _effects_from(rows: Iterable[Any], now: int) -> list[Effect]:
 
 
 def put_task(
-    d: Dialect, task_id: str, input_digest: str, max_runtime_ms: int | None
+    d: Dialect,
+    task_id: str,
+    input_digest: str,
+    max_runtime_ms: int | None,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    depends_on: tuple[str, ...] | None = None,
+    max_dependents: int = 10_000,
 ) -> Step[tuple[Task, PutOutcome]]:
     found = yield from load_task(d, task_id, lock=True)
+    if found is not None and found.input_digest == input_digest:
+        return found, PutOutcome.UNCHANGED
+    wanted = tuple(dict.fromkeys(depends_on)) if depends_on is not None else None
+    before = found.depends_on if found is not None else ()
+    deps_now = wanted if wanted is not None else before
+    added = [dep for dep in deps_now if dep not in before]
+    if added and d.lock_dependency_graph:
+        yield Sql(d.lock_dependency_graph, (), "none")
+    deps: dict[str, Task | None] = {}
+    for dep in deps_now:
+        # FOR UPDATE: a dependency committing at the same time either sees this task among
+        # its dependents or is seen here as committed, never neither.
+        deps[dep] = None if dep == task_id else (yield from load_task(d, dep, lock=True))
+    tasks.check_dependencies(task_id, deps_now, deps)
+    if added and found is not None:
+        yield from _walk_for_cycle(d, task_id, tuple(added))
+    for dep in added:
+        (count,) = yield Sql("SELECT COUNT(*) FROM dependents WHERE task_id = ?", (dep,), "one")
+        if int(count) >= max_dependents:
+            raise BadRequest(f"dependsOn: {dep} already has {max_dependents} dependents")
     now = yield NOW
-    task, outcome = tasks.put(found, task_id, input_digest, max_runtime_ms, now)
-    if outcome is not PutOutcome.UNCHANGED:
-        yield from save_task(task, found is not None)
+    task, outcome = tasks.put(
+        found,
+        task_id,
+        input_digest,
+        max_runtime_ms,
+        now,
+        queue=queue,
+        priority=priority,
+        depends_on=wanted,
+        deps=deps,
+    )
+    yield from save_task(task, found is not None)
+    for dep in before:
+        if dep not in deps_now:
+            yield Sql(
+                "DELETE FROM dependents WHERE task_id = ? AND dependent_id = ?", (dep, task_id)
+            )
+    for dep in added:
+        yield Sql("INSERT INTO dependents (task_id, dependent_id) VALUES (?, ?)", (dep, task_id))
+    if found is not None and found.state is TaskState.COMMITTED:
+        discarded = list(task.discarded)
+        for dependent_id in (yield from dependents_of(task_id)):
+            dependent = yield from load_task(d, dependent_id, lock=True)
+            changed = dependent and tasks.dependency_revised(dependent, task_id, now)
+            if changed:
+                yield from save_task(changed, True)
+                discarded += changed.discarded
+        task = replace(task, discarded=tuple(discarded))
     return task, outcome
 
 
@@ -272,6 +403,38 @@ def claim(
     return task
 
 
+def claim_next(
+    d: Dialect, queue: str, request: ClaimRequest, policy: LeasePolicy, attempt_id: str
+) -> Step[Task | None]:
+    """The queue's best READY task and its best claimable CLAIMED one (expired, or of an
+    older epoch), each from the (queue, state, priority, ready_at) index, locked; the model
+    picks between them. Never reads the rest of the queue."""
+    scheduler = yield from read_scheduler(d, deciding=True)
+    now = yield NOW
+    tasks.claim_next(queue, (), scheduler, request, policy, now, attempt_id)  # refusals first
+    order = "ORDER BY priority DESC, ready_at, task_id LIMIT 1"
+    ready = yield Sql(
+        f"SELECT fields FROM tasks WHERE queue = ? AND state = 'READY' {order}"
+        f"{d.for_update_skip_locked}",
+        (queue,),
+        "one",
+    )
+    held = yield Sql(
+        "SELECT fields FROM tasks WHERE queue = ? AND state = 'CLAIMED' "
+        f"AND (lease_expires_at <= ? OR claim_epoch <> ?) {order}{d.for_update_skip_locked}",
+        (queue, now, scheduler.epoch),
+        "one",
+    )
+    candidates = [_task_of(row) for row in (ready, held) if row]
+    if not candidates:
+        return None
+    now = yield NOW
+    task = tasks.claim_next(queue, candidates, scheduler, request, policy, now, attempt_id)
+    if task is not None:
+        yield from save_task(task, True)
+    return task
+
+
 def renew(d: Dialect, task_id: str, request: RenewRequest, policy: LeasePolicy) -> Step[Task]:
     scheduler = yield from read_scheduler(d, deciding=True)
     found = yield from load_task(d, task_id, lock=True)
@@ -298,15 +461,38 @@ def commit(
     task, replay = tasks.commit(found, scheduler, request, now, commit_id)
     if not replay:
         yield from save_task(task, found is not None)
+        for dependent_id in (yield from dependents_of(task_id)):
+            dependent = yield from load_task(d, dependent_id, lock=True)
+            changed = dependent and tasks.dependency_committed(dependent, task, now)
+            if changed:
+                yield from save_task(changed, True)
     return task, replay
 
 
 def cancel(d: Dialect, task_id: str) -> Step[Task]:
+    """Cancel, then every open dependent, breadth first: a dependent that changed passes the
+    cancel on to its own dependents; a committed or already cancelled one stops it."""
     found = yield from load_task(d, task_id, lock=True)
     now = yield NOW
     task = tasks.cancel(found, now)
+    if found is not None and found.state is TaskState.CANCELLED:
+        return task
     yield from save_task(task, found is not None)
-    return task
+    discarded = list(task.discarded)
+    seen = {task_id}
+    frontier = yield from dependents_of(task_id)
+    while frontier:
+        dependent_id = frontier.pop(0)
+        if dependent_id in seen:
+            continue
+        seen.add(dependent_id)
+        dependent = yield from load_task(d, dependent_id, lock=True)
+        changed = dependent and tasks.cancel_dependent(dependent, now)
+        if changed:
+            yield from save_task(changed, True)
+            discarded += changed.discarded
+            frontier += yield from dependents_of(dependent_id)
+    return replace(task, discarded=tuple(discarded))
 
 
 def get_scheduler(d: Dialect) -> Step[Scheduler]:
@@ -488,3 +674,75 @@ def update_effect(d: Dialect, effect_id: str, transition: EffectTransition) -> S
     effect = transition(found, now)
     yield from save_effect(effect, found is not None)
     return effect
+
+
+# --- the change feed (ledger.events) --------------------------------------------------------
+
+#: A position "after everything with this xid and seq": xid is 0 on SQLite.
+_MAX_SEQ = 2**62
+
+
+def _position(xid: int, seq: int) -> str:
+    return f"{xid}-{seq}"
+
+
+def _parse_position(position: str) -> tuple[int, int]:
+    xid, sep, seq = position.partition("-")
+    if not (sep and xid.isdigit() and seq.isdigit() and len(position) <= 40):
+        raise BadRequest("Last-Event-ID: not an event position this store issued")
+    return int(xid), int(seq)
+
+
+def read_events(d: Dialect, after: str | None, limit: int) -> Step[tuple[list[Event], str]]:
+    """Events in (xid, seq) order. On PostgreSQL a sequence number is drawn before its
+    transaction commits, so seq order alone could show a later event before an earlier one
+    commits; reading only transactions below the snapshot's xmin (all finished) in (xid, seq)
+    order means nothing can later appear before a position already handed out."""
+    if after is None:
+        row = yield Sql(d.events_end, (), "one")
+        return [], _position(int(row[0]), int(row[1]))
+    xid, seq = _parse_position(after)
+    trimmed = yield Sql("SELECT xid, seq FROM events_trimmed WHERE id = 1", (), "one")
+    if trimmed is not None and (xid, seq) < (int(trimmed[0]), int(trimmed[1])):
+        raise EventsGone(
+            f"events up to position {_position(int(trimmed[0]), int(trimmed[1]))} were dropped "
+            "(events.retain); read the current state and follow from now"
+        )
+    rows = yield Sql(
+        f"SELECT xid, seq, body FROM events WHERE (xid, seq) > (?, ?) AND {d.events_visible} "
+        "ORDER BY xid, seq LIMIT ?",
+        (xid, seq, limit),
+        "all",
+    )
+    found = [Event(_position(int(x), int(q)), json.loads(body)) for x, q, body in rows]
+    return found, (found[-1].position if found else after)
+
+
+#: Most events one ``trim_events`` call deletes (the background loop comes back for more).
+TRIM_BATCH = 10_000
+
+
+def trim_events(d: Dialect, keep: int) -> Step[int]:
+    newest_dropped = yield Sql(
+        f"SELECT xid, seq FROM events WHERE {d.events_visible} "
+        "ORDER BY xid DESC, seq DESC LIMIT 1 OFFSET ?",
+        (keep,),
+        "one",
+    )
+    if newest_dropped is None:
+        return 0
+    oldest = yield Sql(
+        "SELECT xid, seq FROM events ORDER BY xid, seq LIMIT 1 OFFSET ?", (TRIM_BATCH - 1,), "one"
+    )
+    through = (int(newest_dropped[0]), int(newest_dropped[1]))
+    if oldest is not None:
+        through = min(through, (int(oldest[0]), int(oldest[1])))
+    rows = yield Sql("SELECT COUNT(*) FROM events WHERE (xid, seq) <= (?, ?)", through, "one")
+    yield Sql("DELETE FROM events WHERE (xid, seq) <= (?, ?)", through)
+    yield Sql(
+        "INSERT INTO events_trimmed (id, xid, seq) VALUES (1, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET xid = excluded.xid, seq = excluded.seq "
+        "WHERE (events_trimmed.xid, events_trimmed.seq) < (excluded.xid, excluded.seq)",
+        through,
+    )
+    return int(rows[0])

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 from fencegate.ledger import sql_steps
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
+from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter
 from fencegate.ledger.store import EffectTransition, Store, decode_cursor, new_id
 from fencegate.ledger.tasks import (
@@ -46,11 +47,30 @@ class SqlStore(Store):
 
     # --- transitions ------------------------------------------------------------------------
 
+    #: Most dependents one task may have (``StoreOptions.max_dependents``).
+    max_dependents: int = 10_000
+
     async def put_task(
-        self, task_id: str, input_digest: str, max_runtime_ms: int | None
+        self,
+        task_id: str,
+        input_digest: str,
+        max_runtime_ms: int | None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends_on: tuple[str, ...] | None = None,
     ) -> tuple[Task, PutOutcome]:
         return await self._steps(
-            lambda: sql_steps.put_task(self.dialect, task_id, input_digest, max_runtime_ms),
+            lambda: sql_steps.put_task(
+                self.dialect,
+                task_id,
+                input_digest,
+                max_runtime_ms,
+                queue=queue,
+                priority=priority,
+                depends_on=depends_on,
+                max_dependents=self.max_dependents,
+            ),
             "put_task",
         )
 
@@ -69,6 +89,13 @@ class SqlStore(Store):
         return await self._steps(
             lambda: sql_steps.claim(self.dialect, task_id, request, self.policy, attempt_id),
             "claim",
+        )
+
+    async def claim_next(self, queue: str, request: ClaimRequest) -> Task | None:
+        attempt_id = new_id()
+        return await self._steps(
+            lambda: sql_steps.claim_next(self.dialect, queue, request, self.policy, attempt_id),
+            "claim_next",
         )
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
@@ -100,6 +127,16 @@ class SqlStore(Store):
         return await self._steps(
             lambda: sql_steps.set_claims_paused(self.dialect, paused), "set_claims_paused"
         )
+
+    # --- the change feed ------------------------------------------------------------------------
+
+    async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
+        return await self._steps(
+            lambda: sql_steps.read_events(self.dialect, after, limit), "read_events"
+        )
+
+    async def trim_events(self, keep: int) -> int:
+        return await self._steps(lambda: sql_steps.trim_events(self.dialect, keep), "trim_events")
 
     # --- the idempotency ledger -------------------------------------------------------------
 

@@ -50,6 +50,21 @@ CREATE TABLE IF NOT EXISTS tasks (
     fields           TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS tasks_leases ON tasks (state, lease_expires_at);
+CREATE TABLE IF NOT EXISTS dependents (
+    task_id      TEXT NOT NULL,
+    dependent_id TEXT NOT NULL,
+    PRIMARY KEY (task_id, dependent_id)
+);
+CREATE TABLE IF NOT EXISTS events (
+    xid  INTEGER NOT NULL DEFAULT 0,
+    seq  INTEGER PRIMARY KEY AUTOINCREMENT,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events_trimmed (
+    id  INTEGER PRIMARY KEY CHECK (id = 1),
+    xid INTEGER NOT NULL,
+    seq INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS scheduler (
     id     INTEGER PRIMARY KEY CHECK (id = 1),
     epoch  INTEGER NOT NULL,
@@ -81,6 +96,47 @@ CREATE TABLE IF NOT EXISTS clock (
     windows_from INTEGER NOT NULL
 );
 """
+
+
+#: Run after ``_SCHEMA`` and the version-2 columns: the queue index and the change feed's
+#: triggers (ledger.events): every task state/revision/generation change and every effect
+#: state change appends one event in the transaction that made it.
+_TASK_EVENT = """json_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW.state,
+    'revision', CAST(json_extract(NEW.fields, '$.revision') AS INTEGER),
+    'claimGeneration', CAST(json_extract(NEW.fields, '$.claim_generation') AS INTEGER),
+    'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
+_EFFECT_EVENT = """json_object('type', 'effect', 'effectId', NEW.effect_id,
+    'taskId', NEW.task_id, 'state', NEW.state, 'downstream', NEW.downstream,
+    'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
+_FLOW_SCHEMA = f"""
+CREATE INDEX IF NOT EXISTS tasks_queue ON tasks (queue, state, priority DESC, ready_at, task_id);
+CREATE TRIGGER IF NOT EXISTS tasks_event_insert AFTER INSERT ON tasks BEGIN
+    INSERT INTO events (body) VALUES ({_TASK_EVENT});
+END;
+CREATE TRIGGER IF NOT EXISTS tasks_event_update AFTER UPDATE ON tasks
+WHEN OLD.state IS NOT NEW.state
+  OR json_extract(OLD.fields, '$.revision') IS NOT json_extract(NEW.fields, '$.revision')
+  OR json_extract(OLD.fields, '$.claim_generation')
+     IS NOT json_extract(NEW.fields, '$.claim_generation')
+BEGIN
+    INSERT INTO events (body) VALUES ({_TASK_EVENT});
+END;
+CREATE TRIGGER IF NOT EXISTS effects_event_insert AFTER INSERT ON effects BEGIN
+    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+END;
+CREATE TRIGGER IF NOT EXISTS effects_event_update AFTER UPDATE ON effects
+WHEN OLD.state IS NOT NEW.state BEGIN
+    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+END;
+"""
+
+
+def _add_flow_columns(conn: sqlite3.Connection) -> None:
+    """Schema version 2 on a file of version 1 (or new): the columns ``tasks`` gained."""
+    have = {row[1] for row in conn.execute("PRAGMA table_info(tasks)")}
+    for name, sql_type in sql_steps.TASK_FLOW_COLUMNS:
+        if name not in have:
+            conn.execute(f"ALTER TABLE tasks ADD COLUMN {name} {sql_type}")
 
 
 class _Job:
@@ -139,6 +195,10 @@ _SQLITE = sql_steps.Dialect(
     lock_scheduler_exclusive="",
     json_text=lambda key: f"json_extract(fields, '$.{key}')",
     json_int=lambda key: f"(json_extract(fields, '$.{key}') + 0)",
+    for_update_skip_locked="",
+    lock_dependency_graph="",
+    events_visible="1 = 1",
+    events_end="SELECT 0, COALESCE(MAX(seq), 0) FROM events",
 )
 
 
@@ -193,14 +253,19 @@ class SQLiteStore(SqlStore):
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         conn.executescript(_SCHEMA)
         row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
-        if row is None:  # a new file (or one from before versions): written once, then read
+        if row is not None:
+            sql_steps.check_schema_version(int(row[0]), f"SQLite file {self.path!r}")
+        if row is None or int(row[0]) < sql_steps.SCHEMA_VERSION:
+            # A new file, or one an older fencegate wrote: each part is idempotent and the
+            # version is written last, so a crash half-way is finished by the next start.
+            _add_flow_columns(conn)
+            conn.executescript(_FLOW_SCHEMA)
             conn.execute(
                 "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
-                "ON CONFLICT (id) DO NOTHING",
+                "ON CONFLICT (id) DO UPDATE SET version = excluded.version "
+                "WHERE fencegate_schema.version < excluded.version",
                 (sql_steps.SCHEMA_VERSION,),
             )
-            row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
-        sql_steps.check_schema_version(int(row[0]), f"SQLite file {self.path!r}")
         row = conn.execute(
             "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
         ).fetchone()
@@ -460,9 +525,11 @@ def _check_url(url: str) -> None:
 
 def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
     path = url[len("sqlite:///") :]  # relative to the working directory, or absolute
-    return SQLiteStore(
+    store = SQLiteStore(
         path, policy, timeout_ms=options.timeout_ms, synchronous=options.sqlite_synchronous
     )
+    store.max_dependents = options.max_dependents
+    return store
 
 
 #: ``sqlite:///rel.db`` or ``sqlite:////abs.db`` (ledger.registry).

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import BadRequest
+from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter
 from fencegate.ledger.tasks import (
     ClaimRequest,
@@ -69,6 +70,8 @@ class StoreOptions:
     password: str | None = None
     redis_max_connections: int = 200
     postgres_max_connections: int = 20
+    #: Most dependents one task may have (``[tasks] max_dependents``).
+    max_dependents: int = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +165,19 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def put_task(
-        self, task_id: str, input_digest: str, max_runtime_ms: int | None
-    ) -> tuple[Task, PutOutcome]: ...
+        self,
+        task_id: str,
+        input_digest: str,
+        max_runtime_ms: int | None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends_on: tuple[str, ...] | None = None,
+    ) -> tuple[Task, PutOutcome]:
+        """``ledger.tasks.put`` plus the dependency rules, in one atomic step: the new
+        dependencies are checked (unknown ids, cycles: ``tasks.MAX_GRAPH_VISITS``, at most
+        ``max_dependents`` dependents per task), and a new revision of a committed task sends
+        its open dependents back to WAITING (``tasks.dependency_revised``)."""
 
     @abc.abstractmethod
     async def get_task(self, task_id: str) -> Task: ...
@@ -180,6 +194,11 @@ class Store(abc.ABC):
     async def claim(self, task_id: str, request: ClaimRequest) -> Task: ...
 
     @abc.abstractmethod
+    async def claim_next(self, queue: str, request: ClaimRequest) -> Task | None:
+        """``ledger.tasks.claim_next`` over the queue's tasks, from the store's own index
+        (never a scan of the queue): the best claimable task, claimed, or None."""
+
+    @abc.abstractmethod
     async def renew(self, task_id: str, request: RenewRequest) -> Task: ...
 
     @abc.abstractmethod
@@ -187,10 +206,27 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
-        """Returns the task and True when this was a replay of an earlier identical commit."""
+        """Returns the task and True when this was a replay of an earlier identical commit.
+        A first commit also records itself in its open dependents
+        (``tasks.dependency_committed``) in the same step."""
 
     @abc.abstractmethod
-    async def cancel(self, task_id: str) -> Task: ...
+    async def cancel(self, task_id: str) -> Task:
+        """Cancel, and cascade to every open dependent, transitively, in the same step
+        (``tasks.cancel_dependent``); the answer's ``discarded`` holds the whole cascade's."""
+
+    # --- the change feed (ledger.events) ------------------------------------------------------
+
+    @abc.abstractmethod
+    async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
+        """Up to ``limit`` events after position ``after``, oldest first, and the position to
+        go on from. ``after`` None: from the current end (no events, just the position).
+        Raises ``EventsGone`` for a position older than the retained history, ``BadRequest``
+        for one this store never issued."""
+
+    @abc.abstractmethod
+    async def trim_events(self, keep: int) -> int:
+        """Drop all but (about) the newest ``keep`` events; returns how many went."""
 
     @abc.abstractmethod
     async def get_scheduler(self) -> Scheduler: ...

@@ -25,20 +25,38 @@ Rules worth knowing (each has a test that tries to break it):
   None without ``[auth]``), and renew, release, commit and every proxied call on that claim
   must come from the same principal when both the request and the claim name one
   (``check_principal``); a copied ``attemptId`` is worth nothing without the credential.
+
+Task flow (queues, dependencies, discarded work; docs/PROTOCOL.md "Task flow"):
+
+* A task may name a ``queue`` and a ``priority``; ``claim_next`` claims the best claimable task
+  of a queue (``is_claimable``, ordered by ``queue_order``) exactly as a claim by id would.
+* A task with ``depends_on`` is WAITING until every dependency is COMMITTED (``dep_commits``,
+  the provenance: which commit of each it builds on). The store applies the dependency rules
+  to a dependency's dependents in the same atomic step: ``dependency_committed`` (the last one
+  makes it READY), ``dependency_revised`` (a new revision of a committed dependency sends every
+  not-yet-committed dependent back to WAITING; committed ones keep their provenance) and
+  ``cancel_dependent`` (a cancel cascades to every not-yet-committed dependent, transitively).
+* A worker's attempt reports what it spent (``cost``, an increment per report); an attempt a
+  step throws away (taken over after expiry or an epoch bump, cancelled, superseded by a new
+  revision) comes back in the step's answer as ``Task.discarded`` (never stored), so the
+  gateway that made the step counts it once.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
 from fencegate.ledger.errors import (
     AlreadyCommitted,
+    BadRequest,
     Cancelled,
     Claimed,
     ClaimsPaused,
+    DependenciesPending,
     Fenced,
     LeaseExpired,
     NoSuchTask,
@@ -48,9 +66,13 @@ from fencegate.ledger.errors import (
 )
 
 __all__ = [
+    "MAX_GRAPH_VISITS",
     "ClaimRequest",
     "Commit",
     "CommitRequest",
+    "Cost",
+    "DepCommit",
+    "Discard",
     "Identity",
     "LeasePolicy",
     "PutOutcome",
@@ -58,13 +80,25 @@ __all__ = [
     "Scheduler",
     "Task",
     "TaskState",
+    "add_cost",
     "bump_epoch",
     "cancel",
+    "cancel_dependent",
+    "check_dependencies",
     "check_holder",
     "check_principal",
     "claim",
+    "claim_next",
     "commit",
+    "cost_from_json",
+    "cost_to_json",
+    "cycle",
+    "dependency_committed",
+    "dependency_revised",
+    "graph_too_large",
+    "is_claimable",
     "put",
+    "queue_order",
     "release",
     "renew",
     "set_claims_paused",
@@ -75,6 +109,7 @@ __all__ = [
 
 
 class TaskState(StrEnum):
+    WAITING = "WAITING"
     READY = "READY"
     CLAIMED = "CLAIMED"
     COMMITTED = "COMMITTED"
@@ -114,6 +149,39 @@ class Commit:
     result_json: str | None = None
 
 
+#: What an attempt spent, per unit (sorted by unit): ``(("seconds", 1.5), ("tokens", 900.0))``.
+Cost = tuple[tuple[str, float], ...]
+
+#: Most task records a put walks to prove its new dependencies make no cycle.
+MAX_GRAPH_VISITS = 10_000
+
+#: States whose task still waits for (or runs on) its dependencies' results: the only ones the
+#: dependency rules change. COMMITTED tasks keep what they were built on; CANCELLED ones are
+#: recomputed by their next revision.
+_OPEN = frozenset(("WAITING", "READY", "CLAIMED"))
+
+
+@dataclass(frozen=True, slots=True)
+class DepCommit:
+    """Provenance: the commit of a dependency a task builds on."""
+
+    task_id: str
+    commit_id: str
+    result_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Discard:
+    """An attempt a step threw away, with what it had reported spending. ``reason``:
+    ``expired`` or ``epoch`` (a claim took the task over), ``cancelled``, ``superseded`` (a new
+    revision of the task, or of a dependency it was running on)."""
+
+    task_id: str
+    attempt_id: str
+    reason: str
+    cost: Cost = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Task:
     task_id: str
@@ -142,6 +210,19 @@ class Task:
     #: The lease a claim took over from, if it took over an expired (or fenced) claim:
     #: lease-expiry-to-reclaim latency.
     previous_lease_expires_at: int | None = None
+    #: The queue ``claim_next`` finds the task in (None: claimed by id only), and its rank.
+    queue: str | None = None
+    priority: int = 0
+    #: Tasks whose canonical commits this one needs, in the order given.
+    depends_on: tuple[str, ...] = ()
+    #: The commits of those dependencies that are COMMITTED (in ``depends_on`` order): the
+    #: provenance of the current revision. WAITING while shorter than ``depends_on``.
+    dep_commits: tuple[DepCommit, ...] = ()
+    #: What the current attempt reported spending so far (reset by every claim).
+    attempt_cost: Cost = ()
+    #: Attempts the step that produced this record threw away. Never stored: the gateway that
+    #: made the step counts them (metrics), so each is counted once.
+    discarded: tuple[Discard, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +254,8 @@ class RenewRequest:
     ttl_ms: int
     #: The authenticated principal renewing; None means "take ``identity.principal``".
     principal: str | None = None
+    #: What the attempt spent since its last report.
+    cost: Cost = ()
 
     @property
     def caller(self) -> str | None:
@@ -190,42 +273,202 @@ class CommitRequest:
     result_json: str | None = None
     #: The authenticated principal committing (None without ``[auth]``).
     principal: str | None = None
+    #: What the attempt spent since its last report.
+    cost: Cost = ()
+
+
+def add_cost(total: Cost, more: Cost) -> Cost:
+    """Per-unit sum, sorted by unit."""
+    if not more:
+        return total
+    sums = dict(total)
+    for unit, value in more:
+        sums[unit] = sums.get(unit, 0.0) + value
+    return tuple(sorted(sums.items()))
+
+
+def cost_to_json(cost: Cost) -> str:
+    return json.dumps(dict(cost), separators=(",", ":"), sort_keys=True)
+
+
+def cost_from_json(text: str) -> Cost:
+    """Inverse of ``cost_to_json``; numbers come back as floats (Lua writes ``3`` for 3.0)."""
+    return tuple(sorted((str(k), float(v)) for k, v in json.loads(text).items()))
+
+
+def _discard(task: Task, reason: str) -> Discard:
+    assert task.attempt_id is not None
+    return Discard(task.task_id, task.attempt_id, reason, task.attempt_cost)
+
+
+def check_dependencies(
+    task_id: str, depends_on: tuple[str, ...], deps: Mapping[str, Task | None]
+) -> None:
+    """Refuse a dependency list naming the task itself or a task that does not exist
+    (``deps``: the store's records of ``depends_on``). Cycles through other tasks are found by
+    the store's walk (``MAX_GRAPH_VISITS``), which raises ``cycle`` below."""
+    for dep in depends_on:
+        if dep == task_id:
+            raise BadRequest(f"dependsOn: {dep} is this task (a cycle)")
+        if deps.get(dep) is None:
+            raise BadRequest(f"dependsOn: no task {dep}")
+
+
+def cycle(task_id: str, through: str) -> BadRequest:
+    return BadRequest(f"dependsOn: {through} depends on {task_id} (a cycle)")
+
+
+def graph_too_large() -> BadRequest:
+    return BadRequest(
+        f"dependsOn: the dependency graph is too large to check (over {MAX_GRAPH_VISITS} tasks)"
+    )
+
+
+def _provenance(
+    depends_on: tuple[str, ...], deps: Mapping[str, Task | None]
+) -> tuple[DepCommit, ...]:
+    out = []
+    for dep in depends_on:
+        found = deps.get(dep)
+        if found is not None and found.state is TaskState.COMMITTED and found.commit is not None:
+            out.append(DepCommit(dep, found.commit.commit_id, found.commit.result_digest))
+    return tuple(out)
+
+
+def _open_state(depends_on: tuple[str, ...], dep_commits: tuple[DepCommit, ...]) -> TaskState:
+    return TaskState.READY if len(dep_commits) == len(depends_on) else TaskState.WAITING
 
 
 def put(
-    task: Task | None, task_id: str, input_digest: str, max_runtime_ms: int | None, now: int
+    task: Task | None,
+    task_id: str,
+    input_digest: str,
+    max_runtime_ms: int | None,
+    now: int,
+    *,
+    queue: str | None = None,
+    priority: int | None = None,
+    depends_on: tuple[str, ...] | None = None,
+    deps: Mapping[str, Task | None] | None = None,
 ) -> tuple[Task, PutOutcome]:
     """Create a task, or open a new revision when its input changed.
 
-    A new revision makes the task READY again even after a commit: the commit belonged to the
-    old input. The running attempt keeps its identity in the record so that its commit answers
-    STALE_INPUT (and FENCED once the new revision is claimed).
+    A new revision makes the task READY (or WAITING, for its dependencies) again even after a
+    commit: the commit belonged to the old input. The running attempt keeps its identity in
+    the record so that its commit answers STALE_INPUT (and FENCED once the new revision is
+    claimed); it is discarded (superseded). ``queue``, ``priority``, ``depends_on`` None keep
+    the task's (defaults on create); the same input changes nothing, whatever they say.
+    ``deps``: the store's records of the dependencies the new revision will have (checked by
+    ``check_dependencies``; the store has walked them for cycles).
     """
+    if task is not None and task.input_digest == input_digest:
+        return task, PutOutcome.UNCHANGED
+    wanted = tuple(dict.fromkeys(depends_on)) if depends_on is not None else None
+    if wanted is None:
+        wanted = task.depends_on if task is not None else ()
+    check_dependencies(task_id, wanted, deps or {})
+    dep_commits = _provenance(wanted, deps or {})
+    state = _open_state(wanted, dep_commits)
     if task is None:
         created = Task(
             task_id=task_id,
-            state=TaskState.READY,
+            state=state,
             revision=1,
             input_digest=input_digest,
             max_runtime_ms=max_runtime_ms,
             created_at=now,
             updated_at=now,
             ready_at=now,
+            queue=queue,
+            priority=priority or 0,
+            depends_on=wanted,
+            dep_commits=dep_commits,
         )
         return created, PutOutcome.CREATED
-    if task.input_digest == input_digest:
-        return task, PutOutcome.UNCHANGED
+    discarded = (_discard(task, "superseded"),) if task.state is TaskState.CLAIMED else ()
     revised = replace(
         task,
-        state=TaskState.READY,
+        state=state,
         revision=task.revision + 1,
         input_digest=input_digest,
         max_runtime_ms=max_runtime_ms if max_runtime_ms is not None else task.max_runtime_ms,
         commit=None,
         updated_at=now,
         ready_at=now,
+        queue=queue if queue is not None else task.queue,
+        priority=priority if priority is not None else task.priority,
+        depends_on=wanted,
+        dep_commits=dep_commits,
+        attempt_cost=(),
+        discarded=discarded,
     )
     return revised, PutOutcome.REVISED
+
+
+def dependency_committed(dependent: Task, dep: Task, now: int) -> Task | None:
+    """``dep`` just committed: record its commit in ``dependent``'s provenance; the last one
+    makes a WAITING dependent READY. None when nothing changes."""
+    if (
+        dependent.state.value not in _OPEN
+        or dep.commit is None
+        or dep.task_id not in dependent.depends_on
+        or any(c.task_id == dep.task_id for c in dependent.dep_commits)
+    ):
+        return None
+    have = {c.task_id: c for c in dependent.dep_commits}
+    have[dep.task_id] = DepCommit(dep.task_id, dep.commit.commit_id, dep.commit.result_digest)
+    dep_commits = tuple(have[d] for d in dependent.depends_on if d in have)
+    if dependent.state is TaskState.WAITING and len(dep_commits) == len(dependent.depends_on):
+        return replace(
+            dependent, state=TaskState.READY, dep_commits=dep_commits, ready_at=now, updated_at=now
+        )
+    return replace(dependent, dep_commits=dep_commits, updated_at=now)
+
+
+def dependency_revised(dependent: Task, dep_id: str, now: int) -> Task | None:
+    """A committed dependency has a new revision: a dependent that has not committed loses
+    that provenance and waits again (a running attempt is discarded, superseded: it keeps its
+    identity in the record and learns STALE_INPUT). None when nothing changes."""
+    if dependent.state.value not in _OPEN or not any(
+        c.task_id == dep_id for c in dependent.dep_commits
+    ):
+        return None
+    discarded = (_discard(dependent, "superseded"),) if dependent.state is TaskState.CLAIMED else ()
+    return replace(
+        dependent,
+        state=TaskState.WAITING,
+        dep_commits=tuple(c for c in dependent.dep_commits if c.task_id != dep_id),
+        attempt_cost=(),
+        updated_at=now,
+        discarded=discarded,
+    )
+
+
+def cancel_dependent(dependent: Task, now: int) -> Task | None:
+    """A dependency was cancelled: a dependent that has not committed is cancelled too (and
+    the store goes on to its dependents). None when nothing changes (committed, or already
+    cancelled: the cascade stops there)."""
+    if dependent.state.value not in _OPEN:
+        return None
+    return cancel(dependent, now)
+
+
+def is_claimable(task: Task, scheduler: Scheduler, now: int) -> bool:
+    """Would ``claim`` (without expectedRevision) grant this task now? READY, or CLAIMED under
+    an older epoch or with its lease run out."""
+    if task.state is TaskState.READY:
+        return True
+    return task.state is TaskState.CLAIMED and (
+        task.claim_epoch != scheduler.epoch
+        or task.lease_expires_at is None
+        or now >= task.lease_expires_at
+    )
+
+
+def queue_order(task: Task) -> tuple[int, int, str]:
+    """Highest priority first, then the longest READY, then task id."""
+    return (-task.priority, task.ready_at if task.ready_at is not None else task.created_at,
+            task.task_id)  # fmt: skip
 
 
 def claim(
@@ -252,6 +495,14 @@ def claim(
         raise AlreadyCommitted()
     if task.state is TaskState.CANCELLED:
         raise Cancelled()
+    if task.state is TaskState.WAITING:
+        done = {c.task_id for c in task.dep_commits}
+        pending = [d for d in task.depends_on if d not in done]
+        raise DependenciesPending(
+            "waiting for dependencies: "
+            + ", ".join(pending[:10])
+            + (f" and {len(pending) - 10} more" if len(pending) > 10 else "")
+        )
     if (
         task.state is TaskState.CLAIMED
         and task.claim_epoch == scheduler.epoch
@@ -266,8 +517,14 @@ def claim(
     runtime = task.max_runtime_ms or policy.default_max_runtime_ms
     ttl = min(request.ttl_ms, policy.max_ttl_ms, runtime)
     taken_over = task.lease_expires_at if task.state is TaskState.CLAIMED else None
+    discarded: tuple[Discard, ...] = ()
+    if task.state is TaskState.CLAIMED:
+        reason = "epoch" if task.claim_epoch != scheduler.epoch else "expired"
+        discarded = (_discard(task, reason),)
     return replace(
         task,
+        discarded=discarded,
+        attempt_cost=(),
         previous_lease_expires_at=taken_over,
         state=TaskState.CLAIMED,
         claim_generation=task.claim_generation + 1,
@@ -280,6 +537,31 @@ def claim(
         claim_revision=task.revision,
         updated_at=now,
     )
+
+
+def claim_next(
+    queue: str,
+    candidates: Iterable[Task],
+    scheduler: Scheduler,
+    request: ClaimRequest,
+    policy: LeasePolicy,
+    now: int,
+    attempt_id: str,
+) -> Task | None:
+    """Claim the best claimable task of ``queue`` among ``candidates`` (None when there is
+    none). Paused claims and a stale epoch are refused even when the queue is empty, as a
+    claim by id would refuse them."""
+    if scheduler.claims_paused:
+        raise ClaimsPaused("claims are paused by an operator; retry later")
+    if request.scheduler_epoch != scheduler.epoch:
+        raise StaleEpoch(
+            f"schedulerEpoch {request.scheduler_epoch} is not the current {scheduler.epoch}"
+        )
+    open_ = [t for t in candidates if t.queue == queue and is_claimable(t, scheduler, now)]
+    if not open_:
+        return None
+    best = min(open_, key=queue_order)
+    return claim(best, scheduler, replace(request, expected_revision=None), policy, now, attempt_id)
 
 
 def check_principal(task: Task, principal: str | None) -> None:
@@ -338,6 +620,12 @@ def check_holder(
         raise StaleInput(
             f"claim was for revision {task.claim_revision}, the task is at {task.revision}"
         )
+    if task.state in (TaskState.WAITING, TaskState.READY):
+        # Only a dependency's new revision leaves a claim's identity on a WAITING (and later
+        # READY) task: what the attempt built on is gone.
+        raise StaleInput(
+            "a dependency of this task has a new revision; claim it again when it is READY"
+        )
     return task
 
 
@@ -373,7 +661,12 @@ def renew(
             f"the attempt may not run past runtimeEndsAt {deadline}", runtimeEndsAt=deadline
         )
     expires = min(now + min(request.ttl_ms, policy.max_ttl_ms), deadline)
-    return replace(task, lease_expires_at=expires, updated_at=now)
+    return replace(
+        task,
+        lease_expires_at=expires,
+        updated_at=now,
+        attempt_cost=add_cost(task.attempt_cost, request.cost),
+    )
 
 
 def release(task: Task | None, identity: Identity, now: int) -> Task:
@@ -399,6 +692,7 @@ def release(task: Task | None, identity: Identity, now: int) -> Task:
         attempt_started_at=None,
         claim_epoch=None,
         claim_revision=None,
+        attempt_cost=(),
         updated_at=now,
     )
 
@@ -451,7 +745,14 @@ def commit(
         committed_at=now,
         result_json=request.result_json,
     )
-    return replace(task, state=TaskState.COMMITTED, commit=done, updated_at=now), False
+    committed = replace(
+        task,
+        state=TaskState.COMMITTED,
+        commit=done,
+        updated_at=now,
+        attempt_cost=add_cost(task.attempt_cost, request.cost),
+    )
+    return committed, False
 
 
 def cancel(task: Task | None, now: int) -> Task:
@@ -462,11 +763,13 @@ def cancel(task: Task | None, now: int) -> Task:
         raise AlreadyCommitted("a committed task cannot be cancelled; revise it instead")
     if task.state is TaskState.CANCELLED:
         return task
+    discarded = (_discard(task, "cancelled"),) if task.state is TaskState.CLAIMED else ()
     return replace(
         task,
         state=TaskState.CANCELLED,
         cancel_generation=task.cancel_generation + 1,
         updated_at=now,
+        discarded=discarded,
     )
 
 
@@ -494,7 +797,7 @@ _INT_FIELDS = (
     "claim_epoch",
     "claim_revision",
 )
-_STR_FIELDS = ("task_id", "input_digest", "attempt_id", "owner", "principal")
+_STR_FIELDS = ("task_id", "input_digest", "attempt_id", "owner", "principal", "queue")
 
 
 def task_to_fields(task: Task) -> dict[str, str]:
@@ -513,7 +816,25 @@ def task_to_fields(task: Task) -> dict[str, str]:
         out["committed_at"] = str(c.committed_at)
         if c.result_json is not None:
             out["commit_result"] = c.result_json
+    if task.priority:
+        out["priority"] = str(task.priority)
+    if task.depends_on:
+        out["depends_on"] = json.dumps(list(task.depends_on), separators=(",", ":"))
+    if task.dep_commits:
+        out["dep_commits"] = json.dumps(
+            [[c.task_id, c.commit_id, c.result_digest] for c in task.dep_commits],
+            separators=(",", ":"),
+        )
+    if task.attempt_cost:
+        out["attempt_cost"] = cost_to_json(task.attempt_cost)
     return out
+
+
+def _discards_from(text: str) -> tuple[Discard, ...]:
+    return tuple(
+        Discard(str(t), str(a), str(r), tuple(sorted((str(k), float(v)) for k, v in c.items())))
+        for t, a, r, c in json.loads(text)
+    )
 
 
 def task_from_fields(fields: dict[str, str]) -> Task:
@@ -535,7 +856,21 @@ def task_from_fields(fields: dict[str, str]) -> Task:
             committed_at=int(fields["committed_at"]),
             result_json=fields.get("commit_result"),
         )
-    return Task(state=TaskState(fields["state"]), commit=done, **values)
+    return Task(
+        state=TaskState(fields["state"]),
+        commit=done,
+        priority=int(fields.get("priority") or 0),
+        depends_on=tuple(json.loads(fields["depends_on"])) if fields.get("depends_on") else (),
+        dep_commits=tuple(
+            DepCommit(str(t), str(c), str(r)) for t, c, r in json.loads(fields["dep_commits"])
+        )
+        if fields.get("dep_commits")
+        else (),
+        attempt_cost=cost_from_json(fields["attempt_cost"]) if fields.get("attempt_cost") else (),
+        # Only in a Redis script's answer (never stored): the attempts that step discarded.
+        discarded=_discards_from(fields["discarded"]) if fields.get("discarded") else (),
+        **values,
+    )
 
 
 def task_to_json(task: Task) -> dict[str, Any]:
@@ -573,4 +908,12 @@ def task_to_json(task: Task) -> dict[str, Any]:
         "commit": done,
         "createdAt": task.created_at,
         "updatedAt": task.updated_at,
+        "queue": task.queue,
+        "priority": task.priority,
+        "dependsOn": list(task.depends_on),
+        "dependencies": [
+            {"taskId": c.task_id, "commitId": c.commit_id, "resultDigest": c.result_digest}
+            for c in task.dep_commits
+        ],
+        "cost": dict(task.attempt_cost),
     }

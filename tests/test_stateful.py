@@ -6,6 +6,11 @@ the same record. The read-side queries (gauges, the reconciler's work list, list
 finding a forward) are held to their pure definitions in ``ledger.queries`` and
 ``ledger.effects``, which is what keeps the SQL and Lua mirrors of those rules honest.
 
+Task flow: tasks may name the queue ``q`` (claimed with ``claim_next``) and depend on one
+another; the steps that touch several tasks (a commit releasing its dependents, a revision
+sending them back to WAITING, a cancel cascading) are walked here over the model's tasks with
+the per-task rules of ``ledger.tasks``, and every task is compared after every step.
+
 Timing: no real time at all. The SQLite store reads a fake host clock (``ClockSources``) and
 the Redis scripts a pinned instant (``RedisStore.clock_pinned_ms``); both move only when the
 ``advance_time`` rule moves them, together with the model's clock. So every instant matches
@@ -63,7 +68,14 @@ STEP_MS = 10_000
 #: Store time when an example starts (any fixed instant: nothing reads the real clock).
 START_MS = 1_800_000_000_000
 POLICY = LeasePolicy(max_ttl_ms=6 * STEP_MS, default_max_runtime_ms=20 * STEP_MS)
-TASKS = ("alpha", "beta/1")
+TASKS = ("alpha", "beta/1", "gamma")
+QUEUE = "q"
+#: What an attempt reports spending with a renew or a commit.
+COSTS = st.sampled_from([(), (), (("tokens", 5.0),), (("seconds", 1.5), ("tokens", 2.0))])
+#: Dependencies a put asks for (None: keep the task's), by name; "ghost" never exists.
+DEPENDS = st.sampled_from(
+    [None, None, None, (), ("alpha",), ("beta/1",), ("alpha", "beta/1"), ("gamma",), ("ghost",)]
+)
 #: Claims mostly target real tasks; "ghost" is never created (NO_SUCH_TASK on both sides).
 CLAIM_TARGETS = st.sampled_from(["alpha", "alpha", "beta/1", "beta/1", "ghost"])
 DIGESTS = ("in-a", "in-b", "in-c")
@@ -138,6 +150,8 @@ class LeaseMachine(RuleBasedStateMachine):
         self.history: dict[str, list[list[Any]]] = {}
         self.settled: dict[str, int] = {}
         self.forwards = 0
+        #: The model's commit ids -> the store's (provenance names them).
+        self.commit_ids: dict[str, str] = {}
         self.attempts = 0
         self.commits = 0
 
@@ -173,6 +187,17 @@ class LeaseMachine(RuleBasedStateMachine):
             m, s = getattr(model, name), getattr(stored, name)
             if name == "attempt_id":
                 assert (m is None) == (s is None)
+            elif name == "discarded":
+                # Dependents are walked in an order each store chooses.
+                by_store = {h.store_attempt: h.model_attempt for h in self.handles}
+                assert sorted((d.task_id, d.attempt_id, d.reason, d.cost) for d in m) == sorted(
+                    (d.task_id, str(by_store.get(d.attempt_id)), d.reason, d.cost) for d in s
+                ), (m, s)
+            elif name == "dep_commits":
+                # Commit ids differ between the sides: each commit maps the model's to the store's.
+                assert [(c.task_id, self.commit_ids[c.commit_id], c.result_digest) for c in m] == [
+                    (c.task_id, c.commit_id, c.result_digest) for c in s
+                ]
             elif name == "commit":
                 assert (m is None) == (s is None)
                 if m is not None:
@@ -203,17 +228,109 @@ class LeaseMachine(RuleBasedStateMachine):
         name=st.sampled_from(TASKS),
         digest=st.sampled_from(DIGESTS),
         runtime=st.sampled_from([None, 2 * STEP_MS, 8 * STEP_MS]),
+        queue=st.sampled_from([None, QUEUE, QUEUE]),
+        priority=st.sampled_from([None, 0, 5, -3]),
+        depends=DEPENDS,
     )
-    def put(self, name: str, digest: str, runtime: int | None) -> None:
+    def put(
+        self,
+        name: str,
+        digest: str,
+        runtime: int | None,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends: tuple[str, ...] | None = None,
+    ) -> None:
         task_id = self.ids[name]
+        depends_on = None if depends is None else tuple(self.ids[d] for d in depends)
+        found = self.model_tasks[name]
         code, model, stored = self.both(
-            lambda: tasks.put(self.model_tasks[name], task_id, digest, runtime, self.now),
-            self.store.put_task(task_id, digest, runtime),
+            lambda: self.model_put(found, task_id, digest, runtime, queue, priority, depends_on),
+            self.store.put_task(
+                task_id,
+                digest,
+                runtime,
+                queue=queue,
+                priority=priority,
+                depends_on=depends_on,
+            ),
         )
-        assert code == "ok"
+        event(f"put {code}")
+        if code != "ok":
+            return
         assert model[1] == stored[1]
-        self.model_tasks[name] = model[0]
         self.same_task(model[0], stored[0])
+        self.keep(name, model[0])
+
+    def keep(self, name: str, task: Task) -> None:
+        """What the store keeps of a step's answer (``discarded`` is never stored)."""
+        self.model_tasks[name] = replace(task, discarded=())
+
+    def by_id(self, task_id: str) -> str:
+        return next(name for name, tid in self.ids.items() if tid == task_id)
+
+    def dependents(self, task_id: str) -> list[str]:
+        """Names of the tasks that depend on ``task_id``, in task id order (as stored)."""
+        found = [
+            (t.task_id, name)
+            for name, t in self.model_tasks.items()
+            if t is not None and task_id in t.depends_on
+        ]
+        return [name for _, name in sorted(found)]
+
+    def model_put(
+        self,
+        found: Task | None,
+        task_id: str,
+        digest: str,
+        runtime: int | None,
+        queue: str | None,
+        priority: int | None,
+        depends_on: tuple[str, ...] | None,
+    ) -> tuple[Task, tasks.PutOutcome]:
+        """The put step of every store: the dependencies' records, the cycle walk for new
+        dependencies of an existing task, the put, then a committed task's dependents."""
+        if found is not None and found.input_digest == digest:
+            return found, tasks.PutOutcome.UNCHANGED
+        before = found.depends_on if found is not None else ()
+        deps_now = tuple(dict.fromkeys(depends_on)) if depends_on is not None else before
+        deps = {d: None if d == task_id else self.model_tasks[self.by_id(d)] for d in deps_now}
+        tasks.check_dependencies(task_id, deps_now, deps)
+        added = [d for d in deps_now if d not in before]
+        if added and found is not None:
+            seen: set[str] = set()
+            frontier = list(added)
+            while frontier:
+                current = frontier.pop(0)
+                if current in seen:
+                    continue
+                seen.add(current)
+                record = self.model_tasks[self.by_id(current)]
+                for dep in record.depends_on if record else ():
+                    if dep == task_id:
+                        raise tasks.cycle(task_id, current)
+                    frontier.append(dep)
+        task, put_outcome = tasks.put(
+            found,
+            task_id,
+            digest,
+            runtime,
+            self.now,
+            queue=queue,
+            priority=priority,
+            depends_on=depends_on,
+            deps=deps,
+        )
+        if found is not None and found.state is tasks.TaskState.COMMITTED:
+            discarded = list(task.discarded)
+            self.keep(self.by_id(task_id), task)
+            for name in self.dependents(task_id):
+                changed = tasks.dependency_revised(self.model_tasks[name], task_id, self.now)
+                if changed:
+                    discarded += changed.discarded
+                    self.keep(name, changed)
+            task = replace(task, discarded=tuple(discarded))
+        return task, put_outcome
 
     @rule(
         name=CLAIM_TARGETS,
@@ -242,6 +359,45 @@ class LeaseMachine(RuleBasedStateMachine):
         finally:
             if paused:
                 self.set_paused(False)
+
+    @rule(
+        owner=st.sampled_from(["w1", "w2"]),
+        ttl=TTLS,
+        epoch_delta=st.sampled_from([0, 0, 0, 0, 0, -1]),
+        principal=PRINCIPALS,
+    )
+    def claim_next(self, owner: str, ttl: int, epoch_delta: int, principal: str | None) -> None:
+        """The best claimable task of the queue, or none: the model picks among all tasks."""
+        request = ClaimRequest(owner, ttl, self.scheduler.epoch + epoch_delta, principal=principal)
+        self.attempts += 1
+        model_attempt = f"m{self.attempts}"
+        everything = [t for t in self.model_tasks.values() if t is not None]
+        code, model, stored = self.both(
+            lambda: tasks.claim_next(
+                QUEUE, everything, self.scheduler, request, POLICY, self.now, model_attempt
+            ),
+            self.store.claim_next(QUEUE, request),
+        )
+        event(f"claim_next {code} {'none' if code == 'ok' and model is None else ''}")
+        if code != "ok" or model is None:
+            assert code != "ok" or stored is None
+            return
+        assert stored is not None and stored.task_id == model.task_id
+        name = self.by_id(model.task_id)
+        self.handles.append(
+            Handle(
+                name,
+                model_attempt,
+                stored.attempt_id,
+                model.claim_generation,
+                owner,
+                model.claim_epoch,
+                model.cancel_generation,
+                principal,
+            )
+        )
+        self.same_task(model, stored)
+        self.keep(name, model)
 
     def set_paused(self, paused: bool) -> None:
         stored = self.run(self.store.set_claims_paused(paused))
@@ -272,8 +428,8 @@ class LeaseMachine(RuleBasedStateMachine):
         )
         event(f"claim {code}")
         if code == "ok":
-            self.model_tasks[name] = model
             self.same_task(model, stored)
+            self.keep(name, model)
             self.handles.append(
                 Handle(
                     name,
@@ -314,8 +470,16 @@ class LeaseMachine(RuleBasedStateMachine):
             ["none", "none", "generation", "owner", "current_epoch", "cancel", *PRINCIPAL_TAMPERS]
         ),
         on_request=st.booleans(),
+        cost=COSTS,
     )
-    def renew(self, data: st.DataObject, ttl: int, tamper: str, on_request: bool) -> None:
+    def renew(
+        self,
+        data: st.DataObject,
+        ttl: int,
+        tamper: str,
+        on_request: bool,
+        cost: tasks.Cost = (),
+    ) -> None:
         """``on_request``: the caller's principal travels on the RenewRequest, not the
         identity (both are read: ``RenewRequest.caller``)."""
         handle = data.draw(st.sampled_from(self.handles))
@@ -324,8 +488,8 @@ class LeaseMachine(RuleBasedStateMachine):
         def request(side: str) -> RenewRequest:
             ident = self._identity(handle, side, tamper)
             if on_request and ident.principal is not None:
-                return RenewRequest(replace(ident, principal=None), ttl, ident.principal)
-            return RenewRequest(ident, ttl)
+                return RenewRequest(replace(ident, principal=None), ttl, ident.principal, cost=cost)
+            return RenewRequest(ident, ttl, cost=cost)
 
         code, model, stored = self.both(
             lambda: tasks.renew(
@@ -335,8 +499,8 @@ class LeaseMachine(RuleBasedStateMachine):
         )
         event(f"renew {code} {tamper}")
         if code == "ok":
-            self.model_tasks[name] = model
             self.same_task(model, stored)
+            self.keep(name, model)
 
     @precondition(lambda self: self.handles)
     @rule(
@@ -353,8 +517,8 @@ class LeaseMachine(RuleBasedStateMachine):
             self.store.release(self.ids[name], self._identity(handle, "store", tamper)),
         )
         if code == "ok":
-            self.model_tasks[name] = model
             self.same_task(model, stored)
+            self.keep(name, model)
 
     @precondition(lambda self: self.handles)
     @rule(
@@ -365,9 +529,16 @@ class LeaseMachine(RuleBasedStateMachine):
         tamper=st.sampled_from(
             ["none", "none", "none", "current_epoch", "cancel", *PRINCIPAL_TAMPERS]
         ),
+        cost=COSTS,
     )
     def commit(
-        self, data: st.DataObject, result: str, stale_input: bool, with_result: bool, tamper: str
+        self,
+        data: st.DataObject,
+        result: str,
+        stale_input: bool,
+        with_result: bool,
+        tamper: str,
+        cost: tasks.Cost = (),
     ) -> None:
         handle = data.draw(st.sampled_from(self.handles))
         name = handle.task
@@ -386,6 +557,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 result_digest=result,
                 result_json=f'{{"r":"{result}"}}' if with_result else None,
                 principal=ident.principal,
+                cost=cost,
             )
 
         self.commits += 1
@@ -395,12 +567,22 @@ class LeaseMachine(RuleBasedStateMachine):
             ),
             self.store.commit(self.ids[name], request("store")),
         )
+        event(f"commit {code}")
         if code == "ok":
             assert model[1] == stored[1], "replay flag differs"
             if before is not None:  # one canonical commit per revision, never replaced
                 assert model[1] and model[0].commit == before
-            self.model_tasks[name] = model[0]
+            assert model[0].commit is not None and stored[0].commit is not None
+            self.commit_ids[model[0].commit.commit_id] = stored[0].commit.commit_id
             self.same_task(model[0], stored[0])
+            self.keep(name, model[0])
+            if not model[1]:  # the first commit releases its dependents
+                for dependent in self.dependents(model[0].task_id):
+                    changed = tasks.dependency_committed(
+                        self.model_tasks[dependent], model[0], self.now
+                    )
+                    if changed:
+                        self.keep(dependent, changed)
 
     @rule(kind=st.sampled_from(["cancel", "bump_epoch"]), name=st.sampled_from(TASKS))
     def disrupt(self, kind: str, name: str) -> None:
@@ -412,12 +594,33 @@ class LeaseMachine(RuleBasedStateMachine):
 
     def cancel(self, name: str) -> None:
         code, model, stored = self.both(
-            lambda: tasks.cancel(self.model_tasks[name], self.now),
-            self.store.cancel(self.ids[name]),
+            lambda: self.model_cancel(name), self.store.cancel(self.ids[name])
         )
         if code == "ok":
-            self.model_tasks[name] = model
             self.same_task(model, stored)
+            self.keep(name, model)
+
+    def model_cancel(self, name: str) -> Task:
+        """Cancel, then the open dependents, transitively (breadth first, each once)."""
+        found = self.model_tasks[name]
+        task = tasks.cancel(found, self.now)
+        if found is None or found.state is tasks.TaskState.CANCELLED:
+            return task
+        self.keep(name, task)
+        discarded = list(task.discarded)
+        seen = {name}
+        frontier = self.dependents(task.task_id)
+        while frontier:
+            current = frontier.pop(0)
+            if current in seen:
+                continue
+            seen.add(current)
+            changed = tasks.cancel_dependent(self.model_tasks[current], self.now)
+            if changed:
+                self.keep(current, changed)
+                discarded += changed.discarded
+                frontier += self.dependents(changed.task_id)
+        return replace(task, discarded=tuple(discarded))
 
     def bump_epoch(self) -> None:
         stored = self.run(self.store.bump_epoch())
