@@ -47,9 +47,6 @@ class SqlStore(Store):
 
     # --- transitions ------------------------------------------------------------------------
 
-    #: Most dependents one task may have (``StoreOptions.max_dependents``).
-    max_dependents: int = 10_000
-
     async def put_task(
         self,
         task_id: str,

@@ -133,6 +133,8 @@ class Store(abc.ABC):
     key reaches it."""
 
     clock_offset_ms: int = 0
+    #: Most dependents one task may have (``[tasks] max_dependents``, via ``StoreOptions``).
+    max_dependents: int = 10_000
 
     def __init__(self, policy: LeasePolicy) -> None:
         self.policy = policy
