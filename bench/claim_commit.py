@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python -m bench.claim_commit                      # defaults: 2000 tasks, 16 workers
     .venv/bin/python -m bench.claim_commit --appendfsync everysec --json -
+    .venv/bin/python -m bench.claim_commit --mode queue         # claims from a queue instead
 
 For every phase the benchmark starts its own processes on loopback, in a temporary directory:
 
@@ -19,7 +20,9 @@ For every phase the benchmark starts its own processes on loopback, in a tempora
 Each phase first PUTs every task (not measured), runs a few warm-up cycles (not measured), then
 runs the measured part: ``--concurrency`` workers on one client session take task ids from one
 list and, for each, POST ``claim`` then POST ``commit``. A cycle is timed from the claim request
-to the commit answer. The baseline runs before and after every store phase with the very same
+to the commit answer. With ``--mode queue`` every task is PUT into one queue and a cycle is
+POST ``/v1/queues/{queue}/claim`` (the best task of the queue, whichever it is) then its
+commit. The baseline runs before and after every store phase with the very same
 client code, so each store can be read as a ratio against the baselines around it (the absolute
 figures move with the machine's load). ``bench/README.md`` says how to read the table.
 """
@@ -88,11 +91,17 @@ def baseline_app() -> web.Application:
     """Answers the benchmark's requests with JSON of the gateway's shapes, and nothing more."""
 
     async def claim(request: web.Request) -> web.Response:
+        return await answer_claim(request, request.match_info["task_id"])
+
+    async def claim_next(request: web.Request) -> web.Response:
+        return await answer_claim(request, uuid.uuid4().hex)
+
+    async def answer_claim(request: web.Request, task_id: str) -> web.Response:
         body = json.loads(await request.read())
         now = time.time_ns() // 1_000_000
         return web.json_response(
             {
-                "taskId": request.match_info["task_id"],
+                "taskId": task_id,
                 "attemptId": uuid.uuid4().hex,
                 "claimGeneration": 1,
                 "schedulerEpoch": body["schedulerEpoch"],
@@ -121,6 +130,7 @@ def baseline_app() -> web.Application:
         return web.json_response({"status": "ready", "store": "none"})
 
     app = web.Application()
+    app.router.add_post(r"/v1/queues/{queue}/claim", claim_next)
     app.router.add_post(r"/v1/tasks/{task_id:.+}/claim", claim)
     app.router.add_post(r"/v1/tasks/{task_id:.+}/commit", commit)
     app.router.add_put(r"/v1/tasks/{task_id:.+}", put_task)
@@ -253,20 +263,39 @@ async def _run_workers(
     return out
 
 
-async def _put(client: Client, task_id: str, owner: str, out: Outcome) -> None:
-    await client.call("put", "PUT", f"/v1/tasks/{task_id}", {"inputDigest": _digest(task_id)})
+def _queue_of(task_id: str) -> str:
+    """``--mode queue``: the queue a task goes into, its id without the last part (warm-up
+    tasks get their own queue)."""
+    return task_id.rsplit(".", 1)[0]
 
 
-def _cycle(epoch: int) -> Step:
+def _put_step(mode: str) -> Step:
+    async def put(client: Client, task_id: str, owner: str, out: Outcome) -> None:
+        body: dict[str, Any] = {"inputDigest": _digest(task_id)}
+        if mode == "queue":
+            body["queue"] = _queue_of(task_id)
+        await client.call("put", "PUT", f"/v1/tasks/{task_id}", body)
+
+    return put
+
+
+def _cycle(epoch: int, mode: str = "id") -> Step:
+    """Claim (by id, or the next of the task's queue), then commit what was claimed."""
+
     async def cycle(client: Client, task_id: str, owner: str, out: Outcome) -> None:
         t0 = time.perf_counter()
-        raw = await client.call(
-            "claim",
-            "POST",
-            f"/v1/tasks/{task_id}/claim",
-            {"owner": owner, "ttlMs": TTL_MS, "schedulerEpoch": epoch},
+        path = (
+            f"/v1/queues/{_queue_of(task_id)}/claim"
+            if mode == "queue"
+            else f"/v1/tasks/{task_id}/claim"
         )
+        raw = await client.call(
+            "claim", "POST", path, {"owner": owner, "ttlMs": TTL_MS, "schedulerEpoch": epoch}
+        )
+        if not raw:
+            raise StepFailed("claim", 204, b"", "EMPTY_QUEUE")
         claim = json.loads(raw)
+        task_id = claim["taskId"]
         t1 = time.perf_counter()
         await client.call(
             "commit",
@@ -336,6 +365,7 @@ async def drive(
     verify: bool,
     redis_url: str | None = None,
     script_names: dict[str, str] | None = None,
+    mode: str = "id",
 ) -> ClientRun:
     run_id = uuid.uuid4().hex[:8]
     warm_ids = [f"bench.{run_id}.warm.{i:05d}" for i in range(warmup)]
@@ -345,11 +375,15 @@ async def drive(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = Client(session, base)
         epoch = int(json.loads(await client.call("epoch", "GET", "/v1/epoch"))["schedulerEpoch"])
-        cycle = _cycle(epoch)
+        cycle = _cycle(epoch, mode)
 
         # Not measured: create every task, then warm the connections and the server up.
         put = await _run_workers(
-            client, warm_ids + task_ids, concurrency, time.perf_counter() + max_seconds, _put
+            client,
+            warm_ids + task_ids,
+            concurrency,
+            time.perf_counter() + max_seconds,
+            _put_step(mode),
         )
         created = set(put.done)
         warm = await _run_workers(
@@ -507,6 +541,7 @@ def run_phase(
                 verify=verify,
                 redis_url=redis_url,
                 script_names=names,
+                mode=args.mode,
             )
         )
     )
@@ -793,6 +828,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="repeat the store phases this many times (medians are printed too)",
     )
     parser.add_argument("--warmup", type=int, default=100, help="unmeasured cycles per phase")
+    parser.add_argument(
+        "--mode",
+        choices=("id", "queue"),
+        default="id",
+        help="claim each task by id, or claim the next task of one queue (default: id)",
+    )
     add_store_options(parser, stores=STORES_DEFAULT)
     parser.add_argument(
         "--log-level",
@@ -876,7 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     summaries = [r.summary(reference_of(neighbours(results, i))) for i, r in enumerate(results)]
     settings = (
-        f"{args.tasks} tasks, concurrency {args.concurrency}, redis appendfsync "
+        f"{args.tasks} tasks, claims by {args.mode}, concurrency {args.concurrency}, "
+        "redis appendfsync "
         f"{args.appendfsync}, sqlite synchronous {args.sqlite_synchronous}, "
         + (
             f"postgres fsync=on synchronous_commit=on (pool "
@@ -931,6 +973,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "benchmark": "claim_commit",
             "settings": {
                 "tasks": args.tasks,
+                "mode": args.mode,
                 "concurrency": args.concurrency,
                 "warmup": args.warmup,
                 "maxSeconds": args.max_seconds,
