@@ -9,6 +9,7 @@ process has no test clock to advance.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -178,3 +179,75 @@ async def test_fifty_claims_through_one_gateway_on_sqlite_have_one_winner(
         assert record["owner"] == owner
         assert record["attemptId"] == won["attemptId"]
         assert record["claimGeneration"] == 1
+
+
+async def test_twenty_workers_drain_one_queue_through_two_gateways(
+    shared_pair: tuple[GatewayProcess, GatewayProcess],
+) -> None:
+    """200 tasks in one queue, 20 workers on two gateways. Every 7th claim a worker pauses
+    past its lease before committing (the lease runs out; the task is found again and taken
+    over). Each task ends with exactly one accepted commit, and no two claims of one task
+    were ever live at the same time (store time: a claim starts after the previous one's
+    lease ran out)."""
+    gw1, gw2 = shared_pair
+    queue = f"drain-{uuid.uuid4().hex[:8]}"
+    ttl = 1_500
+    tasks = [f"{queue}-{i:03d}" for i in range(200)]
+    claims: dict[str, list[dict[str, Any]]] = {t: [] for t in tasks}
+    accepted: Counter[str] = Counter()
+    fenced = 0
+    connector = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i, task_id in enumerate(tasks):
+            url = (gw1.url, gw2.url)[i % 2]
+            body = {"inputDigest": "in", "queue": queue, "priority": i % 4}
+            async with session.put(f"{url}/v1/tasks/{task_id}", json=body) as r:
+                assert r.status == 201, await r.text()
+
+        async def worker(n: int) -> None:
+            nonlocal fenced
+            url = (gw1.url, gw2.url)[n % 2]
+            mine = 0
+            while sum(accepted.values()) < len(tasks):
+                body = {"owner": f"w{n}", "ttlMs": ttl, "schedulerEpoch": 1}
+                async with session.post(f"{url}/v1/queues/{queue}/claim", json=body) as r:
+                    if r.status == 204:
+                        await asyncio.sleep(0.1)  # held by paused workers: wait for expiry
+                        continue
+                    assert r.status == 200, await r.text()
+                    claim = await r.json()
+                claims[claim["taskId"]].append(claim)
+                mine += 1
+                if mine % 7 == 0:
+                    await asyncio.sleep((ttl + 300) / 1000)
+                commit = {
+                    "attemptId": claim["attemptId"],
+                    "claimGeneration": claim["claimGeneration"],
+                    "schedulerEpoch": claim["schedulerEpoch"],
+                    "cancelGeneration": claim["cancelGeneration"],
+                    "inputDigest": "in",
+                    "resultDigest": f"by-w{n}",
+                }
+                async with session.post(
+                    f"{url}/v1/tasks/{claim['taskId']}/commit", json=commit
+                ) as r:
+                    answer = await r.json()
+                    if r.status == 200:
+                        assert answer["outcome"] != "REPLAYED"
+                        accepted[claim["taskId"]] += 1
+                    else:
+                        assert (r.status, answer["code"]) == (409, "FENCED"), answer
+                        fenced += 1
+
+        async with asyncio.timeout(120):
+            await asyncio.gather(*(worker(n) for n in range(20)))
+        assert set(accepted) == set(tasks) and set(accepted.values()) == {1}
+        taken_over = 0
+        for task_id, held in claims.items():
+            held.sort(key=lambda c: c["claimGeneration"])
+            assert [c["claimGeneration"] for c in held] == list(range(1, len(held) + 1))
+            for before, after in itertools.pairwise(held):
+                started = after["leaseExpiresAt"] - after["grantedTtlMs"]
+                assert started >= before["leaseExpiresAt"], (task_id, before, after)
+                taken_over += 1
+        assert taken_over >= fenced > 0  # the pauses really did lose leases
