@@ -26,7 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fencegate.client import Client, Epoch, TaskRecord
+    from fencegate.client import Client, Epoch, StreamEvent, TaskRecord
     from fencegate.errors import (
         AlreadyCommitted,
         ApprovalRequired,
@@ -37,12 +37,14 @@ if TYPE_CHECKING:
         ClaimsPaused,
         ClientTimeout,
         Conflict,
+        DependenciesPending,
         DownstreamBusy,
         DownstreamTimeout,
         DownstreamUnreachable,
         EffectInFlight,
         EffectSettled,
         EffectUnknown,
+        EventsGone,
         Fenced,
         FencegateError,
         Forbidden,
@@ -94,6 +96,7 @@ __all__ = [
     "ClientTimeout",
     "Commit",
     "Conflict",
+    "DependenciesPending",
     "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
@@ -101,6 +104,7 @@ __all__ = [
     "EffectSettled",
     "EffectUnknown",
     "Epoch",
+    "EventsGone",
     "Fenced",
     "FencegateError",
     "Forbidden",
@@ -125,6 +129,7 @@ __all__ = [
     "StaleEpoch",
     "StaleInput",
     "StoreUnavailable",
+    "StreamEvent",
     "TaskRecord",
     "TooManyConnections",
     "Unauthenticated",

@@ -1,9 +1,11 @@
 """The client: one connection pool to one gateway, for schedulers, workers and operators.
 
-Scheduler side: ``put_task`` (create or revise), ``get_task``, ``cancel_task``,
-``get_epoch``, ``bump_epoch``, ``pause_claims``, ``resume_claims``.
+Scheduler side: ``put_task`` (create or revise; ``queue``, ``priority``, ``depends_on``),
+``get_task``, ``wait_committed``, ``cancel_task``, ``get_epoch``, ``bump_epoch``,
+``pause_claims``, ``resume_claims``, ``events`` (task and effect changes as they happen).
 Worker side: ``claim`` (a guarded lease as an ``async with``: renewed in the background,
-the body cancelled when it is lost) and ``acquire`` (a bare lease you renew yourself).
+the body cancelled when it is lost), ``acquire`` (a bare lease you renew yourself) and
+``claim_next`` (the best task of a queue, as a bare lease; ``lease.hold()`` guards it).
 Operator side: ``list_effects`` / ``iter_effects``, ``get_effect``, ``resolve_effect``,
 ``approve_effect``, ``reconcile_effect``, ``get_rollout``.
 
@@ -14,11 +16,12 @@ own timeout fired first).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -37,7 +40,7 @@ from fencegate._http import (
 from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError
 from fencegate.lease import ClaimScope, Lease
 
-__all__ = ["TOKEN_ENV", "Client", "Epoch", "TaskRecord"]
+__all__ = ["TOKEN_ENV", "Client", "Epoch", "StreamEvent", "TaskRecord"]
 
 #: Where ``Client`` (and the operator CLI) find the gateway credential when none is given.
 TOKEN_ENV = "FENCEGATE_TOKEN"
@@ -76,6 +79,31 @@ class TaskRecord:
     raw: dict[str, Any] = field(repr=False, compare=False)
     created: bool = False
 
+    @property
+    def queue(self) -> str | None:
+        """The queue ``claim_next`` finds the task in (None: claimed by id only)."""
+        value = self.raw.get("queue")
+        return value if isinstance(value, str) else None
+
+    @property
+    def priority(self) -> int:
+        return int(self.raw.get("priority") or 0)
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        return tuple(self.raw.get("dependsOn") or ())
+
+    @property
+    def dependencies(self) -> list[dict[str, Any]]:
+        """Provenance: ``{taskId, commitId, resultDigest}`` of each dependency's commit the
+        current revision builds on (all of them unless the task is WAITING)."""
+        return [dict(dep) for dep in self.raw.get("dependencies") or ()]
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """What the current (or last) attempt reported spending so far, per unit."""
+        return dict(self.raw.get("cost") or {})
+
     @classmethod
     def from_json(cls, body: Mapping[str, Any], created: bool = False) -> TaskRecord:
         return cls(
@@ -93,6 +121,62 @@ class TaskRecord:
             raw=dict(body),
             created=created,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One event of ``GET /v1/events``: ``position`` (resume after it), ``type`` (``task`` or
+    ``effect``) and ``data``, the event's JSON (``taskId``, ``state``, ...)."""
+
+    position: str
+    type: str
+    data: dict[str, Any]
+
+
+class _SseParser:
+    """Server-sent events, line by line (the WHATWG rules fencegate's stream needs)."""
+
+    def __init__(self, last_id: str | None) -> None:
+        #: The position to resume after: set when a frame ends (a frame cut off by a dropped
+        #: connection does not count), data or not.
+        self.last_id = last_id
+        self.retry_ms: int | None = None
+        self._id = last_id
+        self._event = ""
+        self._data: list[str] = []
+
+    def line(self, text: str) -> StreamEvent | None:
+        if not text:
+            return self._dispatch()
+        if text.startswith(":"):
+            return None
+        name, _, value = text.partition(":")
+        value = value.removeprefix(" ")
+        if name == "id" and "\0" not in value:
+            self._id = value
+        elif name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "retry" and value.isdigit():
+            self.retry_ms = int(value)
+        return None
+
+    def cut(self) -> None:
+        """The connection dropped: a frame not yet ended is forgotten."""
+        self._id, self._event, self._data = self.last_id, "", []
+
+    def _dispatch(self) -> StreamEvent | None:
+        data, kind = self._data, self._event or "message"
+        self._data, self._event = [], ""
+        self.last_id = self._id
+        if not data or self.last_id is None:
+            return None
+        try:
+            body = json.loads("\n".join(data))
+        except ValueError:
+            return None
+        return StreamEvent(self.last_id, kind, body if isinstance(body, dict) else {})
 
 
 class Client:
@@ -241,19 +325,103 @@ class Client:
     # --- scheduler ----------------------------------------------------------------------------
 
     async def put_task(
-        self, task_id: str, input_digest: str, *, max_runtime_ms: int | None = None
+        self,
+        task_id: str,
+        input_digest: str,
+        *,
+        max_runtime_ms: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends_on: Sequence[str] | None = None,
     ) -> TaskRecord:
         """Create the task, or revise it: a new ``input_digest`` opens a new revision (the
-        same one changes nothing)."""
+        same one changes nothing, whatever else is passed). ``queue`` and ``priority`` make it
+        claimable with ``claim_next``; ``depends_on`` keeps it WAITING until each of those
+        tasks has its canonical commit. None leaves them as they are (on a new task: no queue,
+        priority 0, no dependencies)."""
         body: dict[str, Any] = {"inputDigest": input_digest}
         if max_runtime_ms is not None:
             body["maxRuntimeMs"] = max_runtime_ms
+        if queue is not None:
+            body["queue"] = queue
+        if priority is not None:
+            body["priority"] = priority
+        if depends_on is not None:
+            body["dependsOn"] = list(depends_on)
         status, answer = await self.call("PUT", self.task_path(task_id), body)
         return TaskRecord.from_json(answer, created=status == 201)
 
     async def get_task(self, task_id: str) -> TaskRecord:
         _, answer = await self.call("GET", self.task_path(task_id))
         return TaskRecord.from_json(answer)
+
+    async def wait_for(
+        self,
+        task_id: str,
+        state: str,
+        timeout: float,  # noqa: ASYNC109 - a deadline over many long-polls, not one call's
+    ) -> TaskRecord:
+        """The task's record as soon as it is in ``state`` (one long-poll after another, each
+        bounded by the gateway's ``tasks.max_wait_ms``); ``TimeoutError`` after ``timeout``
+        seconds without it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        path = self.task_path(task_id)
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"task {task_id!r} was not {state} within {timeout} s")
+            query = urlencode({"waitFor": state, "waitMs": str(max(int(left * 1000), 1))})
+            answer = await self.send("GET", f"{path}?{query}", timeout_s=left + self.timeout)
+            record = TaskRecord.from_json(self._read_answer("GET", path, answer))
+            if record.state == state:
+                return record
+
+    async def wait_committed(self, task_id: str, timeout: float) -> TaskRecord:  # noqa: ASYNC109
+        """The task's record once it has its canonical commit (``record.commit``);
+        ``TimeoutError`` after ``timeout`` seconds without one."""
+        return await self.wait_for(task_id, "COMMITTED", timeout)
+
+    async def events(
+        self, after: str | None = None, *, idle_timeout: float = 60.0
+    ) -> AsyncGenerator[StreamEvent, None]:
+        """Task and effect events as they happen (``GET /v1/events``), for as long as you
+        iterate. ``after``: a ``StreamEvent.position`` to resume after (None: from now). A
+        dropped connection is reopened from the last position seen (``Last-Event-ID``), so
+        nothing is missed or repeated; ``EventsGone`` when that position is older than the
+        history the store keeps. ``idle_timeout``: seconds without a byte (the gateway sends
+        a heartbeat every ``events.heartbeat_ms``) before the connection counts as dropped."""
+        parser = _SseParser(after)
+        failures = 0
+        while True:
+            headers = {**self.headers, "Accept": "text/event-stream"}
+            if parser.last_id is not None:
+                headers["Last-Event-ID"] = parser.last_id
+            timeout = aiohttp.ClientTimeout(
+                total=None, sock_connect=self.timeout, sock_read=idle_timeout
+            )
+            try:
+                async with self._http().get(
+                    URL(self.url + "/v1/events", encoded=True),
+                    headers=headers,
+                    allow_redirects=False,
+                    timeout=timeout,
+                ) as resp:
+                    if resp.status != 200:
+                        raw = await resp.read()
+                        answer = RawAnswer(resp.status, resp.headers, raw, resp.reason or "")
+                        self._read_answer("GET", "/v1/events", answer)
+                        raise GatewayUnreachable(f"GET /v1/events: HTTP {resp.status}")
+                    failures = 0
+                    async for raw_line in _lines(resp.content):
+                        event = parser.line(raw_line)
+                        if event is not None:
+                            yield event
+            except (aiohttp.ClientError, TimeoutError, GatewayUnreachable):
+                failures += 1
+            parser.cut()
+            delay = (parser.retry_ms or 1000) / 1000 * min(2 ** max(failures - 1, 0), 16)
+            await asyncio.sleep(delay)
 
     async def list_tasks(
         self,
@@ -345,6 +513,41 @@ class Client:
         _, answer = await self.call("POST", self.task_path(task_id, "claim"), body)
         return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=answer, sent_at=sent_at,
                      guarded=guarded)  # fmt: skip
+
+    async def claim_next(
+        self,
+        queue: str,
+        *,
+        owner: str,
+        ttl_ms: int,
+        scheduler_epoch: int | None = None,
+        wait_ms: int = 0,
+    ) -> Lease | None:
+        """Claim the best claimable task of ``queue`` (highest priority, then the longest
+        READY; an expired or old-epoch claim counts as claimable) and return it as a bare
+        lease (``async with lease.hold():`` renews it in the background), or None when the
+        queue has none, after waiting up to ``wait_ms`` for one (bounded by the gateway's
+        ``tasks.max_wait_ms``). ``lease.dependencies`` is the provenance of its inputs."""
+        if scheduler_epoch is None:
+            scheduler_epoch = (await self.get_epoch()).scheduler_epoch
+        body: dict[str, Any] = {"owner": owner, "ttlMs": ttl_ms, "schedulerEpoch": scheduler_epoch}
+        if wait_ms:
+            body["waitMs"] = wait_ms
+        path = f"/v1/queues/{quote(queue, safe='')}/claim"
+        sent_at = time.monotonic()
+        data = json.dumps(body).encode()
+        answer = await self.send(
+            "POST",
+            path,
+            body=data,
+            headers={"Content-Type": "application/json"},
+            timeout_s=self.timeout + wait_ms / 1000,
+        )
+        if answer.status == 204:
+            return None
+        claim = self._read_answer("POST", path, answer)
+        return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=claim, sent_at=sent_at,
+                     guarded=False)  # fmt: skip
 
     # --- operators ----------------------------------------------------------------------------
 
@@ -454,3 +657,22 @@ class Client:
         """``GET /v1/rollout``: the rollback checklist (``safeToSwitchPools`` and its counts)."""
         _, answer = await self.call("GET", "/v1/rollout")
         return dict(answer)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The stream's lines without their line ends (CRLF, LF or CR alone, as SSE allows)."""
+    pending = b""
+    async for chunk in content.iter_any():
+        pending += chunk
+        while True:
+            cut = min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0),
+                      default=-1)  # fmt: skip
+            if cut < 0:
+                break
+            if pending[cut : cut + 2] == b"\r\n":
+                line, pending = pending[:cut], pending[cut + 2 :]
+            elif pending[cut : cut + 1] == b"\r" and cut + 1 == len(pending):
+                break  # a CR at the end of a chunk may be half of CRLF: wait for more
+            else:
+                line, pending = pending[:cut], pending[cut + 1 :]
+            yield line.decode("utf-8", errors="replace")

@@ -22,9 +22,10 @@ The tree::
         │   ├── ClaimRefused             the claim is not (or can no longer be) current
         │   │   └── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
         │   │       RuntimeExceeded
-        │   ├── Claimed, AlreadyCommitted
+        │   ├── Claimed, AlreadyCommitted, DependenciesPending
         │   └── EffectInFlight (``retry_after``), EffectUnknown, EffectSettled,
         │       ApprovalRequired
+        ├── EventsGone                   410 EVENTS_GONE: resume position past the history
         ├── PayloadTooLarge              413 PAYLOAD_TOO_LARGE
         ├── PayloadConflict              422 PAYLOAD_CONFLICT
         ├── RateLimited                  429 RATE_LIMITED (``retry_after``)
@@ -61,12 +62,14 @@ __all__ = [
     "ClaimsPaused",
     "ClientTimeout",
     "Conflict",
+    "DependenciesPending",
     "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
     "EffectInFlight",
     "EffectSettled",
     "EffectUnknown",
+    "EventsGone",
     "Fenced",
     "FencegateError",
     "Forbidden",
@@ -284,6 +287,21 @@ class Claimed(Conflict):
 
 class AlreadyCommitted(Conflict):
     code = "ALREADY_COMMITTED"
+
+
+class DependenciesPending(Conflict):
+    """The task is WAITING: a dependency has no canonical commit yet (the detail names
+    them). Wait for them (``Client.wait_committed``) or claim from the queue instead."""
+
+    code = "DEPENDENCIES_PENDING"
+
+
+class EventsGone(ProblemError):
+    """The event position to resume from is older than the history the store keeps: events
+    were missed. Re-read the state you follow (``get_task``, ``list_tasks``) and subscribe
+    again from now (``Client.events()`` without ``after``)."""
+
+    code, status = "EVENTS_GONE", 410
 
 
 class EffectInFlight(Conflict):

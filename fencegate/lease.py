@@ -200,6 +200,13 @@ class Lease:
         self.lease_expires_at: int = claim["leaseExpiresAt"]
         #: What the claim granted (``ttlMs`` clamped by the gateway's maximum).
         self.granted_ttl_ms: int = int(claim.get("grantedTtlMs", ttl_ms))
+        #: The queue it was claimed from, if any.
+        self.queue: str | None = claim.get("queue")
+        #: Provenance: ``{taskId, commitId, resultDigest}`` of each dependency's canonical
+        #: commit this revision builds on, in ``dependsOn`` order.
+        self.dependencies: list[dict[str, Any]] = [dict(d) for d in claim.get("dependencies") or ()]
+        # Cost added with add_cost, sent with the next renew, release or commit.
+        self._pending_cost: dict[str, float] = {}
         # Store time at the claim, seen from the local monotonic clock at the moment the claim
         # was sent (the store decided later, so local estimates err on the short side).
         self._store_t0 = self.lease_expires_at - self.granted_ttl_ms
@@ -280,6 +287,41 @@ class Lease:
             headers["Fence-Authorization"] = credential
         return headers
 
+    def add_cost(self, **spent: float) -> None:
+        """Note what this attempt spent (``tokens=1200, seconds=3.5``: units the gateway's
+        ``tasks.cost_units`` lists); it goes with the next renew (the background ones of a
+        guarded lease too), release or commit. An attempt that ends fenced, expired,
+        cancelled or superseded counts it as discarded work (docs/operations.md)."""
+        for unit, amount in spent.items():
+            self._pending_cost[unit] = self._pending_cost.get(unit, 0.0) + amount
+
+    def _take_cost(self, cost: Mapping[str, float] | None) -> dict[str, float]:
+        """The cost to send: pending plus ``cost`` (not yet cleared: see ``_sent_cost``)."""
+        total = dict(self._pending_cost)
+        for unit, amount in (cost or {}).items():
+            total[unit] = total.get(unit, 0.0) + amount
+        return total
+
+    def _sent_cost(self, sent: Mapping[str, float]) -> None:
+        """The gateway answered (granted or refused): what was sent is reported."""
+        for unit, amount in sent.items():
+            left = self._pending_cost.get(unit, 0.0) - amount
+            if left > 0:
+                self._pending_cost[unit] = left
+            else:
+                self._pending_cost.pop(unit, None)
+
+    def hold(self) -> ClaimScope:
+        """Guard this bare lease (``claim_next``'s) for an ``async with`` body, as
+        ``Client.claim`` does: renewed in the background, the body cancelled and
+        ``LeaseLost`` raised when it is lost, released when the body ends uncommitted."""
+        self.guarded = True
+
+        async def itself() -> Lease:
+            return self
+
+        return ClaimScope(itself)
+
     def _identity(self) -> dict[str, Any]:
         return {
             "attemptId": self.attempt_id,
@@ -328,8 +370,11 @@ class Lease:
 
     # --- coordination calls -----------------------------------------------------------------
 
-    async def renew(self, ttl_ms: int | None = None) -> int:
+    async def renew(
+        self, ttl_ms: int | None = None, *, cost: Mapping[str, float] | None = None
+    ) -> int:
         """Extend the lease by ``ttl_ms`` (default: the claim's); answers ``leaseExpiresAt``.
+        ``cost``: what the attempt spent since its last report (with ``add_cost``'s).
 
         Raises ``Fenced``, ``LeaseExpired``, ``StaleEpoch``, ``Cancelled``, ``StaleInput`` or
         ``RuntimeExceeded`` when the lease is over (and marks it lost).
@@ -337,25 +382,37 @@ class Lease:
         self._guard()
         ttl = ttl_ms or self.ttl_ms
         sent = time.monotonic()
+        spent = self._take_cost(cost)
+        body: dict[str, Any] = {**self._identity(), "ttlMs": ttl}
+        if spent:
+            body["cost"] = spent
         try:
-            _, answer = await self._client.call(
-                "POST", task_path(self.task_id, "renew"),
-                {**self._identity(), "ttlMs": ttl},
-            )  # fmt: skip
+            _, answer = await self._client.call("POST", task_path(self.task_id, "renew"), body)
         except ProblemError as exc:
+            self._sent_cost(spent)
             self._refused(exc, "renew")
             raise
+        self._sent_cost(spent)
         expires = int(answer["leaseExpiresAt"])
         self.lease_expires_at = expires
         mapped = self._mono_t0 + (expires - self._store_t0) / 1000
         self._deadline = min(mapped, sent + ttl / 1000)
         return expires
 
-    async def release(self) -> None:
-        """Hand the task back (READY again). The lease cannot be used afterwards."""
+    async def release(self, *, cost: Mapping[str, float] | None = None) -> None:
+        """Hand the task back (READY again). The lease cannot be used afterwards. ``cost``:
+        what the attempt spent since its last report (handed back on purpose: not counted as
+        discarded)."""
         self._released = True
         self._stop_keeper_soon()
-        await self._client.call("POST", task_path(self.task_id, "release"), self._identity())
+        spent = self._take_cost(cost)
+        body = {**self._identity(), **({"cost": spent} if spent else {})}
+        try:
+            await self._client.call("POST", task_path(self.task_id, "release"), body)
+        except ProblemError:
+            self._sent_cost(spent)
+            raise
+        self._sent_cost(spent)
 
     async def commit(
         self,
@@ -363,6 +420,7 @@ class Lease:
         *,
         result_digest: str | None = None,
         store_result: bool = True,
+        cost: Mapping[str, float] | None = None,
     ) -> Commit:
         """Commit the task's result: the one canonical commit of this revision.
 
@@ -370,7 +428,9 @@ class Lease:
         result itself is stored with the commit when ``store_result`` (and not None). Answers
         the ``Commit`` (COMMITTED); raises ``Fenced``, ``StaleInput``, ``Cancelled``,
         ``StaleEpoch`` (or ``AlreadyCommitted``) otherwise. A commit whose answer was lost is
-        sent again with the same digest: the gateway answers the recorded commit.
+        sent again with the same digest: the gateway answers the recorded commit (and counts
+        its ``cost`` again: cost is an increment). ``cost``: what the attempt spent since its
+        last report (with ``add_cost``'s).
         """
         digest = result_digest or _result_digest(result)
         body: dict[str, Any] = {
@@ -383,6 +443,9 @@ class Lease:
         }
         if store_result and result is not None:
             body["result"] = result
+        spent = self._take_cost(cost)
+        if spent:
+            body["cost"] = spent
         path = task_path(self.task_id, "commit")
         self._committing += 1
         try:
@@ -395,10 +458,12 @@ class Lease:
                         raise
                     await asyncio.sleep(0.1 * 2**attempt)
                 except ProblemError as exc:
+                    self._sent_cost(spent)
                     self._refused(exc, "commit")
                     raise
         finally:
             self._committing -= 1
+        self._sent_cost(spent)
         self._commit = Commit(str(answer["commitId"]), digest, str(answer["outcome"]))
         self._lost = None  # lost meanwhile (it ran out locally) but committed: it won
         self._stop_keeper_soon()

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from fencegate.adapters.mcp import McpToolCache
-from fencegate.gateway import coordination, ledger_api, openapi, operations
+from fencegate.gateway import coordination, events, ledger_api, openapi, operations
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
 from fencegate.gateway.downstreams import build_adapter
@@ -28,6 +28,7 @@ from fencegate.gateway.request_guard import request_guard
 from fencegate.gateway.state import (
     ADAPTERS,
     CONFIG,
+    EVENTS,
     HTTP_CLIENT,
     MCP_TOOLS,
     METRICS,
@@ -59,6 +60,7 @@ def build_store(config: Config) -> Store:
         password=config.store.password(),
         redis_max_connections=config.store.redis_max_connections,
         postgres_max_connections=config.store.postgres_max_connections,
+        max_dependents=config.tasks.max_dependents,
     )
 
 
@@ -136,6 +138,13 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         yield
         await reconciler.stop()
 
+    app[EVENTS] = events.EventHub(app[STORE], config.events, config.tasks.max_waiters)
+
+    async def close_events(app: web.Application) -> None:
+        await app[EVENTS].close()  # ends every event stream and long-poll: nothing to drain
+
+    app.on_shutdown.append(close_events)
+    app.cleanup_ctx.append(events.trim_loop)
     app[ADAPTERS] = {d.name: build_adapter(d) for d in config.downstreams}
     app.cleanup_ctx.append(store_ctx)
     app.cleanup_ctx.append(client_ctx)
@@ -146,6 +155,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi.serve)
     app.add_routes(coordination.routes)
+    app.add_routes(events.routes)
     app.add_routes(ledger_api.routes)
     app.add_routes(operations.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)

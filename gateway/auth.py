@@ -108,6 +108,13 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("POST", "/v1/tasks/{task_id}/renew"): _only(_WORKER),
         ("POST", "/v1/tasks/{task_id}/release"): _only(_WORKER),
         ("POST", "/v1/tasks/{task_id}/commit"): _only(_WORKER),
+        # a queue hands out tasks whose ids the worker does not know yet: workers only, and
+        # never a principal limited to task_prefixes (the handler refuses it, 403)
+        ("POST", "/v1/queues/{queue}/claim"): _only(_WORKER),
+        # every task's and effect's changes, as they happen: for the same readers as the
+        # task list (a worker waits on one task with GET /v1/tasks/{id}?waitFor=, which shows
+        # it nothing that reading the task would not); task_prefixes filter the stream
+        ("GET", "/v1/events"): _only(_SCHEDULER, _OPERATOR, _OBSERVER),
         # the scheduler epoch: everyone reads it (workers claim under it); operators move it
         ("GET", "/v1/epoch"): _EVERY_ROLE,
         ("POST", "/v1/epoch/bump"): _only(_OPERATOR),

@@ -24,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DownstreamConfig",
+    "EventsConfig",
     "LeasesConfig",
     "LoggingConfig",
     "OutcomesConfig",
@@ -34,6 +35,7 @@ __all__ = [
     "Role",
     "ServerConfig",
     "StoreConfig",
+    "TasksConfig",
     "is_loopback",
     "load_auth",
     "load_config",
@@ -301,6 +303,54 @@ class ReconcilerConfig(_Section):
     interval_ms: Annotated[int, Field(ge=50, le=_DAY_MS)] = 1_000
     #: Most UNKNOWN effects one sweep looks at.
     max_effects_per_sweep: Annotated[int, Field(ge=1, le=100_000)] = 500
+
+
+#: A cost unit's name (``[tasks] cost_units``): what a worker's ``cost`` object may key on.
+_COST_UNIT = r"^[a-z][a-z0-9_]{0,31}$"
+
+
+class TasksConfig(_Section):
+    """Task flow: dependencies, queue long-polls, cost reports (docs/PROTOCOL.md)."""
+
+    #: Most ``dependsOn`` ids one task may list.
+    max_dependencies: Annotated[int, Field(ge=0, le=1_000)] = 32
+    #: Most tasks that may depend on one task (checked by the store).
+    max_dependents: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    #: The units a ``cost`` object (renew, commit, release) may name.
+    cost_units: Annotated[
+        tuple[Annotated[str, Field(pattern=_COST_UNIT)], ...],
+        Field(strict=False, max_length=16),
+    ] = ("tokens", "seconds")
+    #: The longest ``waitMs`` of a queue claim or of ``GET /v1/tasks/{id}?waitFor=``.
+    max_wait_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 30_000
+    #: Most long-polls (queue claims and ``waitFor`` reads) waiting at once in this process;
+    #: past it a long-poll answers at once, as if ``waitMs`` were 0.
+    max_waiters: Annotated[int, Field(ge=0, le=100_000)] = 1_000
+
+    @field_validator("cost_units")
+    @classmethod
+    def _unique_units(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError("a cost unit is listed twice")
+        return value
+
+
+class EventsConfig(_Section):
+    """``GET /v1/events``, ``waitFor`` and queue long-polls: the store's event history."""
+
+    #: How often this gateway reads new events from the store while anyone listens.
+    poll_ms: Annotated[int, Field(ge=10, le=_MINUTE_MS)] = 100
+    #: Most events one read takes.
+    batch: Annotated[int, Field(ge=1, le=10_000)] = 500
+    #: Events the store keeps (the newest); an older ``Last-Event-ID`` is 410 EVENTS_GONE.
+    retain: Annotated[int, Field(ge=100, le=100_000_000)] = 100_000
+    #: How often this gateway trims the history down to ``retain`` (0: never; another
+    #: gateway on the same store may do it).
+    trim_interval_ms: Annotated[int, Field(ge=0, le=_DAY_MS)] = 60_000
+    #: Most ``GET /v1/events`` streams open at once in this process (more: 503).
+    max_subscribers: Annotated[int, Field(ge=1, le=100_000)] = 100
+    #: A comment line on an idle stream this often, so proxies do not close it.
+    heartbeat_ms: Annotated[int, Field(ge=100, le=10 * _MINUTE_MS)] = 15_000
 
 
 class LoggingConfig(_Section):
@@ -672,6 +722,8 @@ class Config(_Section):
     leases: LeasesConfig = LeasesConfig()
     proxy: ProxyConfig = ProxyConfig()
     reconciler: ReconcilerConfig = ReconcilerConfig()
+    tasks: TasksConfig = TasksConfig()
+    events: EventsConfig = EventsConfig()
     logging: LoggingConfig = LoggingConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
     #: None: no authentication (docs/security.md).

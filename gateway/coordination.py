@@ -7,6 +7,8 @@ the handler logs them first so every decision, granted or not, leaves exactly on
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -20,13 +22,22 @@ from fencegate.gateway.api_models import (
     CommitBody,
     IdentityBody,
     PutTaskBody,
+    QueueClaimBody,
+    ReleaseBody,
     RenewBody,
+    check_queue,
     check_task_id,
     parse_body,
 )
 from fencegate.gateway.principals import principal_of
-from fencegate.gateway.state import CONFIG, METRICS, STORE
-from fencegate.ledger.errors import BadRequest, FencegateError, PayloadTooLarge, StoreUnavailable
+from fencegate.gateway.state import CONFIG, EVENTS, METRICS, STORE
+from fencegate.ledger.errors import (
+    BadRequest,
+    FencegateError,
+    Forbidden,
+    PayloadTooLarge,
+    StoreUnavailable,
+)
 from fencegate.ledger.queries import TaskFilter
 from fencegate.ledger.store import decode_task_cursor, encode_task_cursor
 from fencegate.ledger.tasks import (
@@ -36,11 +47,12 @@ from fencegate.ledger.tasks import (
     PutOutcome,
     RenewRequest,
     Scheduler,
+    Task,
     TaskState,
     task_to_json,
 )
 
-__all__ = ["MAX_TASK_PAGE", "routes"]
+__all__ = ["FENCED_COST_CODES", "MAX_TASK_PAGE", "routes"]
 
 log = structlog.get_logger("fencegate.coordination")
 #: One stable event name per put outcome, spelled out so tests/test_log_events.py can read them.
@@ -50,6 +62,12 @@ _PUT_EVENTS = {
     PutOutcome.UNCHANGED: "task.unchanged",
 }
 T = TypeVar("T")
+#: A renew, release or commit refused with one of these ends its attempt's work: the cost the
+#: call reported counts as discarded (reason ``fenced``).
+FENCED_COST_CODES = frozenset(
+    {"FENCED", "STALE_EPOCH", "CANCELLED", "STALE_INPUT", "LEASE_EXPIRED", "RUNTIME_EXCEEDED"}
+)
+Cost = tuple[tuple[str, float], ...]
 
 routes = web.RouteTableDef()
 
@@ -76,7 +94,56 @@ async def _decide(
         raise
     if point is not None:
         request.app[METRICS].decision(point, None, validated=True, granted=granted(result))
+    _count_discards(request, result)
     return result
+
+
+def _count_discards(request: web.Request, result: object) -> None:
+    """Every attempt a store step threw away (``Task.discarded``), with the cost it had
+    reported, into ``fencegate_discarded_*``."""
+    task = result[0] if isinstance(result, tuple) and result else result
+    if isinstance(task, Task):
+        metrics = request.app[METRICS]
+        for discard in task.discarded:
+            metrics.discard(discard.reason, discard.cost)
+
+
+def _cost(request: web.Request, given: dict[str, float] | None) -> Cost:
+    """A body's ``cost``, checked against ``tasks.cost_units`` and counted as reported."""
+    if not given:
+        return ()
+    units = request.app[CONFIG].tasks.cost_units
+    unknown = sorted(set(given) - set(units))
+    if unknown:
+        listed = ", ".join(units) or "none"
+        raise BadRequest(
+            "; ".join(
+                f"cost.{unit}: not a unit of tasks.cost_units ({listed})" for unit in unknown
+            ),
+            fields=[f"cost.{unit}" for unit in unknown],
+        )
+    cost = tuple(sorted(given.items()))
+    request.app[METRICS].report_cost(cost)
+    return cost
+
+
+async def _holding(
+    request: web.Request,
+    event: str,
+    fields: dict[str, Any],
+    step: Callable[[], Awaitable[T]],
+    cost: Cost,
+    point: str | None = None,
+    granted: Callable[[T], str] = lambda result: "granted",
+) -> T:
+    """``_decide`` for a call of the attempt holding the lease (renew, release, commit): a
+    refusal that ends the attempt's work counts the cost it reported as discarded."""
+    try:
+        return await _decide(request, event, fields, step, point, granted)
+    except FencegateError as exc:
+        if exc.code in FENCED_COST_CODES:
+            request.app[METRICS].discard("fenced", cost)
+        raise
 
 
 def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
@@ -115,13 +182,19 @@ async def claim(request: web.Request) -> web.Response:
     task = await _decide(
         request, "claim", fields, lambda: request.app[STORE].claim(task_id, req), "claim"
     )
+    return _claim_answer(request, task)
+
+
+def _claim_answer(request: web.Request, task: Task, queue: str | None = None) -> web.Response:
+    """The answer of a granted claim, by id or from a queue (the same JSON)."""
     assert task.lease_expires_at is not None and task.attempt_started_at is not None
     if task.previous_lease_expires_at is not None:
         waited = max(task.attempt_started_at - task.previous_lease_expires_at, 0) / 1000
         request.app[METRICS].reclaim_latency.observe(waited)
     log.info(
         "claim.granted",
-        task=task_id,
+        task=task.task_id,
+        queue=queue,
         attempt=task.attempt_id,
         generation=task.claim_generation,
         epoch=task.claim_epoch,
@@ -139,23 +212,80 @@ async def claim(request: web.Request) -> web.Response:
             "grantedTtlMs": task.lease_expires_at - task.attempt_started_at,
             "revision": task.revision,
             "inputDigest": task.input_digest,
+            "queue": task.queue,
+            "dependencies": _provenance(task),
         }
     )
+
+
+def _provenance(task: Task) -> list[dict[str, str]]:
+    return [
+        {"taskId": dep.task_id, "commitId": dep.commit_id, "resultDigest": dep.result_digest}
+        for dep in task.dep_commits
+    ]
+
+
+@routes.post(r"/v1/queues/{queue}/claim")
+async def claim_next(request: web.Request) -> web.Response:
+    """The best claimable task of the queue, claimed; 204 when there is none (after up to
+    ``waitMs``, bounded by ``tasks.max_wait_ms``)."""
+    queue = check_queue(request.match_info["queue"])
+    body = parse_body(await request.read(), QueueClaimBody)
+    principal = principal_of(request)
+    if principal is not None and principal.scope.task_prefixes is not None:
+        reason = "a principal limited to task_prefixes cannot claim from a queue"
+        log.info("auth.out_of_scope", principal=principal.name, method=request.method,
+                 path="/v1/queues/{queue}/claim", reason=reason)  # fmt: skip
+        raise Forbidden(f"{principal.name!r}: {reason}; claim tasks by id")
+    req = ClaimRequest(
+        owner=body.owner,
+        ttl_ms=body.ttlMs,
+        scheduler_epoch=body.schedulerEpoch,
+        principal=principal.name if principal is not None else None,
+    )
+    tasks_config = request.app[CONFIG].tasks
+    wait_ms = min(body.waitMs or 0, tasks_config.max_wait_ms)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_ms / 1000
+    metrics = request.app[METRICS]
+    store = request.app[STORE]
+    fields = {"queue": queue, "owner": body.owner, "epoch": body.schedulerEpoch}
+    waiting = request.app[EVENTS].waiting(None) if wait_ms else contextlib.nullcontext(None)
+    with waiting as waiter:
+        while True:
+            try:
+                task = await store.claim_next(queue, req)
+            except FencegateError as exc:
+                log.info("claim.rejected", code=exc.code, reason=exc.detail, **fields)
+                metrics.decision("claim", exc.code, validated=not isinstance(exc, StoreUnavailable))
+                raise
+            left = deadline - loop.time()
+            if task is not None or waiter is None or left <= 0:
+                break
+            await waiter.wait(left)
+    if task is None:
+        metrics.decision("claim", None, validated=True, granted="empty")
+        log.info("claim.empty", waited_ms=wait_ms, **fields)
+        return web.Response(status=204)
+    metrics.decision("claim", None, validated=True)
+    _count_discards(request, task)
+    return _claim_answer(request, task, queue)
 
 
 @routes.post(r"/v1/tasks/{task_id:.+}/renew")
 async def renew(request: web.Request) -> web.Response:
     task_id = check_task_id(request.match_info["task_id"])
     body = parse_body(await request.read(), RenewBody)
-    req = RenewRequest(identity=_identity(request, body), ttl_ms=body.ttlMs)
+    cost = _cost(request, body.cost)
+    req = RenewRequest(identity=_identity(request, body), ttl_ms=body.ttlMs, cost=cost)
     fields = {
         "task": task_id,
         "attempt": body.attemptId,
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task = await _decide(
-        request, "renew", fields, lambda: request.app[STORE].renew(task_id, req), "renew"
+    task = await _holding(
+        request, "renew", fields, lambda: request.app[STORE].renew(task_id, req), cost, "renew"
     )
     log.info("renew.granted", lease_expires_at=task.lease_expires_at, **fields)
     return web.json_response({"leaseExpiresAt": task.lease_expires_at})
@@ -164,7 +294,8 @@ async def renew(request: web.Request) -> web.Response:
 @routes.post(r"/v1/tasks/{task_id:.+}/release")
 async def release(request: web.Request) -> web.Response:
     task_id = check_task_id(request.match_info["task_id"])
-    body = parse_body(await request.read(), IdentityBody)
+    body = parse_body(await request.read(), ReleaseBody)
+    cost = _cost(request, body.cost)
     ident = _identity(request, body)
     fields = {
         "task": task_id,
@@ -172,8 +303,13 @@ async def release(request: web.Request) -> web.Response:
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task = await _decide(
-        request, "release", fields, lambda: request.app[STORE].release(task_id, ident)
+    task = await _holding(
+        request,
+        "release",
+        fields,
+        # The store keeps no cost for a release (nothing is discarded): only the metrics.
+        lambda: request.app[STORE].release(task_id, ident),
+        cost,
     )
     log.info("release.done", **fields)
     return web.json_response({"taskId": task.task_id, "state": task.state.value})
@@ -183,6 +319,7 @@ async def release(request: web.Request) -> web.Response:
 async def commit(request: web.Request) -> web.Response:
     task_id = check_task_id(request.match_info["task_id"])
     body = parse_body(await request.read(), CommitBody)
+    cost = _cost(request, body.cost)
     result_json = None
     if "result" in body.model_fields_set:
         result_json = json.dumps(body.result, sort_keys=True, separators=(",", ":"))
@@ -198,6 +335,7 @@ async def commit(request: web.Request) -> web.Response:
         result_digest=body.resultDigest,
         result_json=result_json,
         principal=_principal(request),
+        cost=cost,
     )
     fields = {
         "task": task_id,
@@ -205,11 +343,12 @@ async def commit(request: web.Request) -> web.Response:
         "generation": body.claimGeneration,
         "epoch": body.schedulerEpoch,
     }
-    task, replay = await _decide(
+    task, replay = await _holding(
         request,
         "commit",
         fields,
         lambda: request.app[STORE].commit(task_id, req),
+        cost,
         "commit",
         lambda done: "replayed" if done[1] else "committed",
     )
@@ -248,17 +387,36 @@ async def put_task(request: web.Request) -> web.Response:
     limit = request.app[CONFIG].leases.max_runtime_ms_limit
     if body.maxRuntimeMs is not None and body.maxRuntimeMs > limit:
         raise BadRequest(f"maxRuntimeMs: must be at most leases.max_runtime_ms_limit ({limit})")
+    depends_on = None
+    if body.dependsOn is not None:
+        depends_on = tuple(dict.fromkeys(body.dependsOn))
+        most = request.app[CONFIG].tasks.max_dependencies
+        if len(depends_on) > most:
+            raise BadRequest(
+                f"dependsOn: at most tasks.max_dependencies ({most}) tasks, "
+                f"{len(depends_on)} given",
+                fields=["dependsOn"],
+            )
     task, outcome = await _decide(
         request,
         "task",
         {"task": task_id},
-        lambda: request.app[STORE].put_task(task_id, body.inputDigest, body.maxRuntimeMs),
+        lambda: request.app[STORE].put_task(
+            task_id,
+            body.inputDigest,
+            body.maxRuntimeMs,
+            queue=body.queue,
+            priority=body.priority,
+            depends_on=depends_on,
+        ),
     )
     log.info(
         _PUT_EVENTS[outcome],
         task=task_id,
         revision=task.revision,
         input_digest=task.input_digest,
+        state=task.state.value,
+        queue=task.queue,
     )
     status = 201 if outcome is PutOutcome.CREATED else 200
     return web.json_response(task_to_json(task), status=status)
@@ -314,10 +472,56 @@ async def list_tasks(request: web.Request) -> web.Response:
     )
 
 
+_WAIT_QUERY = frozenset({"waitFor", "waitMs"})
+
+
+def _wait_query(request: web.Request) -> tuple[TaskState | None, int]:
+    """``GET /v1/tasks/{id}``'s ``waitFor`` (a state) and ``waitMs`` (clamped to
+    ``tasks.max_wait_ms``; default that maximum)."""
+    query = request.query
+    unknown = set(query) - _WAIT_QUERY
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    for name in _WAIT_QUERY:
+        if len(query.getall(name, [])) > 1:
+            raise BadRequest(f"{name}: given more than once")
+    wanted = query.get("waitFor")
+    raw_wait = query.get("waitMs")
+    if wanted is None:
+        if raw_wait is not None:
+            raise BadRequest("waitMs: only with waitFor")
+        return None, 0
+    if wanted not in TaskState.__members__:
+        raise BadRequest(f"waitFor: one of {', '.join(TaskState.__members__)}")
+    most = request.app[CONFIG].tasks.max_wait_ms
+    if raw_wait is None:
+        return TaskState(wanted), most
+    if not _ASCII_DIGITS.fullmatch(raw_wait):
+        raise BadRequest("waitMs: an integer from 0 to 999999 (milliseconds)")
+    return TaskState(wanted), min(int(raw_wait), most)
+
+
 @routes.get(r"/v1/tasks/{task_id:.+}")
 async def get_task(request: web.Request) -> web.Response:
+    """The task record; with ``waitFor``, as soon as the task is in that state, or as it is
+    when ``waitMs`` ran out (the answer's ``state`` says which)."""
     task_id = check_task_id(request.match_info["task_id"])
-    task = await request.app[STORE].get_task(task_id)
+    wanted, wait_ms = _wait_query(request)
+    store = request.app[STORE]
+    task = await store.get_task(task_id)
+    if wanted is None or task.state is wanted or wait_ms == 0:
+        return web.json_response(task_to_json(task))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_ms / 1000
+    with request.app[EVENTS].waiting(task_id) as waiter:
+        if waiter is not None:
+            task = await store.get_task(task_id)  # it may have changed before the waiter was set
+        while waiter is not None and task.state is not wanted:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            await waiter.wait(left)
+            task = await store.get_task(task_id)
     return web.json_response(task_to_json(task))
 
 

@@ -907,6 +907,56 @@ async def _attempt(call: Awaitable[T]) -> T | FencegateError:
         return exc
 
 
+async def story_pipeline(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        6,
+        "A two-step pipeline: the second step waits for the first's commit",
+        "A queue of work where step two needs step one's result must not hand step two out "
+        "early, nor build it on a result that a stale attempt produced. The gateway keeps step "
+        "two WAITING until step one has its canonical commit, and hands it out from the queue "
+        "with that commit's id, so every result says what it was built on.",
+    )
+    queue, first, second = "reports", "report-7/extract", "report-7/load"
+    epoch = (await client.get_epoch()).scheduler_epoch
+    await client.put_task(first, "in-1", queue=queue)
+    await client.put_task(second, "in-1", queue=queue, depends_on=[first])
+    n.say("scheduler", f"puts {first} and {second} (dependsOn {first}) in the queue {queue!r}")
+    await step(
+        n, "B", f"claims {second} by id", client.acquire(second, owner="B", ttl_ms=TTL_MS * 10,
+                                                          scheduler_epoch=epoch),
+        "DEPENDENCIES_PENDING", f"{second} is WAITING for {first}",
+    )  # fmt: skip
+    n.say("A", f"claims the next task of {queue!r}")
+    lease_a = await client.claim_next(queue, owner="A", ttl_ms=TTL_MS * 10, scheduler_epoch=epoch)
+    n.check(
+        lease_a is not None and lease_a.task_id == first,
+        f"A got {first}, the only claimable task",
+        f"A should have got {first}, got {lease_a!r}",
+    )
+    if lease_a is None:
+        return
+    n.say("B", f"claims the next task of {queue!r}")
+    none = await client.claim_next(queue, owner="B", ttl_ms=TTL_MS * 10, scheduler_epoch=epoch)
+    n.check(none is None, "none: 204, step two is not handed out before step one commits",
+            f"B should have got nothing, got {none!r}")  # fmt: skip
+    ready = f"the canonical commit of {first}; {second} is READY in the same step"
+    done = await step(n, "A", f"commits {first}", lease_a.commit({"rows": 120}), "COMMITTED", ready)
+    lease_b = await client.claim_next(queue, owner="B", ttl_ms=TTL_MS * 10, scheduler_epoch=epoch)
+    n.say("B", f"claims the next task of {queue!r} again")
+    built_on = lease_b.dependencies if lease_b is not None else []
+    n.check(
+        lease_b is not None
+        and done is not None
+        and lease_b.task_id == second
+        and [d["commitId"] for d in built_on] == [done.commit_id],
+        f"B got {second}, built on {first}'s commit {short(done.commit_id if done else '')}",
+        f"B should have got {second} with {first}'s commit, got {lease_b!r} {built_on}",
+    )
+    if lease_b is not None:
+        await step(n, "B", f"commits {second}", lease_b.commit({"loaded": 120}), "COMMITTED",
+                   "the pipeline is done, each step committed once")  # fmt: skip
+
+
 async def summary(n: Narrator, client: Client, shop: Shop) -> None:
     n.line()
     n.line("== What the shop actually received ==")
@@ -1169,6 +1219,7 @@ async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | 
                 story_duplicates,
                 story_epoch_bump,
                 functools.partial(story_mcp, tools=tools, gateway=url),
+                story_pipeline,
                 summary,
                 functools.partial(summary_mcp, tools=tools),
             )

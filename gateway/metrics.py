@@ -22,7 +22,7 @@ that skips the checks (or a store that did not answer).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import prometheus_client
@@ -206,6 +206,25 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.discarded_attempts = Counter(
+            "fencegate_discarded_attempts",
+            "Attempts whose work was thrown away, by reason (expired, epoch, cancelled, "
+            "superseded: the store discarded it; fenced: a renew, release or commit refused)",
+            ["reason"],
+            registry=r,
+        )
+        self.discarded_cost = Counter(
+            "fencegate_discarded_cost",
+            "Cost reported by attempts whose work was thrown away, per unit",
+            ["unit"],
+            registry=r,
+        )
+        self.reported_cost = Counter(
+            "fencegate_reported_cost",
+            "Cost reported by workers on renew, release and commit, per unit (accepted or not)",
+            ["unit"],
+            registry=r,
+        )
         self.store_seconds = Histogram(
             "fencegate_store_seconds",
             "Store round trips by operation",
@@ -228,6 +247,19 @@ class Metrics:
             counter.labels(outcome).inc()
         if code is not None and validated:
             self.rejections.labels(point, code).inc()
+
+    def discard(self, reason: str, cost: Iterable[tuple[str, float]]) -> None:
+        """One attempt's work thrown away, with the cost it had reported."""
+        self.discarded_attempts.labels(reason).inc()
+        for unit, amount in cost:
+            if amount > 0:
+                self.discarded_cost.labels(unit).inc(amount)
+
+    def report_cost(self, cost: Iterable[tuple[str, float]]) -> None:
+        """Cost a worker reported (renew, release or commit), whatever the answer."""
+        for unit, amount in cost:
+            if amount > 0:
+                self.reported_cost.labels(unit).inc(amount)
 
     def set_gauges(self, gauges: Gauges) -> None:
         self.unknown_effects.set(gauges.unknown_effects)

@@ -18,11 +18,13 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from fencegate.gateway.api_models import (
+    MAX_PRIORITY,
     MAX_SAFE_INT,
     ClaimBody,
     CommitBody,
-    IdentityBody,
     PutTaskBody,
+    QueueClaimBody,
+    ReleaseBody,
     RenewBody,
 )
 from fencegate.gateway.coordination import MAX_TASK_PAGE
@@ -91,7 +93,14 @@ _COMMIT: Schema = _object(
     {"result": {}},
 )
 
-_TASK_STATE: Schema = {"enum": ["READY", "CLAIMED", "COMMITTED", "CANCELLED"]}
+_TASK_STATE: Schema = {"enum": ["WAITING", "READY", "CLAIMED", "COMMITTED", "CANCELLED"]}
+_QUEUE: Schema = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,100}$"}
+_PROVENANCE: Schema = {
+    "type": "array",
+    "description": "the canonical commit of each dependency this revision builds on, in "
+    "dependsOn order (shorter than dependsOn while the task is WAITING)",
+    "items": _object({"taskId": _TEXT, "commitId": _TEXT, "resultDigest": _TEXT}),
+}
 
 _TASK: Schema = _object(
     {
@@ -113,6 +122,15 @@ _TASK: Schema = _object(
         "principal": _nullable(_TEXT),
         "createdAt": _TIME,
         "updatedAt": _TIME,
+        "queue": _nullable(_QUEUE),
+        "priority": {"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY},
+        "dependsOn": {"type": "array", "items": _TEXT},
+        "dependencies": _PROVENANCE,
+        "cost": {
+            "type": "object",
+            "description": "what the current (or last) attempt reported spending, per unit",
+            "additionalProperties": {"type": "number", "minimum": 0},
+        },
     },
 )
 
@@ -127,8 +145,36 @@ _CLAIM: Schema = _object(
         "grantedTtlMs": {"type": "integer", "minimum": 0},
         "revision": {"type": "integer", "minimum": 1},
         "inputDigest": _TEXT,
-    }
+    },
+    {"queue": _nullable(_QUEUE), "dependencies": _PROVENANCE},
 )
+
+_EVENT: Schema = {
+    "oneOf": [
+        _object(
+            {
+                "type": {"const": "task"},
+                "taskId": _TEXT,
+                "state": _TASK_STATE,
+                "revision": {"type": "integer", "minimum": 1},
+                "claimGeneration": _COUNTER,
+                "at": _TIME,
+            }
+        ),
+        _object(
+            {
+                "type": {"const": "effect"},
+                "effectId": _HEX64,
+                "taskId": _TEXT,
+                "state": {"enum": ["PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]},
+                "downstream": _TEXT,
+                "at": _TIME,
+            }
+        ),
+    ],
+    "description": "the data of one server-sent event of GET /v1/events (its id is the "
+    "event's position, its event name the type)",
+}
 
 _SCHEDULER: Schema = _object({"schedulerEpoch": _COUNTER, "claimsPaused": {"type": "boolean"}})
 
@@ -213,7 +259,8 @@ _ANSWERS: dict[str, Schema] = {
     "Task": _TASK,
     "ClaimGranted": _CLAIM,
     "Renewed": _object({"leaseExpiresAt": _TIME}),
-    "Released": _object({"taskId": _TEXT, "state": {"const": "READY"}}),
+    "Released": _object({"taskId": _TEXT, "state": {"enum": ["READY", "WAITING"]}}),
+    "Event": _EVENT,
     "Committed": _object({"outcome": {"const": "COMMITTED"}, "commitId": _TEXT}),
     "Cancelled": _object({"cancelGeneration": _COUNTER}),
     "Scheduler": _SCHEDULER,
@@ -271,7 +318,8 @@ _ANSWERS: dict[str, Schema] = {
 _REQUESTS: tuple[type[BaseModel], ...] = (
     PutTaskBody,
     ClaimBody,
-    IdentityBody,
+    QueueClaimBody,
+    ReleaseBody,
     RenewBody,
     CommitBody,
     ResolveBody,
@@ -396,6 +444,21 @@ _TASK_ID = {"$ref": "#/components/parameters/taskId"}
 _EFFECT_ID = {"$ref": "#/components/parameters/effectId"}
 _OPERATOR_HEADER = {"$ref": "#/components/parameters/operator"}
 _OK_TASK = {404: ("NO_SUCH_TASK",), 409: _LEASE_CODES}
+_WAIT_QUERY = [
+    {
+        "name": "waitFor",
+        "in": "query",
+        "description": "answer as soon as the task is in this state (a long-poll)",
+        "schema": _TASK_STATE,
+    },
+    {
+        "name": "waitMs",
+        "in": "query",
+        "description": "with waitFor: the longest wait (clamped to tasks.max_wait_ms, its "
+        "default); at the deadline the answer is the record as it is",
+        "schema": {"type": "integer", "minimum": 0, "maximum": 999999},
+    },
+]
 _OK_EFFECT = {404: ("NO_SUCH_EFFECT", "NO_SUCH_DOWNSTREAM"), 409: _EFFECT_CODES}
 
 
@@ -435,9 +498,10 @@ def _task_paths() -> dict[str, Any]:
             ),
             "get": _op(
                 "getTask",
-                "Read a task record",
+                "Read a task record; with waitFor, once it is in that state (or at waitMs)",
                 "coordination",
                 {"200": _json("Task", "the task record")},
+                params=_WAIT_QUERY,
                 extra={404: ("NO_SUCH_TASK",)},
             ),
         },
@@ -449,7 +513,26 @@ def _task_paths() -> dict[str, Any]:
                 "coordination",
                 {"200": _json("ClaimGranted", "the lease")},
                 body=_body(ClaimBody),
-                extra={**_OK_TASK, 503: ("CLAIMS_PAUSED",)},
+                extra={
+                    404: ("NO_SUCH_TASK",),
+                    409: (*_LEASE_CODES, "DEPENDENCIES_PENDING"),
+                    503: ("CLAIMS_PAUSED",),
+                },
+            ),
+        },
+        "/v1/queues/{queue}/claim": {
+            "parameters": [{"name": "queue", "in": "path", "required": True, "schema": _QUEUE}],
+            "post": _op(
+                "claimNext",
+                "Claim the best claimable task of a queue (highest priority, then oldest); "
+                "204 when there is none, after up to waitMs",
+                "coordination",
+                {
+                    "200": _json("ClaimGranted", "the lease"),
+                    "204": {"description": "no claimable task in the queue"},
+                },
+                body=_body(QueueClaimBody),
+                extra={409: ("STALE_EPOCH",), 503: ("CLAIMS_PAUSED",)},
             ),
         },
         "/v1/tasks/{task_id}/renew": {
@@ -470,7 +553,7 @@ def _task_paths() -> dict[str, Any]:
                 "Give the lease back; the task is READY again",
                 "coordination",
                 {"200": _json("Released", "released")},
-                body=_body(IdentityBody),
+                body=_body(ReleaseBody),
                 extra=_OK_TASK,
             ),
         },
@@ -496,6 +579,43 @@ def _task_paths() -> dict[str, Any]:
                 extra={404: ("NO_SUCH_TASK",), 409: ("ALREADY_COMMITTED",)},
             ),
         },
+    }
+
+
+def _events_path() -> dict[str, Any]:
+    stream = {
+        "description": "server-sent events: `id:` the position, `event:` task or effect, "
+        "`data:` the event's JSON (the Event schema); comment lines are heartbeats",
+        "content": {"text/event-stream": {"schema": {"type": "string"},
+                                          "x-event-data": _ref("Event")}},
+    }  # fmt: skip
+    params = [
+        {
+            "name": "after",
+            "in": "query",
+            "description": "a position to resume after (Last-Event-ID wins when both are "
+            "sent); neither: from now",
+            "schema": {"type": "string", "maxLength": 200},
+        },
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "required": False,
+            "description": "the last position the client saw (what EventSource sends)",
+            "schema": {"type": "string", "maxLength": 200},
+        },
+    ]
+    return {
+        "/v1/events": {
+            "get": _op(
+                "events",
+                "Task and effect changes as server-sent events, resumable",
+                "coordination",
+                {"200": stream},
+                params=params,
+                extra={410: ("EVENTS_GONE",)},
+            )
+        }
     }
 
 
@@ -766,6 +886,7 @@ def document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         **_operation_paths(),
         **_task_paths(),
+        **_events_path(),
         **_scheduler_paths(),
         **_ledger_paths(),
         **_proxy_path(),

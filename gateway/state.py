@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -14,9 +15,13 @@ from fencegate.gateway.config import Config
 from fencegate.gateway.metrics import Metrics
 from fencegate.ledger.store import Store
 
+if TYPE_CHECKING:
+    from fencegate.gateway.events import EventHub
+
 __all__ = [
     "ADAPTERS",
     "CONFIG",
+    "EVENTS",
     "HTTP_CLIENT",
     "MCP_TOOLS",
     "METRICS",
@@ -36,3 +41,5 @@ METRICS = web.AppKey("metrics", Metrics)
 PENDING_ABORTS = web.AppKey("pending_aborts", set[asyncio.Task[None]])
 #: MCP tools' annotations per (downstream, session): a cache (``gateway/mcp.py``).
 MCP_TOOLS = web.AppKey("mcp_tools", McpToolCache)
+#: The process's event hub (``gateway/events.py``): SSE streams and long-polls.
+EVENTS: web.AppKey[EventHub] = web.AppKey("events")

@@ -56,6 +56,8 @@ EXPECTED: dict[tuple[str, str], set[str]] = {
     ("POST", "/v1/tasks/{task_id}/renew"): {WRK},
     ("POST", "/v1/tasks/{task_id}/release"): {WRK},
     ("POST", "/v1/tasks/{task_id}/commit"): {WRK},
+    ("POST", "/v1/queues/{queue}/claim"): {WRK},
+    ("GET", "/v1/events"): {SCH, OPS, OBS},
     ("GET", "/v1/epoch"): {SCH, WRK, OPS, OBS},
     ("POST", "/v1/epoch/bump"): {OPS},
     ("POST", "/v1/claims/pause"): {OPS},
@@ -126,6 +128,14 @@ SAMPLES: dict[tuple[str, str], tuple[str, str, Any, dict[str, str]]] = {
         },
         {},
     ),
+    ("POST", "/v1/queues/{queue}/claim"): (
+        "POST",
+        "/v1/queues/m-empty/claim",
+        {"owner": "w", "ttlMs": 1000, "schedulerEpoch": 1},
+        {},
+    ),
+    # A position given back is read once and answered before any stream (here: 400).
+    ("GET", "/v1/events"): ("GET", "/v1/events?after=%00", None, {}),
     ("GET", "/v1/epoch"): ("GET", "/v1/epoch", None, {}),
     ("POST", "/v1/epoch/bump"): ("POST", "/v1/epoch/bump", None, {}),
     ("POST", "/v1/claims/pause"): ("POST", "/v1/claims/pause", None, {}),

@@ -45,11 +45,15 @@ KEY_LINES = {
     "-> OK: fence-checked and relayed, no ledger entry": 1,
     "; get_invoice has none": 1,
     "every effect reached the MCP server exactly once; the stale call never did": 1,
+    # The pipeline: step two waits for step one's canonical commit.
+    "-> DEPENDENCIES_PENDING: report-7/load is WAITING for report-7/extract": 1,
+    "-> ok: none: 204, step two is not handed out before step one commits": 1,
+    "-> ok: B got report-7/load, built on report-7/extract's commit": 1,
 }
 SUMMARY_ROW = re.compile(r"^\s+(\d+)\s+[0-9a-f]{12}\.\.\.\s+(\S+)/(\S+)\s", re.MULTILINE)
 #: The narration's store line on Redis names the run's own key prefix.
 PREFIX_LINE = re.compile(r'every key under the prefix "(demo[0-9a-f]{8}):"')
-STORY_TITLES = 5
+STORY_TITLES = 6
 SHOP_SUMMARY = "== What the shop actually received =="
 MCP_SUMMARY = "== What the MCP server actually ran =="
 #: The MCP server's runs: (runs, effectId or "(none)", where, tool, arguments).

@@ -115,13 +115,15 @@ async def test_a_newer_schema_refuses_to_start_on_postgres(
     postgres_server: PostgresServer, request: pytest.FixtureRequest
 ) -> None:
     url = postgres_test_url(postgres_server, request)
-    await _open_then_close(PostgresStore(url, POLICY))  # creates the schema, version 1
+    await _open_then_close(PostgresStore(url, POLICY))  # creates the schema
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("UPDATE fencegate_schema SET version = $1", sql_steps.SCHEMA_VERSION + 1)
     finally:
         await conn.close()
-    with pytest.raises(StoreIncompatible, match="schema version 2, newer than this gateway's 1"):
+    newer = sql_steps.SCHEMA_VERSION + 1
+    expected = f"schema version {newer}, newer than this gateway's {sql_steps.SCHEMA_VERSION}"
+    with pytest.raises(StoreIncompatible, match=expected):
         await _open_then_close(PostgresStore(url, POLICY))
 
 
@@ -130,7 +132,7 @@ async def test_a_newer_schema_refuses_to_start_on_sqlite(tmp_path: Path) -> None
     await _open_then_close(SQLiteStore(str(path), POLICY))
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE fencegate_schema SET version = ?", (sql_steps.SCHEMA_VERSION + 1,))
-    with pytest.raises(StoreIncompatible, match="schema version 2"):
+    with pytest.raises(StoreIncompatible, match=f"schema version {sql_steps.SCHEMA_VERSION + 1}"):
         await _open_then_close(SQLiteStore(str(path), POLICY))
 
 
@@ -149,7 +151,7 @@ def test_a_gateway_on_a_newer_schema_exits_with_the_reason(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
-    assert "schema version 99, newer than this gateway's 1" in done.stderr
+    assert f"schema version 99, newer than this gateway's {sql_steps.SCHEMA_VERSION}" in done.stderr
     assert "Traceback" not in done.stderr
 
 

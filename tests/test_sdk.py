@@ -177,6 +177,21 @@ async def already_committed(env: Env) -> object:
     return await env.client.acquire("t1", owner="w2", ttl_ms=10_000)
 
 
+async def dependencies_pending(env: Env) -> object:
+    await new_task(env, "first")
+    await env.client.put_task("second", "in-1", depends_on=["first"])
+    return await env.client.acquire("second", owner="w1", ttl_ms=10_000)
+
+
+async def events_gone(env: Env) -> object:
+    await new_task(env, "first")
+    _, old = await env.store.read_events(None, 1)  # where a stream opened now would start
+    for n in range(5):
+        await env.client.put_task("first", f"in-{n + 2}")
+    await env.store.trim_events(1)
+    return [event async for event in env.client.events(after=old)]
+
+
 async def effect_in_flight(env: Env) -> object:
     lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
     first = asyncio.create_task(pay(lease, path="/slow/300/pay"))
@@ -261,6 +276,8 @@ SCENARIOS: dict[str, Scenario] = {
     "RUNTIME_EXCEEDED": runtime_exceeded,
     "CLAIMED": claimed,
     "ALREADY_COMMITTED": already_committed,
+    "DEPENDENCIES_PENDING": dependencies_pending,
+    "EVENTS_GONE": events_gone,
     "EFFECT_IN_FLIGHT": effect_in_flight,
     "EFFECT_UNKNOWN": effect_unknown,
     "EFFECT_SETTLED": effect_settled,

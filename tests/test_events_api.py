@@ -1,0 +1,210 @@
+"""``GET /v1/events`` on every store: server-sent events from now or from a position, a
+reconnect with ``Last-Event-ID`` that misses nothing and repeats nothing, 410 past the retained
+history, heartbeats, the subscriber bound, and two gateways on one store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from tests.api import Api
+from tests.conftest import build_test_store, make_config
+
+
+def events_config(store_url: str, key_prefix: str, **events: Any) -> Config:
+    return make_config(
+        store_url,
+        key_prefix,
+        reconciler={"enabled": False},
+        events={"poll_ms": 20, "heartbeat_ms": 200, **events},
+    )
+
+
+@pytest.fixture
+async def api(store_url: str, key_prefix: str) -> AsyncIterator[Api]:
+    config = events_config(store_url, key_prefix, max_subscribers=2)
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client)
+
+
+@dataclass
+class Frame:
+    id: str | None
+    event: str | None
+    data: Any
+
+
+class Stream:
+    """One open ``GET /v1/events``, read frame by frame."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+        self.last_id: str | None = None
+        self.comments = 0
+
+    async def frame(self, seconds: float = 3.0) -> Frame:
+        """The next frame with data (id-only frames only move ``last_id``)."""
+        async with asyncio.timeout(seconds):
+            fields: dict[str, str] = {}
+            while True:
+                raw = await self.response.content.readline()
+                if not raw:
+                    raise EOFError("the stream ended")
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith(":"):
+                    self.comments += 1
+                    continue
+                if line:
+                    name, _, value = line.partition(": ")
+                    fields[name] = value
+                    continue
+                if "id" in fields:
+                    self.last_id = fields["id"]
+                if "data" in fields:
+                    return Frame(fields.get("id"), fields.get("event"), json.loads(fields["data"]))
+                fields = {}
+
+    async def task_states(self, count: int) -> list[tuple[str, str]]:
+        out = []
+        while len(out) < count:
+            frame = await self.frame()
+            if frame.event == "task":
+                out.append((frame.data["taskId"], frame.data["state"]))
+        return out
+
+
+async def open_stream(api: Api, *, after: str | None = None, query: str = "") -> Stream:
+    headers = {"Last-Event-ID": after} if after is not None else {}
+    response = await api.client.get(f"/v1/events{query}", headers=headers)
+    assert response.status == 200, await response.text()
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    stream = Stream(response)
+    return stream
+
+
+async def test_a_stream_from_now_sees_changes_as_they_happen(api: Api) -> None:
+    await api.put("before")
+    stream = await open_stream(api)
+    await api.put("t1")
+    lease = await api.claim("t1")
+    await api.commit(lease)
+    assert await stream.task_states(3) == [
+        ("t1", "READY"),
+        ("t1", "CLAIMED"),
+        ("t1", "COMMITTED"),
+    ]
+    assert stream.last_id is not None
+    stream.response.close()
+
+
+async def test_a_reconnect_with_last_event_id_misses_nothing_and_repeats_nothing(
+    api: Api,
+) -> None:
+    stream = await open_stream(api)
+    await api.put("a")
+    assert await stream.task_states(1) == [("a", "READY")]
+    resume = stream.last_id
+    stream.response.close()
+    # Meanwhile: more changes than one read of the store takes.
+    for n in range(3):
+        await api.put(f"m{n}")
+    await api.cancel("a")
+    again = await open_stream(api, after=resume)
+    seen = await again.task_states(4)
+    assert seen == [("m0", "READY"), ("m1", "READY"), ("m2", "READY"), ("a", "CANCELLED")]
+    await api.put("live")
+    assert await again.task_states(1) == [("live", "READY")]
+    again.response.close()
+    by_query = await open_stream(api, query=f"?after={resume}")
+    assert (await by_query.task_states(1)) == [("m0", "READY")]
+    by_query.response.close()
+    # Last-Event-ID (what a reconnecting EventSource sends) wins over the URL's after.
+    both = await open_stream(api, after=again.last_id, query=f"?after={resume}")
+    await api.put("next")
+    assert await both.task_states(1) == [("next", "READY")]
+    both.response.close()
+
+
+async def test_effect_events_are_typed(api: Api) -> None:
+    stream = await open_stream(api)
+    await api.put("t1")
+    frame = await stream.frame()
+    assert frame.event == "task" and frame.data["type"] == "task"
+    assert set(frame.data) >= {"taskId", "state", "revision", "claimGeneration", "at"}
+    stream.response.close()
+
+
+async def test_a_position_past_the_history_is_410(api: Api) -> None:
+    _, old = await api.store.read_events(None, 1)
+    for n in range(5):
+        await api.put(f"t{n}")
+    await api.store.trim_events(1)
+    async with api.client.get("/v1/events", headers={"Last-Event-ID": old}) as resp:
+        assert resp.status == 410
+        body = await resp.json(content_type=None)
+    assert body["code"] == "EVENTS_GONE"
+    async with api.client.get("/v1/events", headers={"Last-Event-ID": "x" * 201}) as resp:
+        assert resp.status == 400
+    for query in ("?after=%01", "?from=1", "?after=a&after=b"):
+        async with api.client.get(f"/v1/events{query}") as resp:
+            assert resp.status == 400, query
+
+
+async def test_heartbeats_and_the_subscriber_bound(api: Api) -> None:
+    first = await open_stream(api)
+    second = await open_stream(api)
+    async with api.client.get("/v1/events") as resp:
+        assert resp.status == 503
+        assert (await resp.json(content_type=None))["code"] == "TOO_MANY_CONNECTIONS"
+        assert resp.headers["Retry-After"] == "1"
+    await asyncio.sleep(0.5)
+    await api.put("t1")
+    await first.frame()
+    assert first.comments >= 1  # ": keep-alive" while nothing happened
+    first.response.close()
+    second.response.close()
+    await asyncio.sleep(0.1)
+    third = await open_stream(api)  # a closed stream frees its place
+    third.response.close()
+
+
+async def test_two_gateways_on_one_store_both_see_every_event(
+    store_url: str, key_prefix: str
+) -> None:
+    if store_url.startswith("sqlite"):
+        pytest.skip("an SQLite store belongs to one gateway process")
+    config = events_config(store_url, key_prefix)
+    apps = [create_app(config, store=build_test_store(config)) for _ in range(2)]
+    async with (
+        TestClient(TestServer(apps[0], host="127.0.0.1")) as one,
+        TestClient(TestServer(apps[1], host="127.0.0.1")) as two,
+    ):
+        left, right = Api(one), Api(two)
+        streams = [await open_stream(left), await open_stream(right)]
+        await left.put("from-left")
+        await right.put("from-right")
+        for stream in streams:
+            assert sorted(await stream.task_states(2)) == [
+                ("from-left", "READY"),
+                ("from-right", "READY"),
+            ]
+            stream.response.close()
+        # A long-poll on one gateway is woken by a commit made through the other.
+        lease = await left.claim("from-left")
+        waiting = asyncio.ensure_future(
+            right.call("GET", "/v1/tasks/from-left?waitFor=COMMITTED&waitMs=4000")
+        )
+        await asyncio.sleep(0.1)
+        await left.commit(lease)
+        answer = await asyncio.wait_for(waiting, 3)
+        assert answer.body["state"] == "COMMITTED"

@@ -1,0 +1,365 @@
+"""Task flow over HTTP, on every store: queues (``POST /v1/queues/{queue}/claim``, priority,
+``waitMs``), dependencies (``dependsOn``, WAITING, provenance, the cancel cascade, a
+dependency's new revision), ``waitFor`` long-polls, and ``cost`` with the discarded-work
+metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import Config
+from tests.api import Answer, Api, Lease
+from tests.conftest import build_test_store, make_config
+
+CLAIM_KEYS = {
+    "taskId",
+    "attemptId",
+    "claimGeneration",
+    "schedulerEpoch",
+    "cancelGeneration",
+    "leaseExpiresAt",
+    "grantedTtlMs",
+    "revision",
+    "inputDigest",
+}
+
+
+def flow_config(store_url: str, key_prefix: str, **sections: Any) -> Config:
+    return make_config(
+        store_url,
+        key_prefix,
+        reconciler={"enabled": False},
+        tasks={"max_dependencies": 3, "max_wait_ms": 5_000, **sections.pop("tasks", {})},
+        events={"poll_ms": 20, **sections.pop("events", {})},
+        **sections,
+    )
+
+
+@pytest.fixture
+async def api(store_url: str, key_prefix: str) -> AsyncIterator[Api]:
+    config = flow_config(store_url, key_prefix)
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client)
+
+
+async def claim_next(api: Api, queue: str = "q", owner: str = "w1", **extra: Any) -> Answer:
+    body = {"owner": owner, "ttlMs": 10_000, "schedulerEpoch": await api.epoch(), **extra}
+    return await api.call("POST", f"/v1/queues/{queue}/claim", body)
+
+
+def lease_of(answer: Answer, owner: str = "w1") -> Lease:
+    b = answer.body
+    return Lease(
+        b["taskId"],
+        b["attemptId"],
+        b["claimGeneration"],
+        owner,
+        b["schedulerEpoch"],
+        b["cancelGeneration"],
+        b["leaseExpiresAt"],
+        b["inputDigest"],
+    )
+
+
+async def state(api: Api, task_id: str) -> str:
+    return str((await api.get(task_id)).body["state"])
+
+
+async def metric(api: Api, name: str, **labels: str) -> float:
+    async with api.client.get("/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+# --- queues ---------------------------------------------------------------------------------
+
+
+async def test_a_queue_hands_out_the_highest_priority_then_the_oldest(api: Api) -> None:
+    assert (await api.put("low", queue="q", priority=-5)).status == 201
+    assert (await api.put("old", queue="q")).status == 201
+    api.advance(10)
+    assert (await api.put("new", queue="q")).status == 201
+    assert (await api.put("urgent", queue="q", priority=7)).status == 201
+    assert (await api.put("elsewhere", queue="other", priority=100)).status == 201
+    assert (await api.put("by-id-only", priority=100)).status == 201
+    record = (await api.get("urgent")).body
+    assert record["queue"] == "q" and record["priority"] == 7 and record["dependsOn"] == []
+    order = []
+    for _ in range(4):
+        answer = await claim_next(api)
+        assert answer.status == 200, answer.body
+        assert set(answer.body) >= CLAIM_KEYS
+        assert answer.body["queue"] == "q" and answer.body["dependencies"] == []
+        order.append(answer.body["taskId"])
+    assert order == ["urgent", "old", "new", "low"]
+    empty = await claim_next(api)
+    assert empty.status == 204 and empty.body is None
+    assert await metric(api, "fencegate_claims_total", outcome="empty") == 1
+
+
+async def test_an_expired_claim_is_found_again_and_counted_as_discarded(api: Api) -> None:
+    await api.put("t1", queue="q")
+    first = await claim_next(api, ttlMs=1_000)
+    lease = lease_of(first)
+    assert (await api.renew(lease, cost={"tokens": 40})).status == 200
+    assert (await api.get("t1")).body["cost"] == {"tokens": 40}
+    assert (await claim_next(api, owner="w2")).status == 204  # still held
+    api.advance(20_000)
+    again = await claim_next(api, owner="w2")
+    assert again.status == 200 and again.body["taskId"] == "t1"
+    assert again.body["claimGeneration"] == lease.claim_generation + 1
+    assert (await api.get("t1")).body["cost"] == {}  # a claim starts a new attempt's tally
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="expired") == 1
+    assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 40
+    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 40
+
+
+async def test_an_epoch_bump_frees_old_claims_of_a_queue_at_once(api: Api) -> None:
+    await api.put("t1", queue="q")
+    assert (await claim_next(api)).status == 200
+    assert (await api.call("POST", "/v1/epoch/bump")).status == 200
+    again = await claim_next(api, owner="w2")
+    assert again.status == 200 and again.body["taskId"] == "t1"
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="epoch") == 1
+
+
+async def test_queue_claims_refuse_what_a_claim_refuses(api: Api) -> None:
+    await api.put("t1", queue="q")
+    stale = await claim_next(api, schedulerEpoch=(await api.epoch()) + 5)
+    assert stale.status == 409 and stale.code == "STALE_EPOCH"
+    await api.call("POST", "/v1/claims/pause")
+    assert (await claim_next(api, queue="empty")).code == "CLAIMS_PAUSED"
+    await api.call("POST", "/v1/claims/resume")
+    for path, body, field in [
+        ("/v1/queues/bad%20name/claim", None, None),
+        ("/v1/queues/q/claim", {"waitMs": -1}, "waitMs"),
+        ("/v1/queues/q/claim", {"expectedRevision": 1}, "expectedRevision"),
+        ("/v1/queues/q/claim", {"waitMs": "5"}, "waitMs"),
+    ]:
+        full = {"owner": "w", "ttlMs": 1000, "schedulerEpoch": 1, **(body or {})}
+        answer = await api.call("POST", path, full)
+        assert answer.status == 400 and answer.code == "BAD_REQUEST", (path, body, answer.body)
+        if field:
+            assert field in answer.body["detail"]
+    for bad in ("has space", "x" * 101, "tab\t"):
+        answer = await api.put("t9", queue=bad)
+        assert answer.status == 400 and "queue" in answer.body["detail"], bad
+    assert (await api.put("t9", priority=1_000_001)).status == 400
+    assert (await api.put("t9", priority=True)).status == 400
+
+
+async def test_a_waiting_queue_claim_gets_a_task_put_meanwhile(api: Api) -> None:
+    started = time.monotonic()
+    empty = await claim_next(api, waitMs=300)
+    assert empty.status == 204 and time.monotonic() - started >= 0.3
+    waiting = asyncio.ensure_future(claim_next(api, waitMs=4_000))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    put_at = time.monotonic()
+    await api.put("late", queue="q")
+    answer = await asyncio.wait_for(waiting, 3)
+    assert answer.status == 200 and answer.body["taskId"] == "late"
+    assert time.monotonic() - put_at < 1.0  # woken by the event, not by the deadline
+
+
+async def test_the_same_input_with_another_queue_or_dependencies_changes_nothing(
+    api: Api,
+) -> None:
+    await api.put("dep")
+    await api.put("t1", queue="q", priority=3)
+    before = (await api.get("t1")).body
+    again = await api.put("t1", queue="other", priority=9, dependsOn=["dep"])
+    assert again.status == 200 and again.body == before
+    revised = await api.put("t1", "in-2")  # absent keys keep their values on a revision
+    assert revised.body["queue"] == "q" and revised.body["priority"] == 3
+
+
+# --- dependencies ---------------------------------------------------------------------------
+
+
+async def test_a_dependent_waits_for_the_canonical_commit_and_carries_its_provenance(
+    api: Api,
+) -> None:
+    await api.put("step1", queue="pipe")
+    created = await api.put("step2", queue="pipe", dependsOn=["step1", "step1"])
+    assert created.status == 201
+    assert created.body["state"] == "WAITING" and created.body["dependsOn"] == ["step1"]
+    pending = await api.try_claim("step2")
+    assert pending.status == 409 and pending.code == "DEPENDENCIES_PENDING"
+    assert "step1" in pending.body["detail"]
+    first = await claim_next(api, queue="pipe")
+    assert first.body["taskId"] == "step1"
+    assert (await claim_next(api, queue="pipe", owner="w2")).status == 204  # step2 waits
+    done = await api.commit(lease_of(first), result_digest="sha256:one")
+    assert done.status == 200
+    record = (await api.get("step2")).body
+    assert record["state"] == "READY"
+    provenance = [{"taskId": "step1", "commitId": done.body["commitId"],
+                   "resultDigest": "sha256:one"}]  # fmt: skip
+    assert record["dependencies"] == provenance
+    second = await claim_next(api, queue="pipe", owner="w2")
+    assert second.status == 200 and second.body["taskId"] == "step2"
+    assert second.body["dependencies"] == provenance
+
+
+async def test_a_fenced_first_step_keeps_the_second_waiting_until_the_takeover_commits(
+    api: Api,
+) -> None:
+    await api.put("a", queue="pipe")
+    await api.put("b", queue="pipe", dependsOn=["a"])
+    stale = lease_of(await claim_next(api, queue="pipe", ttlMs=1_000))
+    api.advance(5_000)
+    takeover = lease_of(await claim_next(api, queue="pipe", owner="w2"), owner="w2")
+    assert takeover.task_id == "a"
+    refused = await api.commit(stale, result_digest="sha256:stale", cost={"seconds": 2.5})
+    assert refused.code == "FENCED"
+    assert await state(api, "b") == "WAITING"
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="fenced") == 1
+    assert await metric(api, "fencegate_discarded_cost_total", unit="seconds") == 2.5
+    done = await api.commit(takeover, result_digest="sha256:good")
+    record = (await api.get("b")).body
+    assert record["state"] == "READY"
+    assert record["dependencies"][0]["commitId"] == done.body["commitId"]
+
+
+async def test_dependencies_that_cannot_be_are_refused(api: Api) -> None:
+    await api.put("a")
+    await api.put("b", dependsOn=["a"])
+    for task_id, deps, words in [
+        ("c", ["nobody"], "nobody"),
+        ("c", ["c"], "c"),
+        ("a", ["b"], "cycle"),
+        ("c", ["a", "b", "x1", "x2"], "max_dependencies"),
+    ]:
+        answer = await api.put(task_id, "in-9", dependsOn=deps)
+        assert answer.status == 400 and answer.code == "BAD_REQUEST", (deps, answer.body)
+        assert "dependsOn" in answer.body["detail"] and words in answer.body["detail"]
+    assert (await api.put("c", dependsOn=["bad id"])).status == 400
+    assert (await api.get("a")).body["revision"] == 1
+
+
+async def test_cancel_cascades_to_open_dependents_only(api: Api) -> None:
+    await api.put("root")
+    await api.put("done")
+    lease = await api.claim("done")
+    await api.commit(lease)
+    await api.put("mid", dependsOn=["root"])
+    await api.put("leaf", dependsOn=["mid", "done"])
+    await api.put("kept", dependsOn=["done"])
+    assert (await api.cancel("root")).status == 200
+    assert [await state(api, t) for t in ("root", "mid", "leaf", "kept", "done")] == [
+        "CANCELLED",
+        "CANCELLED",
+        "CANCELLED",
+        "READY",
+        "COMMITTED",
+    ]
+    assert (await api.get("mid")).body["cancelGeneration"] == 1
+
+
+async def test_a_new_revision_of_a_dependency_unwinds_open_dependents(api: Api) -> None:
+    await api.put("a")
+    lease = await api.claim("a")
+    await api.commit(lease)
+    await api.put("open", dependsOn=["a"])
+    await api.put("running", dependsOn=["a"])
+    await api.put("finished", dependsOn=["a"])
+    running = await api.claim("running", owner="w2")
+    finished = await api.claim("finished", owner="w3")
+    await api.commit(finished)
+    provenance = (await api.get("finished")).body["dependencies"]
+    assert (await api.put("a", "in-2")).body["revision"] == 2
+    assert await state(api, "open") == "WAITING"
+    assert (await api.get("open")).body["dependencies"] == []
+    assert await state(api, "running") == "WAITING"
+    assert (await api.renew(running)).code == "STALE_INPUT"
+    assert (await api.get("finished")).body["dependencies"] == provenance
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="superseded") == 1
+
+
+# --- waitFor --------------------------------------------------------------------------------
+
+
+async def test_wait_for_answers_as_soon_as_the_task_commits(api: Api) -> None:
+    await api.put("t1")
+    lease = await api.claim("t1")
+    waiting = asyncio.ensure_future(api.call("GET", "/v1/tasks/t1?waitFor=COMMITTED&waitMs=4000"))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    committed_at = time.monotonic()
+    await api.commit(lease)
+    answer = await asyncio.wait_for(waiting, 3)
+    assert answer.status == 200 and answer.body["state"] == "COMMITTED"
+    assert time.monotonic() - committed_at < 1.0
+
+
+async def test_wait_for_answers_the_record_as_it_is_at_the_deadline(api: Api) -> None:
+    await api.put("t1")
+    started = time.monotonic()
+    answer = await api.call("GET", "/v1/tasks/t1?waitFor=COMMITTED&waitMs=300")
+    assert answer.status == 200 and answer.body["state"] == "READY"
+    assert time.monotonic() - started >= 0.3
+    at_once = await api.call("GET", "/v1/tasks/t1?waitFor=READY&waitMs=3000")
+    assert at_once.body["state"] == "READY"
+    for query, name in [
+        ("waitFor=DONE", "waitFor"),
+        ("waitMs=10", "waitMs"),
+        ("waitFor=READY&waitMs=-1", "waitMs"),
+        ("waitFor=READY&waitFor=READY", "waitFor"),
+        ("state=READY", "state"),
+    ]:
+        bad = await api.call("GET", f"/v1/tasks/t1?{query}")
+        assert bad.status == 400 and name in bad.body["detail"], (query, bad.body)
+
+
+# --- cost -----------------------------------------------------------------------------------
+
+
+async def test_cost_is_added_up_per_attempt_and_checked(api: Api) -> None:
+    await api.put("t1")
+    lease = await api.claim("t1")
+    assert (await api.renew(lease, cost={"tokens": 100, "seconds": 1})).status == 200
+    assert (await api.renew(lease, cost={"tokens": 50})).status == 200
+    assert (await api.get("t1")).body["cost"] == {"tokens": 150, "seconds": 1}
+    for cost, field in [
+        ({"gpus": 1}, "cost.gpus"),
+        ({"tokens": -1}, "cost.tokens"),
+        ({"tokens": "5"}, "cost.tokens"),
+        ({"tokens": 1e16}, "cost.tokens"),
+        ({"Tokens": 1}, "cost"),
+    ]:
+        answer = await api.renew(lease, cost=cost)
+        assert answer.status == 400 and field in answer.body["detail"], (cost, answer.body)
+    done = await api.commit(lease, cost={"tokens": 10})
+    assert done.status == 200
+    assert (await api.get("t1")).body["cost"] == {"tokens": 160, "seconds": 1}
+    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 160
+    assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 0
+
+
+async def test_a_released_attempt_is_not_discarded_a_cancelled_one_is(api: Api) -> None:
+    await api.put("t1")
+    lease = await api.claim("t1")
+    assert (await api.release(lease, cost={"tokens": 5})).status == 200
+    lease = await api.claim("t1")
+    await api.renew(lease, cost={"tokens": 7})
+    await api.cancel("t1")
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="cancelled") == 1
+    assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 7
+    refused = await api.renew(lease, cost={"tokens": 3})
+    assert refused.code == "CANCELLED"
+    assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 10
+    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 15
