@@ -181,8 +181,6 @@ async def test_heartbeats_and_the_subscriber_bound(api: Api) -> None:
 async def test_two_gateways_on_one_store_both_see_every_event(
     store_url: str, key_prefix: str
 ) -> None:
-    if store_url.startswith("sqlite"):
-        pytest.skip("an SQLite store belongs to one gateway process")
     config = events_config(store_url, key_prefix)
     apps = [create_app(config, store=build_test_store(config)) for _ in range(2)]
     async with (
