@@ -19,6 +19,32 @@ class Keys:
     def task(self, task_id: str) -> str:
         return f"{self.prefix}:{{{task_id}}}:task"
 
+    def dependents(self, task_id: str) -> str:
+        """Set of the ids of the tasks whose ``depends_on`` names this one (put.lua keeps it;
+        commit.lua and cancel.lua follow it)."""
+        return f"{self.prefix}:{{{task_id}}}:dependents"
+
+    def queue_ready(self, queue: str) -> str:
+        """Sorted set (all scores 0) of the queue's READY tasks (and of CLAIMED ones that
+        ``claim_next.lua`` found claimable), as ``%07d(1_000_000 - priority):%015d(readyAt):
+        taskId``: lexical order is ``ledger.tasks.queue_order``. Queue names cannot contain
+        braces (the API's grammar), so the three keys of a queue share the tag ``{queue}``."""
+        return f"{self.prefix}:queue:{{{queue}}}:ready"
+
+    def queue_held(self, queue: str) -> str:
+        """Sorted set: the queue's CLAIMED task ids scored by leaseExpiresAt."""
+        return f"{self.prefix}:queue:{{{queue}}}:held"
+
+    def queue_epochs(self, queue: str) -> str:
+        """Sorted set: the queue's CLAIMED task ids scored by the epoch of their claim."""
+        return f"{self.prefix}:queue:{{{queue}}}:epochs"
+
+    @property
+    def events(self) -> str:
+        """Stream: the change feed (``ledger.events``), one entry (field ``e``: the event's
+        JSON) per change of a task's state or revision and of an effect's state."""
+        return f"{self.prefix}:events"
+
     def effects(self, task_id: str) -> str:
         """Hash: effectId -> the effect record (cjson-encoded flat fields)."""
         return f"{self.prefix}:{{{task_id}}}:effects"

@@ -13,6 +13,15 @@ transition happened" one atomic fact. On a single Redis (or a primary with repli
 free; Redis Cluster refuses scripts whose keys span slots (CROSSSLOT), so fencegate does not
 support Cluster mode: see docs/stores.md for what supporting it would take.
 
+Task flow (issue 16) keeps three more kinds of keys in step inside the same scripts
+(``lua/task_lib.lua``): each queue's indexes (``ready``: READY tasks in ``queue_order`` as
+lexically sorted members; ``held`` and ``epochs``: its CLAIMED tasks by lease expiry and by
+claim epoch), from which ``claim_next.lua`` takes the best claimable task without scanning the
+queue; each task's set of dependents, which commit, revision and cancel follow to other tasks;
+and the change feed, a stream (``{prefix}:events``) every change of a task's state, revision or
+claim generation and of an effect's state appends to. The task scripts build other tasks' keys
+from the prefix (their ARGV[2]), which is one more reason this store is single-instance only.
+
 At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
 ``store.durability_warning`` for each setting under which an answered transition can be lost.
 
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -51,7 +61,15 @@ from fencegate.ledger.effects import (
     Fence,
     PrepareOutcome,
 )
-from fencegate.ledger.errors import ERRORS_BY_CODE, FencegateError, NoSuchEffect, StoreUnavailable
+from fencegate.ledger.errors import (
+    ERRORS_BY_CODE,
+    BadRequest,
+    EventsGone,
+    FencegateError,
+    NoSuchEffect,
+    StoreUnavailable,
+)
+from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
 from fencegate.ledger.store import (
     TASK_SCAN,
@@ -64,14 +82,17 @@ from fencegate.ledger.store import (
     new_id,
 )
 from fencegate.ledger.tasks import (
+    MAX_GRAPH_VISITS,
     ClaimRequest,
     CommitRequest,
+    Cost,
     Identity,
     LeasePolicy,
     PutOutcome,
     RenewRequest,
     Scheduler,
     Task,
+    cost_to_json,
     task_from_fields,
 )
 
@@ -82,12 +103,13 @@ T = TypeVar("T")
 
 #: script -> the library files prepended to it (after common.lua).
 _SCRIPTS: dict[str, tuple[str, ...]] = {
-    "put": (),
-    "claim": (),
-    "renew": (),
-    "release": (),
-    "commit": (),
-    "cancel": (),
+    "put": ("task_lib",),
+    "claim": ("task_lib",),
+    "claim_next": ("task_lib",),
+    "renew": ("task_lib",),
+    "release": ("task_lib",),
+    "commit": ("task_lib",),
+    "cancel": ("task_lib",),
     "scheduler": (),
     "fence": (),
     "prepare": ("sha256", "effect_lib"),
@@ -95,6 +117,8 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "cas_effect": ("effect_lib",),
     "gauges": (),
     "probe_due_init": (),
+    "events_read": (),
+    "events_trim": (),
 }
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
 _CAS_ATTEMPTS = 8
@@ -106,6 +130,10 @@ _LIST_BATCH = 200
 _REVISIONS_KEPT = 4096
 #: Most store calls one auto-pipelined flush sends; the calls past it go in the next flush.
 PIPELINE_BATCH_MAX = 128
+#: Most events one run of events_trim.lua drops (trim_events runs it until it drops fewer).
+_TRIM_BATCH = 1000
+#: A position this store issues: a stream entry id.
+_POSITION = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 #: The store URL query parameter that switches auto-pipelining: ``pipeline=0`` or ``1``.
 _PIPELINE_PARAM = "pipeline"
 _PIPELINE_VALUES = {"0": False, "1": True}
@@ -153,6 +181,15 @@ def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
         extra = {name: int(value) for name, value in _pairs(reply[3:]).items()}
         raise ERRORS_BY_CODE[code](detail or None, **extra)
     return status, _pairs(reply[1:])
+
+
+def _json_list(items: list[str]) -> str:
+    return json.dumps(items, separators=(",", ":"))
+
+
+def _cost_arg(cost: Cost) -> str:
+    """A request's cost for a script: a JSON object, '' for none."""
+    return cost_to_json(cost) if cost else ""
 
 
 def _record(raw: str) -> Effect:
@@ -318,10 +355,13 @@ class RedisStore(Store):
         password: str | None = None,
         max_connections: int = 200,
         pipeline: bool | None = None,
+        max_dependents: int = 10_000,
     ) -> None:
         """``pipeline``: auto-pipeline the store calls (``_AutoPipeline``); None follows the
-        URL's ``?pipeline=0|1``, on when absent."""
+        URL's ``?pipeline=0|1``, on when absent. ``max_dependents``: most dependents one task
+        may have (``StoreOptions.max_dependents``)."""
         super().__init__(policy)
+        self.max_dependents = max_dependents
         self.url = url
         url, said = split_pipeline_option(url)
         self._timeout_s = timeout_ms / 1000
@@ -333,6 +373,7 @@ class RedisStore(Store):
             self._keys.unknown,
             self._keys.awaiting,
             self._keys.probe_due,
+            self._keys.events,
         ]
         # A bounded pool that waits (up to the store timeout) for a free connection instead of
         # failing, and no client-side retries: a retried script after a lost reply would run
@@ -467,13 +508,34 @@ class RedisStore(Store):
 
     # --- transitions ------------------------------------------------------------------------
 
+    async def _task_script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
+        """A script with task_lib.lua: the key prefix goes after the clock (its ARGV[2])."""
+        return await self._script(name, keys_, [self._keys.prefix, *args])
+
     async def put_task(
-        self, task_id: str, input_digest: str, max_runtime_ms: int | None
+        self,
+        task_id: str,
+        input_digest: str,
+        max_runtime_ms: int | None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        depends_on: tuple[str, ...] | None = None,
     ) -> tuple[Task, PutOutcome]:
-        reply = await self._script(
+        deps = "" if depends_on is None else _json_list(list(dict.fromkeys(depends_on)))
+        reply = await self._task_script(
             "put",
             [self._keys.task(task_id), self._keys.leases, self._keys.tasks_index],
-            [task_id, input_digest, "" if max_runtime_ms is None else max_runtime_ms],
+            [
+                task_id,
+                input_digest,
+                "" if max_runtime_ms is None else max_runtime_ms,
+                queue or "",
+                "" if priority is None else priority,
+                deps,
+                self.max_dependents,
+                MAX_GRAPH_VISITS,
+            ],
         )
         status, fields = _parse(reply)
         return task_from_fields(fields), PutOutcome(status)
@@ -559,7 +621,7 @@ class RedisStore(Store):
         return page_tasks(scanned, more, wanted, limit)
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
-        reply = await self._script(
+        reply = await self._task_script(
             "claim",
             [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
@@ -577,6 +639,34 @@ class RedisStore(Store):
         self._remember_revision(task_id, task.claim_generation, task.revision)
         return task
 
+    async def claim_next(self, queue: str, request: ClaimRequest) -> Task | None:
+        """claim_next.lua: the queue's best claimable task from its indexes, claimed."""
+        reply = await self._task_script(
+            "claim_next",
+            [
+                self._keys.scheduler,
+                self._keys.leases,
+                self._keys.queue_ready(queue),
+                self._keys.queue_held(queue),
+                self._keys.queue_epochs(queue),
+            ],
+            [
+                queue,
+                request.owner,
+                request.ttl_ms,
+                request.scheduler_epoch,
+                new_id(),
+                self.policy.max_ttl_ms,
+                self.policy.default_max_runtime_ms,
+                request.principal or "",
+            ],
+        )
+        if reply[0] == "NONE":
+            return None
+        task = task_from_fields(_parse(reply)[1])
+        self._remember_revision(task.task_id, task.claim_generation, task.revision)
+        return task
+
     def _remember_revision(self, task_id: str, generation: int, revision: int) -> None:
         if len(self._revisions) >= _REVISIONS_KEPT:
             self._revisions.clear()
@@ -584,7 +674,7 @@ class RedisStore(Store):
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
         ident = request.identity
-        reply = await self._script(
+        reply = await self._task_script(
             "renew",
             [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
@@ -597,12 +687,13 @@ class RedisStore(Store):
                 self.policy.max_ttl_ms,
                 self.policy.default_max_runtime_ms,
                 request.caller or "",
+                _cost_arg(request.cost),
             ],
         )
         return task_from_fields(_parse(reply)[1])
 
     async def release(self, task_id: str, identity: Identity) -> Task:
-        reply = await self._script(
+        reply = await self._task_script(
             "release",
             [self._keys.task(task_id), self._keys.leases],
             [
@@ -616,7 +707,7 @@ class RedisStore(Store):
         return task_from_fields(_parse(reply)[1])
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
-        reply = await self._script(
+        reply = await self._task_script(
             "commit",
             [self._keys.task(task_id), self._keys.scheduler, self._keys.leases],
             [
@@ -629,14 +720,44 @@ class RedisStore(Store):
                 new_id(),
                 request.result_json or "",
                 request.principal or "",
+                _cost_arg(request.cost),
             ],
         )
         status, fields = _parse(reply)
         return task_from_fields(fields), status == "REPLAY"
 
     async def cancel(self, task_id: str) -> Task:
-        reply = await self._script("cancel", [self._keys.task(task_id), self._keys.leases], [])
+        reply = await self._task_script("cancel", [self._keys.task(task_id), self._keys.leases], [])
         return task_from_fields(_parse(reply)[1])
+
+    # --- the change feed (ledger.events) ----------------------------------------------------
+
+    async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
+        """events_read.lua: positions are the stream's entry ids."""
+        if after is not None and not _POSITION.fullmatch(after):
+            raise BadRequest("position: not an event position this store issued")
+        reply = await self._script(
+            "events_read", [self._keys.events], ["" if after is None else after, limit]
+        )
+        if reply[0] == "GONE":
+            raise EventsGone(
+                f"events up to position {reply[1]} were dropped (the store keeps the newest "
+                "ones); read the current state again and follow from the end"
+            )
+        found = [
+            Event(position=reply[i], body=json.loads(reply[i + 1])) for i in range(2, len(reply), 2)
+        ]
+        return found, str(reply[1])
+
+    async def trim_events(self, keep: int) -> int:
+        """events_trim.lua, a batch at a time (each run is one short atomic step)."""
+        dropped = 0
+        while True:
+            ran: Any = await self._script("events_trim", [self._keys.events], [keep, _TRIM_BATCH])
+            n = int(ran)
+            dropped += n
+            if n < _TRIM_BATCH:
+                return dropped
 
     async def _scheduler_op(self, op: str) -> Scheduler:
         epoch, paused = await self._call(
@@ -967,6 +1088,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         key_prefix=options.redis_key_prefix,
         password=options.password,
         max_connections=options.redis_max_connections,
+        max_dependents=options.max_dependents,
     )
 
 

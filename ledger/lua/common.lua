@@ -144,5 +144,11 @@ local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_
     return err('STALE_INPUT', 'claim was for revision ' .. tostring(t.claim_revision)
       .. ', the task is at ' .. t.revision)
   end
+  if t.state == 'WAITING' or t.state == 'READY' then
+    -- Only a dependency's new revision leaves a claim's identity on a WAITING (and later
+    -- READY) task: what the attempt built on is gone.
+    return err('STALE_INPUT',
+      'a dependency of this task has a new revision; claim it again when it is READY')
+  end
   return nil
 end

@@ -42,10 +42,21 @@ local function state_after(e, seq, outcome)
 end
 
 -- The effect indexes, from the keys a script received (in the order redis_store.py passes
--- them: prepared zset, unknown set, awaiting set, probe-due zset). Each effect script builds
--- this once from its own KEYS and hands it to index_effect / save_effect.
-local function effect_indexes(prepared, unknown, awaiting, probe_due)
-  return {prepared = prepared, unknown = unknown, awaiting = awaiting, probe_due = probe_due}
+-- them: prepared zset, unknown set, awaiting set, probe-due zset, then the event stream).
+-- Each effect script builds this once from its own KEYS and hands it to index_effect /
+-- save_effect.
+local function effect_indexes(prepared, unknown, awaiting, probe_due, events)
+  return {prepared = prepared, unknown = unknown, awaiting = awaiting, probe_due = probe_due,
+          events = events}
+end
+
+-- One event (ledger.events.effect_event) for a record whose state a step changed (or that it
+-- created), in the same step: one XADD, the only write the change feed adds to a fenced call.
+local function effect_event(index, e)
+  redis.call('XADD', index.events, '*', 'e', '{"type":"effect","effectId":'
+    .. cjson.encode(e.effect_id) .. ',"taskId":' .. cjson.encode(e.task_id) .. ',"state":"'
+    .. e.state .. '","downstream":' .. cjson.encode(e.downstream) .. ',"at":' .. e.updated_at
+    .. '}')
 end
 
 -- Where a record stood in the indexes before a step: its state and whether it awaited an
@@ -93,11 +104,14 @@ local function index_effect(index, e, prior)
   end
 end
 
--- Store a record and keep its indexes; returns the stored text (the scripts answer with it).
+-- Store a record and keep its indexes and the change feed (an event when the state moved from
+-- prior's, which every caller of this passes); returns the stored text (the scripts answer
+-- with it).
 local function save_effect(index, key, e, prior)
   local raw = cjson.encode(e)
   redis.call('HSET', key, e.effect_id, raw)
   index_effect(index, e, prior)
+  if prior.state ~= e.state then effect_event(index, e) end
   return raw
 end
 

@@ -3,7 +3,7 @@
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
 -- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
--- KEYS[9] probe-due index
+-- KEYS[9] probe-due index, KEYS[10] event stream
 -- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
 -- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot,
 -- ARGV[8] downstream, ARGV[9] method, ARGV[10] path, ARGV[11] payloadDigest,
@@ -20,7 +20,7 @@
 -- stored (cjson text): one bulk string instead of ~50 field/value pairs to build and parse.
 local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
-local index = effect_indexes(KEYS[6], KEYS[7], KEYS[8], KEYS[9])
+local index = effect_indexes(KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10])
 local now = now_ms(ARGV[1])
 local attempt_id = ARGV[2]
 local generation = ARGV[3]
