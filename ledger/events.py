@@ -29,13 +29,14 @@ class Event:
 
 
 def task_event(
-    task_id: str, state: str, revision: int, claim_generation: int, at: int
+    task_id: str, state: str, queue: str | None, revision: int, claim_generation: int, at: int
 ) -> dict[str, Any]:
     """The shape of a task event (each store writes exactly these members)."""
     return {
         "type": "task",
         "taskId": task_id,
         "state": state,
+        "queue": queue,
         "revision": revision,
         "claimGeneration": claim_generation,
         "at": at,

@@ -95,6 +95,7 @@ _SCHEMA = (
 #: of version 1, each statement idempotent: queue columns, dependents, and the change feed.
 #: An event row's ``xid`` is its transaction's (``ledger.sql_steps.read_events`` says why).
 _TASK_EVENT = """json_build_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW.state,
+        'queue', NEW.queue,
         'revision', (NEW.fields::jsonb ->> 'revision')::bigint,
         'claimGeneration', (NEW.fields::jsonb ->> 'claim_generation')::bigint,
         'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text"""
@@ -108,6 +109,9 @@ _FLOW_SCHEMA = (
     ),
     "CREATE INDEX IF NOT EXISTS tasks_queue "
     "ON tasks (queue, state, priority DESC, ready_at, task_id)",
+    "CREATE INDEX IF NOT EXISTS tasks_queue_expiry ON tasks (queue, state, lease_expires_at)",
+    "CREATE INDEX IF NOT EXISTS tasks_queue_epoch ON tasks (queue, state, claim_epoch)",
+    "CREATE TABLE IF NOT EXISTS cascades (task_id TEXT PRIMARY KEY)",
     """CREATE TABLE IF NOT EXISTS dependents (
         task_id      TEXT NOT NULL,
         dependent_id TEXT NOT NULL,
@@ -507,6 +511,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         max_connections=options.postgres_max_connections,
     )
     store.max_dependents = options.max_dependents
+    store.max_cascade = options.max_cascade
     return store
 
 

@@ -110,6 +110,7 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "release": ("task_lib",),
     "commit": ("task_lib",),
     "cancel": ("task_lib",),
+    "cascade": ("task_lib",),
     "scheduler": (),
     "fence": (),
     "prepare": ("sha256", "effect_lib"),
@@ -133,7 +134,9 @@ PIPELINE_BATCH_MAX = 128
 #: Most events one run of events_trim.lua drops (trim_events runs it until it drops fewer).
 _TRIM_BATCH = 1000
 #: A position this store issues: a stream entry id.
-_POSITION = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+_POSITION = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+#: Each part of a stream entry id is an unsigned 64-bit number.
+_MAX_STREAM_ID_PART = 2**64 - 1
 #: The store URL query parameter that switches auto-pipelining: ``pipeline=0`` or ``1``.
 _PIPELINE_PARAM = "pipeline"
 _PIPELINE_VALUES = {"0": False, "1": True}
@@ -355,13 +358,15 @@ class RedisStore(Store):
         password: str | None = None,
         max_connections: int = 200,
         pipeline: bool | None = None,
-        max_dependents: int = 10_000,
+        max_dependents: int = 1_000,
+        max_cascade: int = 1_000,
     ) -> None:
         """``pipeline``: auto-pipeline the store calls (``_AutoPipeline``); None follows the
-        URL's ``?pipeline=0|1``, on when absent. ``max_dependents``: most dependents one task
-        may have (``StoreOptions.max_dependents``)."""
+        URL's ``?pipeline=0|1``, on when absent. ``max_dependents``, ``max_cascade``: as
+        ``Store`` says (``StoreOptions``)."""
         super().__init__(policy)
         self.max_dependents = max_dependents
+        self.max_cascade = max_cascade
         self.url = url
         url, said = split_pipeline_option(url)
         self._timeout_s = timeout_ms / 1000
@@ -727,15 +732,24 @@ class RedisStore(Store):
         return task_from_fields(fields), status == "REPLAY"
 
     async def cancel(self, task_id: str) -> Task:
-        reply = await self._task_script("cancel", [self._keys.task(task_id), self._keys.leases], [])
+        reply = await self._task_script(
+            "cancel", [self._keys.task(task_id), self._keys.leases], [self.max_cascade]
+        )
         return task_from_fields(_parse(reply)[1])
+
+    async def continue_cascades(self, limit: int) -> int:
+        """cascade.lua: the recorded cascades (a set of cancelled task ids), one step."""
+        return int(await self._task_script("cascade", [self._keys.leases], [limit]))
 
     # --- the change feed (ledger.events) ----------------------------------------------------
 
     async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
         """events_read.lua: positions are the stream's entry ids."""
-        if after is not None and not _POSITION.fullmatch(after):
-            raise BadRequest("position: not an event position this store issued")
+        if after is not None and (
+            not (match := _POSITION.fullmatch(after))
+            or max(int(match[1]), int(match[2])) > _MAX_STREAM_ID_PART
+        ):
+            raise BadRequest("Last-Event-ID: not an event position this store issued")
         reply = await self._script(
             "events_read", [self._keys.events], ["" if after is None else after, limit]
         )
@@ -1089,6 +1103,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         password=options.password,
         max_connections=options.redis_max_connections,
         max_dependents=options.max_dependents,
+        max_cascade=options.max_cascade,
     )
 
 

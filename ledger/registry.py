@@ -94,7 +94,8 @@ def open_store(
     password: str | None = None,
     redis_max_connections: int = 200,
     postgres_max_connections: int = 20,
-    max_dependents: int = 10_000,
+    max_dependents: int = 1_000,
+    max_cascade: int = 1_000,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS),
@@ -110,5 +111,6 @@ def open_store(
         redis_max_connections=redis_max_connections,
         postgres_max_connections=postgres_max_connections,
         max_dependents=max_dependents,
+        max_cascade=max_cascade,
     )
     return kind.create(url, policy, options)

@@ -21,6 +21,7 @@ fails with a unique violation and its driver runs the step again from the start.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
@@ -314,7 +315,7 @@ def put_task(
     queue: str | None = None,
     priority: int | None = None,
     depends_on: tuple[str, ...] | None = None,
-    max_dependents: int = 10_000,
+    max_dependents: int = 1_000,
 ) -> Step[tuple[Task, PutOutcome]]:
     found = yield from load_task(d, task_id, lock=True)
     if found is not None and found.input_digest == input_digest:
@@ -406,9 +407,10 @@ def claim(
 def claim_next(
     d: Dialect, queue: str, request: ClaimRequest, policy: LeasePolicy, attempt_id: str
 ) -> Step[Task | None]:
-    """The queue's best READY task and its best claimable CLAIMED one (expired, or of an
-    older epoch), each from the (queue, state, priority, ready_at) index, locked; the model
-    picks between them. Never reads the rest of the queue."""
+    """The queue's best READY task, its best CLAIMED one whose lease ran out and its best
+    CLAIMED one of an older epoch, each locked; the model picks among the three. Each query
+    reads one index range (``tasks_queue``, ``tasks_queue_expiry``, ``tasks_queue_epoch``),
+    never the rest of the queue."""
     scheduler = yield from read_scheduler(d, deciding=True)
     now = yield NOW
     tasks.claim_next(queue, (), scheduler, request, policy, now, attempt_id)  # refusals first
@@ -419,13 +421,21 @@ def claim_next(
         (queue,),
         "one",
     )
-    held = yield Sql(
+    # Claims that can be taken over: each query reads only such claims (their index range),
+    # never the queue's live ones.
+    expired = yield Sql(
         "SELECT fields FROM tasks WHERE queue = ? AND state = 'CLAIMED' "
-        f"AND (lease_expires_at <= ? OR claim_epoch <> ?) {order}{d.for_update_skip_locked}",
-        (queue, now, scheduler.epoch),
+        f"AND lease_expires_at <= ? {order}{d.for_update_skip_locked}",
+        (queue, now),
         "one",
     )
-    candidates = [_task_of(row) for row in (ready, held) if row]
+    old_epoch = yield Sql(
+        "SELECT fields FROM tasks WHERE queue = ? AND state = 'CLAIMED' "
+        f"AND claim_epoch < ? {order}{d.for_update_skip_locked}",
+        (queue, scheduler.epoch),
+        "one",
+    )
+    candidates = [_task_of(row) for row in (ready, expired, old_epoch) if row]
     if not candidates:
         return None
     now = yield NOW
@@ -469,30 +479,68 @@ def commit(
     return task, replay
 
 
-def cancel(d: Dialect, task_id: str) -> Step[Task]:
-    """Cancel, then every open dependent, breadth first: a dependent that changed passes the
-    cancel on to its own dependents; a committed or already cancelled one stops it."""
+def cancel(d: Dialect, task_id: str, max_cascade: int = 1_000) -> Step[Task]:
+    """Cancel, then the open dependents, breadth first (``_cascade``)."""
     found = yield from load_task(d, task_id, lock=True)
     now = yield NOW
     task = tasks.cancel(found, now)
     if found is not None and found.state is TaskState.CANCELLED:
         return task
     yield from save_task(task, found is not None)
-    discarded = list(task.discarded)
-    seen = {task_id}
-    frontier = yield from dependents_of(task_id)
-    while frontier:
-        dependent_id = frontier.pop(0)
-        if dependent_id in seen:
-            continue
-        seen.add(dependent_id)
-        dependent = yield from load_task(d, dependent_id, lock=True)
-        changed = dependent and tasks.cancel_dependent(dependent, now)
-        if changed:
-            yield from save_task(changed, True)
-            discarded += changed.discarded
-            frontier += yield from dependents_of(dependent_id)
-    return replace(task, discarded=tuple(discarded))
+    discarded, _ = yield from _cascade(d, [task_id], max_cascade, now)
+    return replace(task, discarded=tuple(task.discarded) + discarded)
+
+
+def _cascade(
+    d: Dialect, frontier: list[str], limit: int, now: int
+) -> Step[tuple[tuple[tasks.Discard, ...], int]]:
+    """Cancel the open dependents of the (cancelled) tasks in ``frontier``, transitively: a
+    dependent that changed passes the cancel on to its own dependents, a committed or already
+    cancelled one stops it. Once ``limit`` tasks were cancelled, the tasks whose dependents
+    are still to be visited go to the ``cascades`` table for ``continue_cascades``."""
+    discarded: list[tasks.Discard] = []
+    cancelled = 0
+    queue = list(frontier)
+    while queue and cancelled < limit:
+        current = queue.pop(0)
+        for dependent_id in (yield from dependents_of(current)):
+            dependent = yield from load_task(d, dependent_id, lock=True)
+            changed = dependent and tasks.cancel_dependent(dependent, now)
+            if changed:
+                yield from save_task(changed, True)
+                discarded += changed.discarded
+                cancelled += 1
+                queue.append(dependent_id)
+    for pending in dict.fromkeys(queue):
+        yield Sql(
+            "INSERT INTO cascades (task_id) VALUES (?) ON CONFLICT (task_id) DO NOTHING",
+            (pending,),
+        )
+    return tuple(discarded), cancelled
+
+
+def continue_cascades(d: Dialect, limit: int) -> Step[int]:
+    """One step of the recorded cascades: recorded tasks taken one by one (each locked and
+    removed) until ``limit`` tasks were cancelled or ``limit`` records were taken. Returns how
+    many records and cancels it handled (0: nothing is pending)."""
+    now = yield NOW
+    handled = cancelled = 0
+    while handled < limit and cancelled < limit:
+        row = yield Sql(
+            f"SELECT task_id FROM cascades ORDER BY task_id LIMIT 1{d.for_update_skip_locked}",
+            (),
+            "one",
+        )
+        if row is None:
+            break
+        task_id = str(row[0])
+        handled += 1
+        yield Sql("DELETE FROM cascades WHERE task_id = ?", (task_id,))
+        origin = yield from load_task(d, task_id, lock=True)
+        if origin is not None and origin.state is TaskState.CANCELLED:
+            _, more = yield from _cascade(d, [task_id], limit - cancelled, now)
+            cancelled += more
+    return handled + cancelled
 
 
 def get_scheduler(d: Dialect) -> Step[Scheduler]:
@@ -686,11 +734,15 @@ def _position(xid: int, seq: int) -> str:
     return f"{xid}-{seq}"
 
 
+_POSITION = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")
+_MAX_INT = 2**63 - 1
+
+
 def _parse_position(position: str) -> tuple[int, int]:
-    xid, sep, seq = position.partition("-")
-    if not (sep and xid.isdigit() and seq.isdigit() and len(position) <= 40):
+    match = _POSITION.fullmatch(position)
+    if match is None or max(int(match[1]), int(match[2])) > _MAX_INT:
         raise BadRequest("Last-Event-ID: not an event position this store issued")
-    return int(xid), int(seq)
+    return int(match[1]), int(match[2])
 
 
 def read_events(d: Dialect, after: str | None, limit: int) -> Step[tuple[list[Event], str]]:

@@ -112,7 +112,14 @@ class SqlStore(Store):
         )
 
     async def cancel(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.cancel(self.dialect, task_id), "cancel")
+        return await self._steps(
+            lambda: sql_steps.cancel(self.dialect, task_id, self.max_cascade), "cancel"
+        )
+
+    async def continue_cascades(self, limit: int) -> int:
+        return await self._steps(
+            lambda: sql_steps.continue_cascades(self.dialect, limit), "continue_cascades"
+        )
 
     async def get_scheduler(self) -> Scheduler:
         return await self._steps(lambda: sql_steps.get_scheduler(self.dialect), "get_scheduler")

@@ -60,6 +60,9 @@ CREATE TABLE IF NOT EXISTS events (
     seq  INTEGER PRIMARY KEY AUTOINCREMENT,
     body TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cascades (
+    task_id TEXT PRIMARY KEY
+);
 CREATE TABLE IF NOT EXISTS events_trimmed (
     id  INTEGER PRIMARY KEY CHECK (id = 1),
     xid INTEGER NOT NULL,
@@ -102,6 +105,7 @@ CREATE TABLE IF NOT EXISTS clock (
 #: triggers (ledger.events): every task state/revision/generation change and every effect
 #: state change appends one event in the transaction that made it.
 _TASK_EVENT = """json_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW.state,
+    'queue', NEW.queue,
     'revision', CAST(json_extract(NEW.fields, '$.revision') AS INTEGER),
     'claimGeneration', CAST(json_extract(NEW.fields, '$.claim_generation') AS INTEGER),
     'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
@@ -110,6 +114,8 @@ _EFFECT_EVENT = """json_object('type', 'effect', 'effectId', NEW.effect_id,
     'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
 _FLOW_SCHEMA = f"""
 CREATE INDEX IF NOT EXISTS tasks_queue ON tasks (queue, state, priority DESC, ready_at, task_id);
+CREATE INDEX IF NOT EXISTS tasks_queue_expiry ON tasks (queue, state, lease_expires_at);
+CREATE INDEX IF NOT EXISTS tasks_queue_epoch ON tasks (queue, state, claim_epoch);
 CREATE TRIGGER IF NOT EXISTS tasks_event_insert AFTER INSERT ON tasks BEGIN
     INSERT INTO events (body) VALUES ({_TASK_EVENT});
 END;
@@ -529,6 +535,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         path, policy, timeout_ms=options.timeout_ms, synchronous=options.sqlite_synchronous
     )
     store.max_dependents = options.max_dependents
+    store.max_cascade = options.max_cascade
     return store
 
 

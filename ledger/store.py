@@ -71,7 +71,9 @@ class StoreOptions:
     redis_max_connections: int = 200
     postgres_max_connections: int = 20
     #: Most dependents one task may have (``[tasks] max_dependents``).
-    max_dependents: int = 10_000
+    max_dependents: int = 1_000
+    #: Most dependents one cancel cascades to in its own step (``[tasks] max_cascade``).
+    max_cascade: int = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +135,12 @@ class Store(abc.ABC):
     key reaches it."""
 
     clock_offset_ms: int = 0
-    #: Most dependents one task may have (``[tasks] max_dependents``, via ``StoreOptions``).
-    max_dependents: int = 10_000
+    #: Most dependents one task may have (``[tasks] max_dependents``, via ``StoreOptions``):
+    #: a commit rewrites up to that many in its step.
+    max_dependents: int = 1_000
+    #: Most tasks one cancel step cascades to (``[tasks] max_cascade``); the rest is left to
+    #: ``continue_cascades``.
+    max_cascade: int = 1_000
 
     def __init__(self, policy: LeasePolicy) -> None:
         self.policy = policy
@@ -214,8 +220,18 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def cancel(self, task_id: str) -> Task:
-        """Cancel, and cascade to every open dependent, transitively, in the same step
-        (``tasks.cancel_dependent``); the answer's ``discarded`` holds the whole cascade's."""
+        """Cancel, and cascade to the open dependents, transitively (``tasks.cancel_dependent``),
+        breadth first: in the same step until ``max_cascade`` tasks were cancelled, then the
+        tasks whose dependents are still to be visited are recorded for
+        ``continue_cascades``. Every open dependent of a cancelled task is WAITING (it lacks
+        that task's commit), so the ones not reached yet cannot be claimed meanwhile."""
+
+    @abc.abstractmethod
+    async def continue_cascades(self, limit: int) -> int:
+        """Carry recorded cascades on: one atomic step cancelling up to about ``limit``
+        tasks; returns how many records and tasks it handled (0: nothing was pending, so
+        the caller may wait longer before it asks again). A recorded task that is no longer
+        CANCELLED (revised since) stops its cascade."""
 
     # --- the change feed (ledger.events) ------------------------------------------------------
 

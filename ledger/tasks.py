@@ -304,14 +304,18 @@ def _discard(task: Task, reason: str) -> Discard:
 def check_dependencies(
     task_id: str, depends_on: tuple[str, ...], deps: Mapping[str, Task | None]
 ) -> None:
-    """Refuse a dependency list naming the task itself or a task that does not exist
-    (``deps``: the store's records of ``depends_on``). Cycles through other tasks are found by
-    the store's walk (``MAX_GRAPH_VISITS``), which raises ``cycle`` below."""
+    """Refuse a dependency list naming the task itself, a task that does not exist or a
+    cancelled one (``deps``: the store's records of ``depends_on``). Cycles through other
+    tasks are found by the store's walk (``MAX_GRAPH_VISITS``), which raises ``cycle``."""
     for dep in depends_on:
         if dep == task_id:
             raise BadRequest(f"dependsOn: {dep} is this task (a cycle)")
-        if deps.get(dep) is None:
+        found = deps.get(dep)
+        if found is None:
             raise BadRequest(f"dependsOn: no task {dep}")
+        if found.state is TaskState.CANCELLED:
+            # It would wait for a commit that cannot come (a cancel's cascade has passed).
+            raise BadRequest(f"dependsOn: {dep} is cancelled (revise it first)")
 
 
 def cycle(task_id: str, through: str) -> BadRequest:

@@ -191,6 +191,8 @@ def build_test_store(config: Config) -> Store:
         ),
         timeout_ms=config.store.timeout_ms,
         redis_key_prefix=config.store.redis_key_prefix,
+        max_dependents=config.tasks.max_dependents,
+        max_cascade=config.tasks.max_cascade,
     )
 
 

@@ -322,3 +322,80 @@ async def test_the_feed_resumes_from_a_position_and_says_when_it_cannot(flow_sto
     assert (await store.read_events(end, 100))[0] == []
     with pytest.raises(BadRequest):
         await store.read_events("not-a-position", 10)
+
+
+async def test_a_large_cascade_finishes_in_bounded_steps(flow_store: Store) -> None:
+    """A cancel cascades to at most ``max_cascade`` tasks in its own step; the rest is
+    recorded and ``continue_cascades`` finishes it, step by step. Until then the dependents
+    not reached are WAITING: nothing can claim them."""
+    store = flow_store
+    store.max_cascade = 3
+    await store.put_task("root", "in", None)
+    for i in range(4):
+        await store.put_task(f"child-{i}", "in", None, queue="q", depends_on=("root",))
+        for j in range(2):
+            await store.put_task(f"leaf-{i}-{j}", "in", None, depends_on=(f"child-{i}",))
+    everything = [f"child-{i}" for i in range(4)] + [
+        f"leaf-{i}-{j}" for i in range(4) for j in range(2)
+    ]
+    await store.cancel("root")
+    states = {t: (await store.get_task(t)).state for t in everything}
+    assert set(states.values()) == {TaskState.CANCELLED, TaskState.WAITING}
+    assert 3 <= sum(s is TaskState.CANCELLED for s in states.values()) < len(everything)
+    assert await store.claim_next("q", claim_as("w")) is None
+    steps = 0
+    while await store.continue_cascades(3):
+        steps += 1
+        assert steps < 20
+    assert steps >= 2
+    for task_id in everything:
+        assert (await store.get_task(task_id)).state is TaskState.CANCELLED, task_id
+    assert await store.continue_cascades(3) == 0
+
+
+async def test_a_revision_before_the_background_cascade_stops_it_there(flow_store: Store) -> None:
+    store = flow_store
+    store.max_cascade = 1
+    await store.put_task("root", "in", None)
+    await store.put_task("mid", "in", None, depends_on=("root",))
+    await store.put_task("leaf", "in", None, depends_on=("mid",))
+    await store.cancel("root")  # cancels "mid", records it for the rest
+    assert (await store.get_task("mid")).state is TaskState.CANCELLED
+    assert (await store.get_task("leaf")).state is TaskState.WAITING
+    with pytest.raises(BadRequest, match="root is cancelled"):  # it would wait forever
+        await store.put_task("mid", "in-2", None)
+    reopened, _ = await store.put_task("mid", "in-2", None, depends_on=())
+    assert reopened.state is TaskState.READY
+    while await store.continue_cascades(10):
+        pass
+    assert (await store.get_task("leaf")).state is TaskState.WAITING
+
+
+async def test_a_cancelled_task_cannot_become_a_dependency(flow_store: Store) -> None:
+    store = flow_store
+    await store.put_task("gone", "in", None)
+    await store.cancel("gone")
+    with pytest.raises(BadRequest, match="gone is cancelled"):
+        await store.put_task("after", "in", None, depends_on=("gone",))
+
+
+async def test_task_events_name_the_queue(flow_store: Store) -> None:
+    store = flow_store
+    _, start = await store.read_events(None, 10)
+    await store.put_task("in-q", "in", None, queue="q")
+    await store.put_task("no-q", "in", None)
+    events, _ = await store.read_events(start, 10)
+    assert [(e.body["taskId"], e.body["queue"]) for e in events] == [
+        ("in-q", "q"),
+        ("no-q", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    "position", ["\u00b2-1", "1-\u0661", "9" * 30 + "-1", "99999999999999999999-1", "-1", "1-"]
+)
+async def test_a_position_no_store_issued_is_a_bad_request(
+    flow_store: Store, position: str
+) -> None:
+    with pytest.raises(BadRequest):
+        await flow_store.read_events(position, 10)

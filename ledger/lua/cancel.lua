@@ -1,9 +1,9 @@
--- Cancel until the next revision (mirror of ledger.tasks.cancel), then every open dependent,
--- transitively (ledger.tasks.cancel_dependent, in the order of ledger.sql_steps.cancel):
--- breadth first, each task once; a dependent that changed passes the cancel on to its own
--- dependents, a committed or already cancelled one stops it there.
+-- Cancel until the next revision (mirror of ledger.tasks.cancel), then the open dependents,
+-- transitively (ledger.tasks.cancel_dependent, as ledger.sql_steps.cancel: `cascade` in
+-- task_lib.lua), up to ARGV[3] of them in this step; the rest is recorded for cascade.lua.
 -- KEYS[1] task hash, KEYS[2] leases index
--- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua)
+-- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua),
+-- ARGV[3] most dependents cancelled in this step (max_cascade)
 -- Returns {'OK', fields...} (`discarded`: the attempts of the whole cascade) or
 -- {'ERR', code, detail}
 local now = now_ms(ARGV[1])
@@ -18,25 +18,5 @@ cancel_open(t, now)
 save_hash(KEYS[1], t)
 task_changed(KEYS[2], before, t)
 
-local seen = {[t.task_id] = true}
-local frontier, head = sorted_members(dependents_key(t.task_id)), 1
-while head <= #frontier do
-  local id = frontier[head]
-  head = head + 1
-  if not seen[id] then
-    seen[id] = true
-    local key = task_key(id)
-    local d = load_hash(key)
-    if d and OPEN[d.state] then
-      local d_before = before_of(d)
-      cancel_open(d, now)
-      save_task(KEYS[2], d_before, d)
-      for _, next_id in ipairs(sorted_members(dependents_key(id))) do
-        frontier[#frontier + 1] = next_id
-      end
-    else
-      loaded[key] = nil
-    end
-  end
-end
+cascade(KEYS[2], {t.task_id}, tonumber(ARGV[3]), now)
 return task_answer('OK', t)

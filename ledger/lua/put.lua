@@ -36,6 +36,9 @@ for _, d in ipairs(deps_now) do
   if d == task_id then return err('BAD_REQUEST', 'dependsOn: ' .. d .. ' is this task (a cycle)') end
   local rec = load_fields(task_key(d), {'task_id', 'state', 'commit_id', 'commit_result_digest'})
   if not rec then return err('BAD_REQUEST', 'dependsOn: no task ' .. d) end
+  if rec.state == 'CANCELLED' then
+    return err('BAD_REQUEST', 'dependsOn: ' .. d .. ' is cancelled (revise it first)')
+  end
   deps[d] = rec
 end
 

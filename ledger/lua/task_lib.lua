@@ -13,6 +13,8 @@ local function task_key(id) return P .. ':{' .. id .. '}:task' end
 local function dependents_key(id) return P .. ':{' .. id .. '}:dependents' end
 local function queue_key(q, kind) return P .. ':queue:{' .. q .. '}:' .. kind end
 local EVENTS = P .. ':events'
+-- Set of cancelled tasks whose dependents a cascade has still to visit (continue_cascades).
+local CASCADES = P .. ':cascades'
 
 -- States the dependency rules change (ledger.tasks._OPEN).
 local OPEN = {WAITING = true, READY = true, CLAIMED = true}
@@ -100,9 +102,11 @@ local function task_event(before, t)
       and before.claim_generation == t.claim_generation then
     return
   end
+  local queue = 'null'
+  if t.queue then queue = json_str(t.queue) end
   redis.call('XADD', EVENTS, '*', 'e', '{"type":"task","taskId":' .. json_str(t.task_id)
-    .. ',"state":"' .. t.state .. '","revision":' .. t.revision .. ',"claimGeneration":'
-    .. t.claim_generation .. ',"at":' .. t.updated_at .. '}')
+    .. ',"state":"' .. t.state .. '","queue":' .. queue .. ',"revision":' .. t.revision
+    .. ',"claimGeneration":' .. t.claim_generation .. ',"at":' .. t.updated_at .. '}')
 end
 
 -- --- queues --------------------------------------------------------------------------------
@@ -291,4 +295,33 @@ local function cancel_open(t, now)
   t.state = 'CANCELLED'
   t.cancel_generation = s(tonumber(t.cancel_generation) + 1)
   t.updated_at = s(now)
+end
+
+
+-- Cancel the open dependents of the (cancelled) tasks in `frontier`, breadth first, each once
+-- (ledger.sql_steps._cascade): a dependent that changed passes the cancel on to its own
+-- dependents; a committed or already cancelled one stops it. Once `limit` tasks were
+-- cancelled, the tasks whose dependents are still to be visited go to CASCADES.
+-- Returns how many it cancelled.
+local function cascade(leases, frontier, limit, now)
+  local cancelled, head = 0, 1
+  while head <= #frontier and cancelled < limit do
+    local current = frontier[head]
+    head = head + 1
+    for _, id in ipairs(sorted_members(dependents_key(current))) do
+      local key = task_key(id)
+      local d = load_hash(key)
+      if d and OPEN[d.state] then
+        local d_before = before_of(d)
+        cancel_open(d, now)
+        save_task(leases, d_before, d)
+        cancelled = cancelled + 1
+        frontier[#frontier + 1] = id
+      else
+        loaded[key] = nil
+      end
+    end
+  end
+  for i = head, #frontier do redis.call('SADD', CASCADES, frontier[i]) end
+  return cancelled
 end
