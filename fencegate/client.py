@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import os
+import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,13 +38,33 @@ from fencegate._http import (
     proxied_downstream,
     task_path,
 )
-from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError
+from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError, TooManyConnections
 from fencegate.lease import ClaimScope, Lease
 
 __all__ = ["TOKEN_ENV", "Client", "Epoch", "StreamEvent", "TaskRecord"]
 
 #: Where ``Client`` (and the operator CLI) find the gateway credential when none is given.
 TOKEN_ENV = "FENCEGATE_TOKEN"
+#: Least seconds between the starts of two long-polls of one ``wait_for`` or ``claim_next``
+#: (a gateway that answers at once, e.g. with ``tasks.max_wait_ms = 0``, is not hammered).
+MIN_POLL_S = 0.25
+#: Seconds to back off after a ``TOO_MANY_CONNECTIONS`` that says no ``Retry-After``.
+_BUSY_S = 1.0
+
+
+def _busy_pause(exc: TooManyConnections) -> float:
+    """How long to wait after the gateway refused a long-poll: its ``Retry-After`` (never
+    less), plus up to a quarter more so refused clients do not all come back at once."""
+    after = exc.retry_after
+    return (after if after is not None and after > 0 else _BUSY_S) * random.uniform(1.0, 1.25)
+
+
+async def _pause(seconds: float, deadline: float) -> None:
+    """Sleep ``seconds``, but not past ``deadline`` (the loop's clock)."""
+    loop = asyncio.get_running_loop()
+    wait = min(seconds, deadline - loop.time())
+    if wait > 0:
+        await asyncio.sleep(wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +383,9 @@ class Client:
         timeout: float,  # noqa: ASYNC109 - a deadline over many long-polls, not one call's
     ) -> TaskRecord:
         """The task's record as soon as it is in ``state`` (one long-poll after another, each
-        bounded by the gateway's ``tasks.max_wait_ms``); ``TimeoutError`` after ``timeout``
-        seconds without it."""
+        bounded by the gateway's ``tasks.max_wait_ms``, at least ``MIN_POLL_S`` apart; a
+        gateway at its bound of long-polls, ``TOO_MANY_CONNECTIONS``, is asked again after its
+        ``Retry-After``); ``TimeoutError`` after ``timeout`` seconds without it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         path = self.task_path(task_id)
@@ -372,10 +394,16 @@ class Client:
             if left <= 0:
                 raise TimeoutError(f"task {task_id!r} was not {state} within {timeout} s")
             query = urlencode({"waitFor": state, "waitMs": str(max(int(left * 1000), 1))})
+            polled_at = loop.time()
             answer = await self.send("GET", f"{path}?{query}", timeout_s=left + self.timeout)
-            record = TaskRecord.from_json(self._read_answer("GET", path, answer))
+            try:
+                record = TaskRecord.from_json(self._read_answer("GET", path, answer))
+            except TooManyConnections as exc:
+                await _pause(_busy_pause(exc), deadline)
+                continue
             if record.state == state:
                 return record
+            await _pause(MIN_POLL_S - (loop.time() - polled_at), deadline)
 
     async def wait_committed(self, task_id: str, timeout: float) -> TaskRecord:  # noqa: ASYNC109
         """The task's record once it has its canonical commit (``record.commit``);
@@ -526,28 +554,48 @@ class Client:
         """Claim the best claimable task of ``queue`` (highest priority, then the longest
         READY; an expired or old-epoch claim counts as claimable) and return it as a bare
         lease (``async with lease.hold():`` renews it in the background), or None when the
-        queue has none, after waiting up to ``wait_ms`` for one (bounded by the gateway's
-        ``tasks.max_wait_ms``). ``lease.dependencies`` is the provenance of its inputs."""
+        queue has none, after waiting up to ``wait_ms`` for one: one long-poll after another
+        (each bounded by the gateway's ``tasks.max_wait_ms``, at least ``MIN_POLL_S`` apart);
+        a gateway at its bound of long-polls (``TOO_MANY_CONNECTIONS``) is asked again after
+        its ``Retry-After``, and once more without waiting when ``wait_ms`` ran out.
+        ``lease.dependencies`` is the provenance of its inputs."""
         if scheduler_epoch is None:
             scheduler_epoch = (await self.get_epoch()).scheduler_epoch
-        body: dict[str, Any] = {"owner": owner, "ttlMs": ttl_ms, "schedulerEpoch": scheduler_epoch}
-        if wait_ms:
-            body["waitMs"] = wait_ms
         path = f"/v1/queues/{quote(queue, safe='')}/claim"
-        sent_at = time.monotonic()
-        data = json.dumps(body).encode()
-        answer = await self.send(
-            "POST",
-            path,
-            body=data,
-            headers={"Content-Type": "application/json"},
-            timeout_s=self.timeout + wait_ms / 1000,
-        )
-        if answer.status == 204:
-            return None
-        claim = self._read_answer("POST", path, answer)
-        return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=claim, sent_at=sent_at,
-                     guarded=False)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000
+        while True:
+            left_ms = int((deadline - loop.time()) * 1000) if wait_ms else 0
+            body: dict[str, Any] = {
+                "owner": owner,
+                "ttlMs": ttl_ms,
+                "schedulerEpoch": scheduler_epoch,
+            }
+            if left_ms > 0:
+                body["waitMs"] = left_ms
+            sent_at = time.monotonic()
+            polled_at = loop.time()
+            answer = await self.send(
+                "POST",
+                path,
+                body=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+                timeout_s=self.timeout + max(left_ms, 0) / 1000,
+            )
+            if answer.status == 204:
+                if left_ms <= 0 or loop.time() >= deadline:
+                    return None
+                await _pause(MIN_POLL_S - (loop.time() - polled_at), deadline)
+                continue
+            try:
+                claim = self._read_answer("POST", path, answer)
+            except TooManyConnections as exc:
+                if left_ms <= 0:
+                    raise
+                await _pause(_busy_pause(exc), deadline)
+                continue
+            return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=claim, sent_at=sent_at,
+                         guarded=False)  # fmt: skip
 
     # --- operators ----------------------------------------------------------------------------
 

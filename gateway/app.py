@@ -61,6 +61,7 @@ def build_store(config: Config) -> Store:
         redis_max_connections=config.store.redis_max_connections,
         postgres_max_connections=config.store.postgres_max_connections,
         max_dependents=config.tasks.max_dependents,
+        max_cascade=config.tasks.max_cascade,
     )
 
 
@@ -138,15 +139,17 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
         yield
         await reconciler.stop()
 
-    app[EVENTS] = events.EventHub(app[STORE], config.events, config.tasks.max_waiters)
+    app[EVENTS] = events.EventHub(app[STORE], config.events, config.tasks)
 
     async def close_events(app: web.Application) -> None:
         await app[EVENTS].close()  # ends every event stream and long-poll: nothing to drain
 
     app.on_shutdown.append(close_events)
-    app.cleanup_ctx.append(events.trim_loop)
     app[ADAPTERS] = {d.name: build_adapter(d) for d in config.downstreams}
     app.cleanup_ctx.append(store_ctx)
+    # After the store: they start once it is open and stop before it closes.
+    app.cleanup_ctx.append(events.trim_loop)
+    app.cleanup_ctx.append(events.cascade_loop)
     app.cleanup_ctx.append(client_ctx)
     app.cleanup_ctx.append(reconciler_ctx)
     app.cleanup_ctx.append(aborts_ctx)

@@ -314,8 +314,12 @@ class TasksConfig(_Section):
 
     #: Most ``dependsOn`` ids one task may list.
     max_dependencies: Annotated[int, Field(ge=0, le=1_000)] = 32
-    #: Most tasks that may depend on one task (checked by the store).
-    max_dependents: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    #: Most tasks that may depend on one task (checked by the store). A commit rewrites up to
+    #: that many dependents (their provenance, WAITING to READY) in its one atomic step.
+    max_dependents: Annotated[int, Field(ge=1, le=1_000_000)] = 1_000
+    #: Most dependents one cancel cancels in its own atomic step; a background loop of every
+    #: gateway carries a larger cascade on, this many tasks per step.
+    max_cascade: Annotated[int, Field(ge=1, le=1_000_000)] = 1_000
     #: The units a ``cost`` object (renew, commit, release) may name.
     cost_units: Annotated[
         tuple[Annotated[str, Field(pattern=_COST_UNIT)], ...],
@@ -324,8 +328,11 @@ class TasksConfig(_Section):
     #: The longest ``waitMs`` of a queue claim or of ``GET /v1/tasks/{id}?waitFor=``.
     max_wait_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 30_000
     #: Most long-polls (queue claims and ``waitFor`` reads) waiting at once in this process;
-    #: past it a long-poll answers at once, as if ``waitMs`` were 0.
+    #: past it a long-poll that would have to wait is 503 TOO_MANY_CONNECTIONS.
     max_waiters: Annotated[int, Field(ge=0, le=100_000)] = 1_000
+    #: Most of them one principal may have waiting at once in this process (all anonymous
+    #: callers count as one principal); past it: 503 TOO_MANY_CONNECTIONS.
+    max_waiters_per_principal: Annotated[int, Field(ge=0, le=100_000)] = 50
 
     @field_validator("cost_units")
     @classmethod
@@ -349,6 +356,12 @@ class EventsConfig(_Section):
     trim_interval_ms: Annotated[int, Field(ge=0, le=_DAY_MS)] = 60_000
     #: Most ``GET /v1/events`` streams open at once in this process (more: 503).
     max_subscribers: Annotated[int, Field(ge=1, le=100_000)] = 100
+    #: Most of them one principal may have open at once in this process (all anonymous
+    #: callers count as one principal; more: 503).
+    max_subscribers_per_principal: Annotated[int, Field(ge=1, le=100_000)] = 10
+    #: A write to a stream that does not complete within this (its client stopped reading)
+    #: ends the stream, so it does not hold its slot.
+    write_timeout_ms: Annotated[int, Field(ge=10, le=10 * _MINUTE_MS)] = 10_000
     #: A comment line on an idle stream this often, so proxies do not close it.
     heartbeat_ms: Annotated[int, Field(ge=100, le=10 * _MINUTE_MS)] = 15_000
 

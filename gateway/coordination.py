@@ -8,7 +8,6 @@ the handler logs them first so every decision, granted or not, leaves exactly on
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from fencegate.gateway.api_models import (
     check_task_id,
     parse_body,
 )
-from fencegate.gateway.principals import principal_of
+from fencegate.gateway.principals import principal_of, scope_refusal
 from fencegate.gateway.state import CONFIG, EVENTS, METRICS, STORE
 from fencegate.ledger.errors import (
     BadRequest,
@@ -63,9 +62,12 @@ _PUT_EVENTS = {
 }
 T = TypeVar("T")
 #: A renew, release or commit refused with one of these ends its attempt's work: the cost the
-#: call reported counts as discarded (reason ``fenced``).
+#: call reported counts as discarded (reason ``fenced``). Each is decided after the call's
+#: identity matched the current attempt (``tasks.check_holder``), so only the attempt's
+#: holder can add to it. Not ``FENCED``: a forged attemptId is refused with it too, and an
+#: attempt another claim took over had its tally counted by that claim (docs/decisions.md).
 FENCED_COST_CODES = frozenset(
-    {"FENCED", "STALE_EPOCH", "CANCELLED", "STALE_INPUT", "LEASE_EXPIRED", "RUNTIME_EXCEEDED"}
+    {"STALE_EPOCH", "CANCELLED", "STALE_INPUT", "LEASE_EXPIRED", "RUNTIME_EXCEEDED"}
 )
 Cost = tuple[tuple[str, float], ...]
 
@@ -109,7 +111,8 @@ def _count_discards(request: web.Request, result: object) -> None:
 
 
 def _cost(request: web.Request, given: dict[str, float] | None) -> Cost:
-    """A body's ``cost``, checked against ``tasks.cost_units`` and counted as reported."""
+    """A body's ``cost``, checked against ``tasks.cost_units`` (counted by ``_holding`` once
+    the store decided)."""
     if not given:
         return ()
     units = request.app[CONFIG].tasks.cost_units
@@ -122,9 +125,7 @@ def _cost(request: web.Request, given: dict[str, float] | None) -> Cost:
             ),
             fields=[f"cost.{unit}" for unit in unknown],
         )
-    cost = tuple(sorted(given.items()))
-    request.app[METRICS].report_cost(cost)
-    return cost
+    return tuple(sorted(given.items()))
 
 
 async def _holding(
@@ -136,14 +137,18 @@ async def _holding(
     point: str | None = None,
     granted: Callable[[T], str] = lambda result: "granted",
 ) -> T:
-    """``_decide`` for a call of the attempt holding the lease (renew, release, commit): a
-    refusal that ends the attempt's work counts the cost it reported as discarded."""
+    """``_decide`` for a call of the attempt holding the lease (renew, release, commit): the
+    cost it reported counts as reported once the store accepted the call; a refusal made
+    after the identity matched that ends the attempt's work (``FENCED_COST_CODES``) counts
+    it as discarded; any other refusal counts it nowhere (anyone may send a body)."""
     try:
-        return await _decide(request, event, fields, step, point, granted)
+        result = await _decide(request, event, fields, step, point, granted)
     except FencegateError as exc:
         if exc.code in FENCED_COST_CODES:
             request.app[METRICS].discard("fenced", cost)
         raise
+    request.app[METRICS].report_cost(cost)
+    return result
 
 
 def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
@@ -250,22 +255,37 @@ async def claim_next(request: web.Request) -> web.Response:
     metrics = request.app[METRICS]
     store = request.app[STORE]
     fields = {"queue": queue, "owner": body.owner, "epoch": body.schedulerEpoch}
-    waiting = request.app[EVENTS].waiting(None) if wait_ms else contextlib.nullcontext(None)
-    with waiting as waiter:
-        while True:
-            try:
-                task = await store.claim_next(queue, req)
-            except FencegateError as exc:
-                log.info("claim.rejected", code=exc.code, reason=exc.detail, **fields)
-                metrics.decision("claim", exc.code, validated=not isinstance(exc, StoreUnavailable))
-                raise
-            left = deadline - loop.time()
-            if task is not None or waiter is None or left <= 0:
-                break
-            await waiter.wait(left)
+
+    async def attempt() -> Task | None:
+        try:
+            return await store.claim_next(queue, req)
+        except FencegateError as exc:
+            log.info("claim.rejected", code=exc.code, reason=exc.detail, **fields)
+            metrics.decision("claim", exc.code, validated=not isinstance(exc, StoreUnavailable))
+            raise
+
+    task = await attempt()
+    waited_ms = 0  # how long it really waited (for the log)
+    if task is None and wait_ms:
+        # Past tasks.max_waiters(_per_principal): 503 (logged wait.refused), never an early
+        # 204 that a client would take for an empty queue and ask again at once.
+        name = req.principal
+        with request.app[EVENTS].waiting(principal=name, queue=queue) as waiter:
+            started = loop.time()
+            # Again, now that an event can wake it: a task put meanwhile is not missed.
+            task = await attempt() if not waiter.closed else None
+            while task is None and not waiter.closed:
+                left = deadline - loop.time()
+                if left <= 0:
+                    break
+                await waiter.wait(left)
+                if waiter.closed:
+                    break  # the gateway is shutting down: 204 now
+                task = await attempt()
+            waited_ms = round((loop.time() - started) * 1000)
     if task is None:
         metrics.decision("claim", None, validated=True, granted="empty")
-        log.info("claim.empty", waited_ms=wait_ms, **fields)
+        log.info("claim.empty", waited_ms=waited_ms, **fields)
         return web.Response(status=204)
     metrics.decision("claim", None, validated=True)
     _count_discards(request, task)
@@ -397,6 +417,7 @@ async def put_task(request: web.Request) -> web.Response:
                 f"{len(depends_on)} given",
                 fields=["dependsOn"],
             )
+        _check_dependency_scope(request, depends_on)
     task, outcome = await _decide(
         request,
         "task",
@@ -420,6 +441,26 @@ async def put_task(request: web.Request) -> web.Response:
     )
     status = 201 if outcome is PutOutcome.CREATED else 200
     return web.json_response(task_to_json(task), status=status)
+
+
+def _check_dependency_scope(request: web.Request, depends_on: tuple[str, ...]) -> None:
+    """``403`` when a ``dependsOn`` id is outside the caller's ``task_prefixes``, before the
+    store is asked: a dependency reveals the other task's existence and its commit (the
+    provenance), and it would tie that task's cancel and dependents bound to this one."""
+    principal = principal_of(request)
+    if principal is None:
+        return
+    outside = [
+        dep
+        for dep in depends_on
+        if scope_refusal(principal.scope, downstream=None, task_id=dep) is not None
+    ]
+    if not outside:
+        return
+    reason = scope_refusal(principal.scope, downstream=None, task_id=outside[0])
+    log.info("auth.out_of_scope", principal=principal.name, method=request.method,
+             path="/v1/tasks/{task_id}", reason=f"dependsOn: {reason}")  # fmt: skip
+    raise Forbidden(f"{principal.name!r}: dependsOn: {reason}", fields=["dependsOn"])
 
 
 #: Most tasks one page of ``GET /v1/tasks`` holds.
@@ -513,10 +554,13 @@ async def get_task(request: web.Request) -> web.Response:
         return web.json_response(task_to_json(task))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_ms / 1000
-    with request.app[EVENTS].waiting(task_id) as waiter:
-        if waiter is not None:
-            task = await store.get_task(task_id)  # it may have changed before the waiter was set
-        while waiter is not None and task.state is not wanted:
+    # Past tasks.max_waiters(_per_principal): 503 (logged wait.refused), never a record at
+    # once that a client would take as "not yet" and ask again at once.
+    name = _principal(request)
+    with request.app[EVENTS].waiting(principal=name, task_id=task_id) as waiter:
+        task = await store.get_task(task_id)  # it may have changed before the waiter was set
+        # Closed: the gateway is shutting down; the record as it is now.
+        while task.state is not wanted and not waiter.closed:
             left = deadline - loop.time()
             if left <= 0:
                 break

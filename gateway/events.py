@@ -13,8 +13,17 @@ from its own position (catching up after a ``Last-Event-ID``, after a batch it m
 client was slow, or after the hub restarted). Positions are compared for equality only: a
 stream never skips or repeats an event, whatever the hub did.
 
-A long-poll re-reads what it waits for when an event about it arrives, and at least every
-``_RECHECK_S`` (a lease running out, an epoch bump: no event says the task became claimable).
+A long-poll re-reads what it waits for when an event about it arrives (a ``waitFor``: any
+event of its task; a queue claim: a task of its queue becoming READY), and at least every
+``RECHECK_S`` (a lease running out, an epoch bump: no event says the task became claimable).
+Long-polls and streams are bounded per process and per principal (``tasks.max_waiters``,
+``tasks.max_waiters_per_principal``, ``events.max_subscribers``,
+``events.max_subscribers_per_principal``; every anonymous caller is one principal); past a
+bound the request is 503 ``TOO_MANY_CONNECTIONS`` with ``Retry-After``. On shutdown every
+long-poll answers at once and every stream ends (``EventHub.close``).
+
+``cascade_loop`` carries on the cancel cascades larger than ``tasks.max_cascade``
+(``Store.continue_cascades``).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,7 +40,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from fencegate.gateway.config import EventsConfig
+from fencegate.gateway.config import EventsConfig, TasksConfig
 from fencegate.gateway.principals import principal_of
 from fencegate.gateway.state import CONFIG, EVENTS, STORE
 from fencegate.ledger.errors import (
@@ -43,7 +53,18 @@ from fencegate.ledger.errors import (
 from fencegate.ledger.events import Event
 from fencegate.ledger.store import Store
 
-__all__ = ["RECHECK_S", "Batch", "EventHub", "Subscription", "Waiter", "routes", "trim_loop"]
+__all__ = [
+    "CASCADE_BUSY_S",
+    "CASCADE_IDLE_S",
+    "RECHECK_S",
+    "Batch",
+    "EventHub",
+    "Subscription",
+    "Waiter",
+    "cascade_loop",
+    "routes",
+    "trim_loop",
+]
 
 log = structlog.get_logger("fencegate.events")
 
@@ -53,8 +74,15 @@ routes = web.RouteTableDef()
 RECHECK_S = 1.0
 #: Batches a stream holds for its client; past it the oldest go and it reads the store itself.
 _QUEUED = 64
-#: Most characters of a position a client may send back (``Last-Event-ID``, ``after``).
-_MAX_POSITION = 200
+#: A position a client may send back (``Last-Event-ID``, ``after``): what every store gives
+#: out, two runs of ASCII digits (``str.isdigit`` would take other scripts' digits too).
+_POSITION = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+#: Seconds a refused long-poll or stream is told to wait (``Retry-After``).
+_RETRY_AFTER_MS = 1_000
+#: ``cascade_loop``: the pause after a step that cancelled a full batch (more may be left),
+#: and after one that did not (nothing was pending, or it finished).
+CASCADE_BUSY_S = 1.0
+CASCADE_IDLE_S = 3.0
 #: Event types a stream may carry (``event:`` of the SSE frame).
 _TYPES = frozenset({"task", "effect"})
 
@@ -71,7 +99,9 @@ class Batch:
 class Subscription:
     """One ``GET /v1/events`` stream's share of the hub's batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, principal: str | None = None) -> None:
+        #: Whose stream it is (None: an anonymous caller), for the per-principal bound.
+        self.principal = principal
         self.batches: deque[Batch] = deque()
         #: Batches dropped for a slow client: the stream must read the store itself.
         self.dropped = False
@@ -100,18 +130,36 @@ class Subscription:
 
 
 class Waiter:
-    """One long-poll: woken by an event about its task (``task_id``) or, with ``task_id``
-    None, by any task becoming READY (a queue claim: events do not name the queue)."""
+    """One long-poll: woken by an event about its task (``task_id``) or, for a queue claim
+    (``queue``), by a task of that queue becoming READY. ``closed``: the gateway is shutting
+    down, the long-poll must answer now."""
 
-    def __init__(self, task_id: str | None) -> None:
+    def __init__(
+        self, task_id: str | None, queue: str | None = None, principal: str | None = None
+    ) -> None:
         self.task_id = task_id
+        self.queue = queue
+        self.principal = principal
+        self.closed = False
         self._wake = asyncio.Event()
+
+    @property
+    def woken(self) -> bool:
+        """Woken since it last waited (or closed)."""
+        return self._wake.is_set()
 
     def wake(self) -> None:
         self._wake.set()
 
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
     async def wait(self, seconds: float) -> None:
-        """Until woken or ``seconds`` (at most ``RECHECK_S``) passed; then re-arm."""
+        """Until woken or ``seconds`` (at most ``RECHECK_S``) passed; then re-arm. Returns
+        at once once ``closed``."""
+        if self.closed:
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(min(seconds, RECHECK_S), 0)):
                 await self._wake.wait()
@@ -121,14 +169,16 @@ class Waiter:
 class EventHub:
     """Reads the store's events while anyone listens and hands them out."""
 
-    def __init__(self, store: Store, config: EventsConfig, max_waiters: int) -> None:
+    def __init__(self, store: Store, config: EventsConfig, tasks: TasksConfig) -> None:
         self._store = store
         self._config = config
-        self._max_waiters = max_waiters
+        self._tasks = tasks
         self._subscriptions: set[Subscription] = set()
+        self._subscribed: dict[str | None, int] = {}
         self._by_task: dict[str, set[Waiter]] = {}
-        self._for_ready: set[Waiter] = set()
+        self._by_queue: dict[str, set[Waiter]] = {}
         self._waiters = 0
+        self._waiting: dict[str | None, int] = {}
         self._cursor: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -144,44 +194,83 @@ class EventHub:
 
     # --- listeners ------------------------------------------------------------------------
 
-    def subscribe(self) -> Subscription:
-        """A new stream's subscription; ``TooManyConnections`` past ``max_subscribers``."""
+    def subscribe(self, principal: str | None = None) -> Subscription:
+        """A new stream's subscription for ``principal`` (None: anonymous);
+        ``TooManyConnections`` past ``events.max_subscribers`` or
+        ``events.max_subscribers_per_principal``."""
         limit = self._config.max_subscribers
         if len(self._subscriptions) >= limit:
-            raise TooManyConnections(
-                f"events.max_subscribers ({limit}) event streams are open in this gateway; "
-                "try again later",
-                retryAfterMs=1000,
-            )
-        subscription = Subscription()
+            refusal = (f"events.max_subscribers ({limit}) event streams are open in this "
+                       "gateway")  # fmt: skip
+            self._refuse("events.max_subscribers", refusal, principal=principal)
+        own = self._config.max_subscribers_per_principal
+        if self._subscribed.get(principal, 0) >= own:
+            refusal = (f"events.max_subscribers_per_principal ({own}) event streams of "
+                       f"{_whose(principal)} are open in this gateway")  # fmt: skip
+            self._refuse("events.max_subscribers_per_principal", refusal, principal=principal)
+        subscription = Subscription(principal)
         if self._closed:
             subscription.close()
         self._subscriptions.add(subscription)
+        self._subscribed[principal] = self._subscribed.get(principal, 0) + 1
         self._listen()
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
+        if subscription not in self._subscriptions:
+            return
         self._subscriptions.discard(subscription)
+        _leave(self._subscribed, subscription.principal)
 
     @contextlib.contextmanager
-    def waiting(self, task_id: str | None) -> Iterator[Waiter | None]:
-        """A ``Waiter`` for the duration of the block, or None past ``tasks.max_waiters``
-        (the long-poll then answers at once)."""
-        if self._waiters >= self._max_waiters or self._closed:
-            yield None
-            return
-        waiter = Waiter(task_id)
-        group = self._for_ready if task_id is None else self._by_task.setdefault(task_id, set())
+    def waiting(
+        self, *, principal: str | None, task_id: str | None = None, queue: str | None = None
+    ) -> Iterator[Waiter]:
+        """A ``Waiter`` for the duration of the block: a ``waitFor`` of ``task_id`` or a
+        claim from ``queue``, by ``principal`` (None: anonymous). ``TooManyConnections``
+        (logged ``wait.refused``) past ``tasks.max_waiters`` or
+        ``tasks.max_waiters_per_principal``. Once the hub is closed the waiter is too: the
+        long-poll answers at once."""
+        assert (task_id is None) != (queue is None)
+        limit = self._tasks.max_waiters
+        target = {"task": task_id} if task_id is not None else {"queue": queue}
+        if self._waiters >= limit:
+            refusal = f"tasks.max_waiters ({limit}) long-polls are waiting in this gateway"
+            self._refuse("tasks.max_waiters", refusal, principal=principal, **target)
+        own = self._tasks.max_waiters_per_principal
+        if self._waiting.get(principal, 0) >= own:
+            refusal = (f"tasks.max_waiters_per_principal ({own}) long-polls of "
+                       f"{_whose(principal)} are waiting in this gateway")  # fmt: skip
+            self._refuse("tasks.max_waiters_per_principal", refusal, principal=principal,
+                         **target)  # fmt: skip
+        waiter = Waiter(task_id, queue, principal)
+        if task_id is not None:
+            groups, key = self._by_task, task_id
+        else:
+            assert queue is not None
+            groups, key = self._by_queue, queue
+        group = groups.setdefault(key, set())
         group.add(waiter)
         self._waiters += 1
-        self._listen()
+        self._waiting[principal] = self._waiting.get(principal, 0) + 1
+        if self._closed:
+            waiter.close()
+        else:
+            self._listen()
         try:
             yield waiter
         finally:
             self._waiters -= 1
+            _leave(self._waiting, principal)
             group.discard(waiter)
-            if task_id is not None and not group:
-                self._by_task.pop(task_id, None)
+            if not group and groups.get(key) is group:
+                del groups[key]
+
+    @staticmethod
+    def _refuse(limit: str, refusal: str, **fields: Any) -> None:
+        kind = "events.refused" if limit.startswith("events.") else "wait.refused"
+        log.info(kind, limit=limit, **fields)
+        raise TooManyConnections(f"{refusal}; try again later", retryAfterMs=_RETRY_AFTER_MS)
 
     def _listening(self) -> bool:
         return bool(self._subscriptions) or self._waiters > 0
@@ -237,22 +326,43 @@ class EventHub:
                 continue
             for waiter in self._by_task.get(str(body.get("taskId")), ()):
                 waiter.wake()
-            if body.get("state") == "READY":
-                for waiter in self._for_ready:
-                    waiter.wake()
+            if body.get("state") != "READY":
+                continue
+            # A queue claim is woken by a task of its queue becoming READY. An event without
+            # the ``queue`` key (a store that does not say) wakes every queue's claims.
+            if "queue" not in body:
+                for group in self._by_queue.values():
+                    for waiter in group:
+                        waiter.wake()
+                continue
+            queue = body["queue"]
+            for waiter in self._by_queue.get(queue, ()) if isinstance(queue, str) else ():
+                waiter.wake()
 
     async def close(self) -> None:
         """Stop polling and end every stream (the gateway is shutting down)."""
         self._closed = True
         for subscription in self._subscriptions:
             subscription.close()
-        for group in (*self._by_task.values(), self._for_ready):
+        for group in (*self._by_task.values(), *self._by_queue.values()):
             for waiter in group:
-                waiter.wake()
+                waiter.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _whose(principal: str | None) -> str:
+    return repr(principal) if principal is not None else "anonymous callers"
+
+
+def _leave(counts: dict[str | None, int], principal: str | None) -> None:
+    left = counts.get(principal, 0) - 1
+    if left > 0:
+        counts[principal] = left
+    else:
+        counts.pop(principal, None)
 
 
 async def trim_loop(app: web.Application) -> AsyncIterator[None]:
@@ -289,12 +399,59 @@ async def trim_loop(app: web.Application) -> AsyncIterator[None]:
                 await task
 
 
+async def cascade_loop(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: carry on the cancel cascades larger than ``tasks.max_cascade``
+    (``Store.continue_cascades``, one atomic step of up to that many tasks at a time): again
+    after ``CASCADE_BUSY_S`` while a step cancels a full batch, else after
+    ``CASCADE_IDLE_S``. Every gateway on a store runs it; the store's steps are atomic."""
+    limit = app[CONFIG].tasks.max_cascade
+    stopping = asyncio.Event()
+
+    async def run() -> None:
+        pause = CASCADE_IDLE_S
+        failing = False
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await stopping.wait()
+            if stopping.is_set():
+                return
+            pause = CASCADE_IDLE_S
+            try:
+                cancelled = await app[STORE].continue_cascades(limit)
+            except FencegateError as exc:
+                if not failing:
+                    failing = True
+                    log.warning("tasks.cascade_failed", code=exc.code, reason=exc.detail)
+                continue
+            except Exception:
+                log.exception("tasks.cascade_crashed")
+                continue
+            failing = False
+            if cancelled:
+                log.info("tasks.cascade_continued", cancelled=cancelled, limit=limit)
+            if cancelled >= limit:
+                pause = CASCADE_BUSY_S
+
+    task = asyncio.get_running_loop().create_task(run(), name="fencegate-cascades")
+    yield
+    stopping.set()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        async with asyncio.timeout(5):
+            await task
+
+
 # --- GET /v1/events -----------------------------------------------------------------------
 
 
 def _position(raw: str, name: str) -> str:
-    if not raw or len(raw) > _MAX_POSITION or not raw.isprintable():
-        raise BadRequest(f"{name}: not an event position this gateway gave out")
+    if not _POSITION.fullmatch(raw):
+        raise BadRequest(
+            f"{name}: not an event position this gateway gave out "
+            "(two runs of 1 to 20 digits 0-9 joined by '-')",
+            fields=[name],
+        )
     return raw
 
 
@@ -329,14 +486,28 @@ def _visible(body: Mapping[str, Any], prefixes: tuple[str, ...] | None) -> bool:
     return isinstance(task_id, str) and task_id.startswith(prefixes)
 
 
+class _Stalled(Exception):
+    """A write to a stream did not complete within ``events.write_timeout_ms``."""
+
+
 class _Stream:
     """One client's stream: its position, and how it writes."""
 
     def __init__(self, response: web.StreamResponse, position: str,
-                 prefixes: tuple[str, ...] | None) -> None:  # fmt: skip
+                 prefixes: tuple[str, ...] | None, write_timeout_s: float) -> None:  # fmt: skip
         self.response = response
         self.position = position
         self.prefixes = prefixes
+        self.write_timeout_s = write_timeout_s
+
+    async def write(self, data: bytes) -> None:
+        """Write ``data``; ``_Stalled`` when the client does not take it in time (it stopped
+        reading: its socket's buffers are full)."""
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await self.response.write(data)
+        except TimeoutError:
+            raise _Stalled from None
 
     async def send(self, events: Iterable[Event], following: str) -> None:
         out = bytearray()
@@ -346,9 +517,9 @@ class _Stream:
         if following != self.position and not out:
             # Nothing this client may see moved it: still hand it the position to resume at.
             out += f"id: {following}\n\n".encode()
-        self.position = following
         if out:
-            await self.response.write(bytes(out))
+            await self.write(bytes(out))
+        self.position = following
 
 
 async def _catch_up(store: Store, stream: _Stream, batch: int) -> None:
@@ -369,13 +540,14 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     after = _resume_from(request)
     principal = principal_of(request)
     prefixes = principal.scope.task_prefixes if principal is not None else None
+    name = principal.name if principal is not None else None
     if after is None:
         _, start = await store.read_events(None, 1)
         first: list[Event] = []
     else:
         # Read once before answering, so a position past the history is a 410, not a stream.
         first, start = await store.read_events(after, config.batch)
-    subscription = hub.subscribe()
+    subscription = hub.subscribe(name)
     try:
         response = web.StreamResponse(
             headers={
@@ -385,15 +557,25 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
             }
         )
         await response.prepare(request)
-        stream = _Stream(response, after if after is not None else start, prefixes)
-        await response.write(b"retry: 1000\n\n")
-        await stream.send(first, start)
-        if after is None:
-            await response.write(f"id: {start}\n\n".encode())
-        elif len(first) >= config.batch:
-            await _catch_up(store, stream, config.batch)
-        with contextlib.suppress(ConnectionResetError):
-            await _follow(request, stream, subscription)
+        position = after if after is not None else start
+        stream = _Stream(response, position, prefixes, config.write_timeout_ms / 1000)
+        try:
+            await stream.write(b"retry: 1000\n\n")
+            await stream.send(first, start)
+            if after is None:
+                await stream.write(f"id: {start}\n\n".encode())
+            elif len(first) >= config.batch:
+                await _catch_up(store, stream, config.batch)
+            with contextlib.suppress(ConnectionResetError):
+                await _follow(request, stream, subscription)
+        except _Stalled:
+            # The client stopped reading: drop the connection (what it was sent stays in
+            # its buffers; it resumes from the last id it read).
+            log.info("events.stream_stalled", principal=name, position=stream.position,
+                     write_timeout_ms=config.write_timeout_ms)  # fmt: skip
+            hub.unsubscribe(subscription)
+            if request.transport is not None:
+                request.transport.abort()
         return response
     finally:
         hub.unsubscribe(subscription)
@@ -420,7 +602,7 @@ async def _follow(request: web.Request, stream: _Stream, subscription: Subscript
             if behind:
                 await _catch_up(store, stream, config.batch)
             elif not woken:
-                await stream.response.write(b": keep-alive\n\n")
+                await stream.write(b": keep-alive\n\n")
         except EventsGone:
             return  # the client reconnects from its Last-Event-ID and is told 410
         except StoreUnavailable:

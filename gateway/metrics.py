@@ -209,7 +209,9 @@ class Metrics:
         self.discarded_attempts = Counter(
             "fencegate_discarded_attempts",
             "Attempts whose work was thrown away, by reason (expired, epoch, cancelled, "
-            "superseded: the store discarded it; fenced: a renew, release or commit refused)",
+            "superseded: the store discarded it; fenced: a renew, release or commit of the "
+            "current attempt refused with STALE_EPOCH, CANCELLED, STALE_INPUT, LEASE_EXPIRED "
+            "or RUNTIME_EXCEEDED)",
             ["reason"],
             registry=r,
         )
@@ -221,7 +223,7 @@ class Metrics:
         )
         self.reported_cost = Counter(
             "fencegate_reported_cost",
-            "Cost reported by workers on renew, release and commit, per unit (accepted or not)",
+            "Cost reported by workers on renew, release and commit the store accepted, per unit",
             ["unit"],
             registry=r,
         )
@@ -256,7 +258,7 @@ class Metrics:
                 self.discarded_cost.labels(unit).inc(amount)
 
     def report_cost(self, cost: Iterable[tuple[str, float]]) -> None:
-        """Cost a worker reported (renew, release or commit), whatever the answer."""
+        """Cost a worker reported on a renew, release or commit the store accepted."""
         for unit, amount in cost:
             if amount > 0:
                 self.reported_cost.labels(unit).inc(amount)

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
+from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.config import Config
+from fencegate.gateway.state import EVENTS
 from tests.api import Api
 from tests.conftest import build_test_store, make_config
 
@@ -206,3 +209,115 @@ async def test_two_gateways_on_one_store_both_see_every_event(
         await left.commit(lease)
         answer = await asyncio.wait_for(waiting, 3)
         assert answer.body["state"] == "COMMITTED"
+
+
+#: Positions no store gives out; each is 400 naming where it came from, before any store
+#: reads it (ASCII digits only: ``str.isdigit`` takes superscripts and other scripts' digits too).
+MALFORMED = ["\u00b2-1", "1-\u0661", "9" * 21 + "-1", "1-" + "9" * 21, "-1", "1-", "1_0-1", "1.0-1"]
+
+
+async def test_a_malformed_position_is_400_naming_the_parameter_or_header(api: Api) -> None:
+    await api.put("t1")
+    for bad in MALFORMED:
+        async with api.client.get("/v1/events", params={"after": bad}) as resp:
+            assert resp.status == 400, bad
+            problem = await resp.json(content_type=None)
+            assert problem["detail"].startswith("after:") and problem["fields"] == ["after"]
+        if not bad.isascii():
+            continue
+        async with api.client.get("/v1/events", headers={"Last-Event-ID": bad}) as resp:
+            assert resp.status == 400, bad
+            problem = await resp.json(content_type=None)
+            assert problem["detail"].startswith("Last-Event-ID:"), problem
+
+
+async def test_each_principal_has_its_own_streams_within_the_gateways(
+    store_url: str, key_prefix: str
+) -> None:
+    tokens = {"obs-a": "tok-obs-a-0123456789", "obs-b": "tok-obs-b-0123456789"}
+    auth = {
+        "principals": [
+            {"name": name, "roles": ["observer"], "token_sha256": token_sha256(token)}
+            for name, token in tokens.items()
+        ]
+    }
+    config = make_config(
+        store_url,
+        key_prefix,
+        reconciler={"enabled": False},
+        auth=auth,
+        events={"poll_ms": 20, "max_subscribers": 3, "max_subscribers_per_principal": 1},
+    )
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+
+        def get(who: str) -> Any:
+            return client.get("/v1/events", headers={"Authorization": f"Bearer {tokens[who]}"})
+
+        first = await get("obs-a")
+        assert first.status == 200
+        async with get("obs-a") as refused:
+            assert refused.status == 503 and refused.headers["Retry-After"] == "1"
+            problem = await refused.json(content_type=None)
+            assert problem["code"] == "TOO_MANY_CONNECTIONS"
+            assert "events.max_subscribers_per_principal" in problem["detail"]
+        other = await get("obs-b")
+        assert other.status == 200
+        first.close()
+        await until(lambda: app[EVENTS].subscribers == 1, "a closed stream leaves")
+        again = await get("obs-a")
+        assert again.status == 200
+        again.close()
+        other.close()
+
+
+async def test_a_stream_whose_client_stopped_reading_ends_and_frees_its_place(
+    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that does not complete within events.write_timeout_ms (here: one that never
+    does, as when the client's socket buffers are full) ends the stream."""
+    config = events_config(
+        store_url, key_prefix, write_timeout_ms=50, max_subscribers_per_principal=1
+    )
+    app = create_app(config, store=build_test_store(config))
+    stalled = asyncio.Event()
+    write = web.StreamResponse.write
+
+    async def stalling(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
+        if stalled.is_set() and self.content_type == "text/event-stream":
+            await asyncio.Event().wait()  # the client never takes it
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", stalling)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        api = Api(client)
+        stream = await open_stream(api)
+        await api.put("t1")
+        assert await stream.task_states(1) == [("t1", "READY")]
+        stalled.set()
+        await api.put("t2")
+        await until(lambda: app[EVENTS].subscribers == 0, "the stalled stream ends")
+        stalled.clear()
+        with pytest.raises((EOFError, aiohttp.ClientError)):
+            await stream.frame()
+        resumed = await open_stream(api, after=stream.last_id)
+        assert await resumed.task_states(1) == [("t2", "READY")]  # nothing lost
+        resumed.response.close()
+
+
+async def test_streams_end_when_the_gateway_shuts_down(api: Api) -> None:
+    stream = await open_stream(api)
+    await api.put("t1")
+    assert await stream.task_states(1) == [("t1", "READY")]
+    await api.client.app.shutdown()
+    with pytest.raises(EOFError):
+        await stream.frame(seconds=30)
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Poll ``check`` until it holds; fail after a generous bound (a hang guard)."""
+    for _ in range(600):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")

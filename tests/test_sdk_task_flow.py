@@ -4,7 +4,9 @@ with ``Last-Event-ID``), and ``cost=`` on renew, release and commit."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -12,6 +14,8 @@ from aiohttp.test_utils import TestServer
 
 import fencegate
 from fencegate import Client
+from fencegate.client import MIN_POLL_S
+from tests.conftest import make_config
 from tests.downstream import Downstream
 from tests.test_sdk import Env, env, gateway_config, running_gateway
 
@@ -138,3 +142,66 @@ async def test_a_position_past_the_history_raises_events_gone(env: Env) -> None:
 
 def test_downstream_fixture_is_shared(downstream: Downstream) -> None:
     assert gateway_config is not None and running_gateway is not None and downstream.url
+
+
+# --- long-polls back off ---------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def counting_client(
+    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch, **tasks: int
+) -> AsyncIterator[tuple[Client, list[str]]]:
+    """A client of a gateway with these ``[tasks]`` settings, and the paths it sent."""
+    config = make_config(store_url, key_prefix, reconciler={"enabled": False}, tasks=tasks)
+    sent: list[str] = []
+    send = Client.send
+
+    async def counting(self: Client, method: str, path: str, **kwargs: Any) -> Any:
+        if path != "/v1/epoch":
+            sent.append(f"{method} {path}")
+        return await send(self, method, path, **kwargs)
+
+    monkeypatch.setattr(Client, "send", counting)
+    async with running_gateway(config) as (url, _, _), Client(url, token="") as client:
+        yield client, sent
+
+
+async def test_wait_committed_backs_off_when_the_gateway_refuses_long_polls(
+    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At its bound of long-polls the gateway answers 503 with Retry-After: 1; the SDK asks
+    again after that, never at once (an upper bound on calls, whatever the machine's speed)."""
+    async with counting_client(store_url, key_prefix, monkeypatch, max_waiters_per_principal=0) as (
+        client,
+        sent,
+    ):
+        await client.put_task("t1", "in-1")
+        sent.clear()
+        with pytest.raises(TimeoutError):
+            await client.wait_committed("t1", timeout=2.5)
+        assert 1 <= len(sent) <= 3, sent  # at 0 s, then no sooner than 1 s and 2 s
+        sent.clear()
+        assert await client.claim_next("q", owner="w", ttl_ms=1_000, wait_ms=2_500) is None
+        # Long-polls at 0, >= 1 and >= 2 s, and one claim without waiting at the end.
+        assert 2 <= len(sent) <= 4, sent
+        await client.put_task("t2", "in-1", queue="q")
+        lease = await client.claim_next("q", owner="w", ttl_ms=1_000, wait_ms=2_500)
+        assert lease is not None and lease.task_id == "t2"
+
+
+async def test_wait_for_spaces_its_polls_when_the_gateway_does_not_wait(
+    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With tasks.max_wait_ms = 0 every long-poll answers at once: MIN_POLL_S apart."""
+    async with counting_client(store_url, key_prefix, monkeypatch, max_wait_ms=0) as (
+        client,
+        sent,
+    ):
+        await client.put_task("t1", "in-1")
+        sent.clear()
+        with pytest.raises(TimeoutError):
+            await client.wait_committed("t1", timeout=1.0)
+        assert 1 <= len(sent) <= 1 + 1.0 / MIN_POLL_S, sent
+        sent.clear()
+        assert await client.claim_next("q", owner="w", ttl_ms=1_000, wait_ms=1_000) is None
+        assert 1 <= len(sent) <= 2 + 1.0 / MIN_POLL_S, sent

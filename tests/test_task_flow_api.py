@@ -6,16 +6,23 @@ metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from fencegate.gateway.app import create_app
+from fencegate.gateway import events as events_module
+from fencegate.gateway.app import build_store, create_app
+from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.config import Config
+from fencegate.gateway.events import Batch, EventHub
+from fencegate.gateway.state import EVENTS
+from fencegate.ledger.events import Event
 from tests.api import Answer, Api, Lease
 from tests.conftest import build_test_store, make_config
 
@@ -227,8 +234,12 @@ async def test_a_fenced_first_step_keeps_the_second_waiting_until_the_takeover_c
     refused = await api.commit(stale, result_digest="sha256:stale", cost={"seconds": 2.5})
     assert refused.code == "FENCED"
     assert await state(api, "b") == "WAITING"
-    assert await metric(api, "fencegate_discarded_attempts_total", reason="fenced") == 1
-    assert await metric(api, "fencegate_discarded_cost_total", unit="seconds") == 2.5
+    # The takeover counted the stale attempt (its tally) as expired; the FENCED call's cost
+    # is not counted: a forged attemptId is refused the same way.
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="expired") == 1
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="fenced") == 0
+    assert await metric(api, "fencegate_discarded_cost_total", unit="seconds") == 0
+    assert await metric(api, "fencegate_reported_cost_total", unit="seconds") == 0
     done = await api.commit(takeover, result_digest="sha256:good")
     record = (await api.get("b")).body
     assert record["state"] == "READY"
@@ -362,4 +373,204 @@ async def test_a_released_attempt_is_not_discarded_a_cancelled_one_is(api: Api) 
     refused = await api.renew(lease, cost={"tokens": 3})
     assert refused.code == "CANCELLED"
     assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 10
-    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 15
+    # Reported: what the store accepted (the release's 5, the renew's 7), not the refused 3.
+    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 12
+
+
+async def test_calls_without_the_lease_add_no_cost_to_the_metrics(api: Api) -> None:
+    """Anyone can send a body: a renew, release or commit whose identity is not the current
+    attempt's (FENCED) counts its cost nowhere, reported or discarded."""
+    await api.put("t1")
+    forged = Lease("t1", "forged", 7, "x", await api.epoch(), 0, 0, "in-1")
+    cost = {"tokens": 1e15, "seconds": 1e15}
+    assert (await api.renew(forged, cost=cost)).code == "FENCED"
+    assert (await api.release(forged, cost=cost)).code == "FENCED"
+    assert (await api.commit(forged, cost=cost)).code == "FENCED"
+    lease = await api.claim("t1")
+    taken = dataclasses.replace(lease, attempt_id="forged")
+    assert (await api.renew(taken, cost=cost)).code == "FENCED"
+    for name in ("fencegate_reported_cost_total", "fencegate_discarded_cost_total"):
+        for unit in ("tokens", "seconds"):
+            assert await metric(api, name, unit=unit) == 0, (name, unit)
+    assert await metric(api, "fencegate_discarded_attempts_total", reason="fenced") == 0
+    # The holder's own refused call (after its identity matched) still counts.
+    api.advance(60_000)
+    assert (await api.renew(lease, cost={"tokens": 4})).code == "LEASE_EXPIRED"
+    assert await metric(api, "fencegate_discarded_cost_total", unit="tokens") == 4
+    assert await metric(api, "fencegate_reported_cost_total", unit="tokens") == 0
+
+
+# --- bounds on long-polls, shutdown ---------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def flow_api(store_url: str, key_prefix: str, **sections: Any) -> AsyncIterator[Api]:
+    config = flow_config(store_url, key_prefix, **sections)
+    app = create_app(config, store=build_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client)
+
+
+async def until(check: Callable[[], Awaitable[bool] | bool], what: str) -> None:
+    """Poll ``check`` until it holds; fail after a generous bound (a hang guard, not a
+    timing assertion)."""
+    for _ in range(600):
+        done = check()
+        if done if isinstance(done, bool) else await done:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"never: {what}")
+
+
+def hub(api: Api) -> EventHub:
+    return api.client.app[EVENTS]  # type: ignore[no-any-return]
+
+
+async def test_past_the_waiter_bounds_a_long_poll_is_503_not_an_early_answer(
+    store_url: str, key_prefix: str
+) -> None:
+    tasks = {"max_waiters": 3, "max_waiters_per_principal": 1}
+    async with flow_api(store_url, key_prefix, tasks=tasks) as api:
+        await api.put("hog")
+        await api.put("victim")
+        hogging = asyncio.ensure_future(
+            api.call("GET", "/v1/tasks/hog?waitFor=COMMITTED&waitMs=5000")
+        )
+        await until(lambda: hub(api).waiters == 1, "the first long-poll waits")
+        # Every anonymous caller is one principal: its one long-poll is taken.
+        async with api.client.get("/v1/tasks/victim?waitFor=COMMITTED&waitMs=5000") as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            problem = await resp.json(content_type=None)
+            assert problem["code"] == "TOO_MANY_CONNECTIONS"
+            assert "tasks.max_waiters_per_principal" in problem["detail"]
+        body = {"owner": "w", "ttlMs": 1_000, "schedulerEpoch": await api.epoch(), "waitMs": 5_000}
+        async with api.client.post("/v1/queues/q/claim", json=body) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+        # What needs no waiting is answered as before.
+        assert (await claim_next(api)).status == 204  # no waitMs
+        at_once = await api.call("GET", "/v1/tasks/victim?waitFor=READY&waitMs=5000")
+        assert at_once.status == 200 and at_once.body["state"] == "READY"
+        await api.put("ready", queue="q")
+        assert (await claim_next(api, waitMs=5_000)).body["taskId"] == "ready"
+        assert not hogging.done()
+        lease = await api.claim("hog")
+        await api.commit(lease)
+        assert (await hogging).body["state"] == "COMMITTED"
+        assert hub(api).waiters == 0
+
+
+async def test_each_principal_has_its_own_waiters_within_the_gateways(
+    store_url: str, key_prefix: str
+) -> None:
+    names = {"sched-a": "tok-sched-a-0123456789", "sched-b": "tok-sched-b-0123456789"}
+    auth = {
+        "principals": [
+            {"name": name, "roles": ["scheduler"], "token_sha256": token_sha256(token)}
+            for name, token in names.items()
+        ]
+    }
+    tasks = {"max_waiters": 2, "max_waiters_per_principal": 1}
+    async with flow_api(store_url, key_prefix, tasks=tasks, auth=auth) as api:
+
+        def wait(who: str) -> Any:
+            return api.client.get(
+                "/v1/tasks/t1?waitFor=COMMITTED&waitMs=5000",
+                headers={"Authorization": f"Bearer {names[who]}"},
+            )
+
+        put = await api.client.put(
+            "/v1/tasks/t1",
+            json={"inputDigest": "in-1"},
+            headers={"Authorization": f"Bearer {names['sched-a']}"},
+        )
+        assert put.status == 201
+        first = asyncio.ensure_future(wait("sched-a"))
+        await until(lambda: hub(api).waiters == 1, "sched-a waits")
+        async with wait("sched-a") as refused:
+            assert refused.status == 503
+        second = asyncio.ensure_future(wait("sched-b"))  # b has its own
+        await until(lambda: hub(api).waiters == 2, "sched-b waits")
+        await hub(api).close()
+        for answer in await asyncio.gather(first, second):
+            assert answer.status == 200
+            answer.close()
+
+
+async def test_on_shutdown_every_long_poll_answers_at_once(store_url: str, key_prefix: str) -> None:
+    async with flow_api(store_url, key_prefix, tasks={"max_wait_ms": 600_000}) as api:
+        await api.put("t1")
+        body = {"owner": "w", "ttlMs": 1_000, "schedulerEpoch": await api.epoch()}
+        wait_for = api.call("GET", "/v1/tasks/t1?waitFor=COMMITTED&waitMs=600000")
+        queue = api.call("POST", "/v1/queues/q/claim", {**body, "waitMs": 600_000})
+        polls = [asyncio.ensure_future(wait_for), asyncio.ensure_future(queue)]
+        await until(lambda: hub(api).waiters == 2, "both long-polls wait")
+        await api.client.app.shutdown()  # what `fencegate serve` runs on SIGTERM first
+        waited_for, queued = await asyncio.wait_for(asyncio.gather(*polls), 30)
+        assert waited_for.status == 200 and waited_for.body["state"] == "READY"
+        assert queued.status == 204
+        # One that comes in while the gateway drains does not wait either.
+        late = await api.call("GET", "/v1/tasks/t1?waitFor=COMMITTED&waitMs=600000")
+        assert late.status == 200 and late.body["state"] == "READY"
+
+
+async def test_a_queue_claim_is_woken_only_by_its_own_queue(api: Api) -> None:
+    """A READY event naming another queue wakes no one; one without ``queue`` (a store that
+    does not say) wakes every queue's claims; one of the queue wakes its claims."""
+    events = hub(api)
+
+    def ready(**extra: Any) -> Batch:
+        body = {"type": "task", "taskId": "x", "state": "READY", **extra}
+        return Batch("0-0", (Event("0-1", body),), "0-1")
+
+    with (
+        events.waiting(principal=None, queue="a") as on_a,
+        events.waiting(principal=None, queue="b") as on_b,
+        events.waiting(principal=None, task_id="x") as on_x,
+    ):
+        events._publish(ready(queue="b"))
+        assert (on_a.woken, on_b.woken, on_x.woken) == (False, True, True)
+        await on_b.wait(0)
+        await on_x.wait(0)
+        events._publish(ready(queue=None))  # a task in no queue
+        events._publish(ready(state="CLAIMED", queue="a"))  # not claimable
+        assert (on_a.woken, on_b.woken) == (False, False)
+        events._publish(ready())
+        assert (on_a.woken, on_b.woken) == (True, True)
+    assert events.waiters == 0
+
+
+# --- cancel cascades larger than max_cascade ------------------------------------------------
+
+
+async def test_a_cascade_past_max_cascade_is_finished_by_the_background_loop(
+    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(events_module, "CASCADE_IDLE_S", 0.05)
+    monkeypatch.setattr(events_module, "CASCADE_BUSY_S", 0.05)
+    async with flow_api(store_url, key_prefix, tasks={"max_cascade": 2}) as api:
+        assert api.store.max_cascade == 2
+        limits: list[int] = []
+        continue_cascades = api.store.continue_cascades
+
+        async def spy(limit: int) -> int:
+            limits.append(limit)
+            return await continue_cascades(limit)
+
+        monkeypatch.setattr(api.store, "continue_cascades", spy)
+        await api.put("root")
+        dependents = [f"d{i}" for i in range(4)] + [f"d0/e{i}" for i in range(4)]
+        for task_id in dependents[:4]:
+            await api.put(task_id, dependsOn=["root"], queue="q")
+        for task_id in dependents[4:]:
+            await api.put(task_id, dependsOn=["d0"], queue="q")
+        assert (await api.cancel("root")).status == 200
+        # Until the loop reaches them, the dependents not yet cancelled cannot be claimed.
+        assert (await claim_next(api)).status == 204
+
+        async def all_cancelled() -> bool:
+            states = {await state(api, task_id) for task_id in dependents}
+            assert states <= {"WAITING", "CANCELLED"}, states
+            return states == {"CANCELLED"}
+
+        await until(all_cancelled, "the cascade reaches every dependent")
+        assert limits and set(limits) == {2}
