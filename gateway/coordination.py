@@ -145,7 +145,7 @@ async def _holding(
         result = await _decide(request, event, fields, step, point, granted)
     except FencegateError as exc:
         if exc.code in FENCED_COST_CODES:
-            request.app[METRICS].discard("fenced", cost)
+            request.app[METRICS].discard(None, cost)
         raise
     request.app[METRICS].report_cost(cost)
     return result

@@ -455,9 +455,10 @@ def _position(raw: str, name: str) -> str:
     return raw
 
 
-def _resume_from(request: web.Request) -> str | None:
+def _resume_from(request: web.Request) -> tuple[str | None, str]:
     """Where the stream starts: ``Last-Event-ID`` (a reconnecting ``EventSource`` sends it,
-    and it is newer than the URL's ``after``), else ``?after=``, else None (from now)."""
+    and it is newer than the URL's ``after``), else ``?after=``, else None (from now); and
+    the name of where it came from (for a refusal)."""
     unknown = set(request.query) - {"after"}
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
@@ -467,9 +468,9 @@ def _resume_from(request: web.Request) -> str | None:
     if len(header) > 1:
         raise BadRequest("Last-Event-ID: given more than once")
     if header and header[0].strip():
-        return _position(header[0].strip(), "Last-Event-ID")
+        return _position(header[0].strip(), "Last-Event-ID"), "Last-Event-ID"
     after = request.query.get("after")
-    return _position(after, "after") if after is not None else None
+    return (_position(after, "after") if after is not None else None), "after"
 
 
 def _frame(event: Event) -> bytes:
@@ -537,7 +538,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     config = request.app[CONFIG].events
     store = request.app[STORE]
     hub = request.app[EVENTS]
-    after = _resume_from(request)
+    after, source = _resume_from(request)
     principal = principal_of(request)
     prefixes = principal.scope.task_prefixes if principal is not None else None
     name = principal.name if principal is not None else None
@@ -546,7 +547,11 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         first: list[Event] = []
     else:
         # Read once before answering, so a position past the history is a 410, not a stream.
-        first, start = await store.read_events(after, config.batch)
+        try:
+            first, start = await store.read_events(after, config.batch)
+        except BadRequest as exc:  # well formed, but out of the store's range
+            detail = f"{source}: not an event position this store gave out (out of its range)"
+            raise BadRequest(detail, fields=[source]) from exc
     subscription = hub.subscribe(name)
     try:
         response = web.StreamResponse(

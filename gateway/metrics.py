@@ -208,16 +208,18 @@ class Metrics:
         )
         self.discarded_attempts = Counter(
             "fencegate_discarded_attempts",
-            "Attempts whose work was thrown away, by reason (expired, epoch, cancelled, "
-            "superseded: the store discarded it; fenced: a renew, release or commit of the "
-            "current attempt refused with STALE_EPOCH, CANCELLED, STALE_INPUT, LEASE_EXPIRED "
-            "or RUNTIME_EXCEEDED)",
+            "Attempts whose work was thrown away, each counted once by the step that threw "
+            "it away, by reason (expired or epoch: a claim took the task over; cancelled; "
+            "superseded: a new revision of the task or of a dependency)",
             ["reason"],
             registry=r,
         )
         self.discarded_cost = Counter(
             "fencegate_discarded_cost",
-            "Cost reported by attempts whose work was thrown away, per unit",
+            "Cost reported by attempts whose work was thrown away, per unit: their tally "
+            "when the store threw them away, plus what a renew, release or commit refused "
+            "with STALE_EPOCH, CANCELLED, STALE_INPUT, LEASE_EXPIRED or RUNTIME_EXCEEDED "
+            "carried",
             ["unit"],
             registry=r,
         )
@@ -250,9 +252,12 @@ class Metrics:
         if code is not None and validated:
             self.rejections.labels(point, code).inc()
 
-    def discard(self, reason: str, cost: Iterable[tuple[str, float]]) -> None:
-        """One attempt's work thrown away, with the cost it had reported."""
-        self.discarded_attempts.labels(reason).inc()
+    def discard(self, reason: str | None, cost: Iterable[tuple[str, float]]) -> None:
+        """One attempt's work thrown away (``reason``), with the cost it had reported; None:
+        cost an already-lost attempt reported later (its attempt is counted by the step that
+        threw it away, or not at all if no claim ever took its task over)."""
+        if reason is not None:
+            self.discarded_attempts.labels(reason).inc()
         for unit, amount in cost:
             if amount > 0:
                 self.discarded_cost.labels(unit).inc(amount)

@@ -156,6 +156,7 @@ _EVENT: Schema = {
                 "type": {"const": "task"},
                 "taskId": _TEXT,
                 "state": _TASK_STATE,
+                "queue": _nullable(_TEXT),
                 "revision": {"type": "integer", "minimum": 1},
                 "claimGeneration": _COUNTER,
                 "at": _TIME,
@@ -455,7 +456,8 @@ _WAIT_QUERY = [
         "name": "waitMs",
         "in": "query",
         "description": "with waitFor: the longest wait (clamped to tasks.max_wait_ms, its "
-        "default); at the deadline the answer is the record as it is",
+        "default); at the deadline the answer is the record as it is. Past "
+        "tasks.max_waiters(_per_principal): 503 TOO_MANY_CONNECTIONS with Retry-After",
         "schema": {"type": "integer", "minimum": 0, "maximum": 999999},
     },
 ]
@@ -525,7 +527,8 @@ def _task_paths() -> dict[str, Any]:
             "post": _op(
                 "claimNext",
                 "Claim the best claimable task of a queue (highest priority, then oldest); "
-                "204 when there is none, after up to waitMs",
+                "204 when there is none, after up to waitMs (503 TOO_MANY_CONNECTIONS past "
+                "tasks.max_waiters(_per_principal))",
                 "coordination",
                 {
                     "200": _json("ClaimGranted", "the lease"),
@@ -582,12 +585,25 @@ def _task_paths() -> dict[str, Any]:
     }
 
 
+#: An event position as a client may send it back (gateway/events.py).
+_POSITION = "^[0-9]{1,20}-[0-9]{1,20}$"
+
+
 def _events_path() -> dict[str, Any]:
     stream = {
         "description": "server-sent events: `id:` the position, `event:` task or effect, "
         "`data:` the event's JSON (the Event schema); comment lines are heartbeats",
-        "content": {"text/event-stream": {"schema": {"type": "string"},
-                                          "x-event-data": _ref("Event")}},
+        # OpenAPI 3.1: for an event stream, ``schema`` describes one event (its fields).
+        "content": {"text/event-stream": {"schema": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": _POSITION},
+                "event": {"enum": ["task", "effect"]},
+                "data": {"type": "string", "contentMediaType": "application/json",
+                         "contentSchema": _ref("Event")},
+                "retry": {"type": "integer", "minimum": 0},
+            },
+        }}},
     }  # fmt: skip
     params = [
         {
@@ -595,14 +611,15 @@ def _events_path() -> dict[str, Any]:
             "in": "query",
             "description": "a position to resume after (Last-Event-ID wins when both are "
             "sent); neither: from now",
-            "schema": {"type": "string", "maxLength": 200},
+            "schema": {"type": "string", "pattern": _POSITION},
         },
         {
             "name": "Last-Event-ID",
             "in": "header",
             "required": False,
-            "description": "the last position the client saw (what EventSource sends)",
-            "schema": {"type": "string", "maxLength": 200},
+            "description": "the last position the client saw (what EventSource sends): "
+            f"{_POSITION}; a blank one counts as absent",
+            "schema": {"type": "string", "maxLength": 41},
         },
     ]
     return {

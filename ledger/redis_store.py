@@ -739,7 +739,8 @@ class RedisStore(Store):
 
     async def continue_cascades(self, limit: int) -> int:
         """cascade.lua: the recorded cascades (a set of cancelled task ids), one step."""
-        return int(await self._task_script("cascade", [self._keys.leases], [limit]))
+        handled: Any = await self._task_script("cascade", [self._keys.leases], [limit])
+        return int(handled)
 
     # --- the change feed (ledger.events) ----------------------------------------------------
 

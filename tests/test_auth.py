@@ -546,3 +546,70 @@ async def test_worker_b_cannot_use_worker_a_lease_even_with_its_attempt_id(env: 
     done = await env.call("POST", "/v1/tasks/bound/commit", "worker-a", commit)
     assert done.status == 200 and done.json()["outcome"] == "COMMITTED", done.body
     assert len(env.downstream.received) == 1
+
+
+# --- dependsOn and task_prefixes -------------------------------------------------------------
+
+
+SCOPED: dict[str, tuple[list[str], str, list[str] | None]] = {
+    "admin": (["scheduler"], "tok-admin-0123456789", None),
+    "team-a": (["scheduler"], "tok-team-a-0123456789", ["a/"]),
+    "worker-a": (["worker"], "tok-wrk-a-0123456789", ["a/"]),
+}
+
+
+async def test_depends_on_outside_the_scope_is_403_before_the_store_is_asked(
+    store_url: str, key_prefix: str
+) -> None:
+    """A dependency reveals the other task (its existence, its commit as provenance) and ties
+    its cancel and dependents bound to this task: every id must be in the caller's scope."""
+    principals = []
+    for name, (roles, token, prefixes) in SCOPED.items():
+        entry: dict[str, Any] = {"name": name, "roles": roles, "token_sha256": token_sha256(token)}
+        if prefixes is not None:
+            entry["task_prefixes"] = prefixes
+        principals.append(entry)
+    config = make_config(
+        store_url,
+        key_prefix,
+        auth={"principals": principals},
+        reconciler={"enabled": False},
+        tasks={"max_dependents": 2},
+    )
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+
+        async def put(who: str, task_id: str, **body: Any) -> Answer:
+            headers = {"Authorization": f"Bearer {SCOPED[who][1]}"}
+            async with client.put(
+                f"/v1/tasks/{task_id}", json={"inputDigest": "in-1", **body}, headers=headers
+            ) as resp:
+                return Answer(resp.status, resp.headers, await resp.read())
+
+        assert (await put("admin", "b/secret")).status == 201
+        details = []
+        for deps in (["b/secret"], ["b/nope"], ["a/ok", "b/secret"]):
+            refused = await put("team-a", "a/x", dependsOn=deps)
+            assert (refused.status, refused.code) == (403, "FORBIDDEN"), refused.body
+            assert refused.json()["fields"] == ["dependsOn"]
+            details.append(refused.json()["detail"].replace("b/nope", "b/secret"))
+        assert details[0] == details[1] == details[2]  # whether b/* exists does not show
+        async with client.get(
+            "/v1/tasks/a/x", headers={"Authorization": f"Bearer {SCOPED['admin'][1]}"}
+        ) as resp:
+            assert resp.status == 404  # nothing was written
+        # b/secret's dependents bound is untouched: its owner can still use it whole.
+        assert (await put("admin", "b/next1", dependsOn=["b/secret"])).status == 201
+        assert (await put("admin", "b/next2", dependsOn=["b/secret"])).status == 201
+        # Inside the scope, as before.
+        assert (await put("team-a", "a/root")).status == 201
+        made = await put("team-a", "a/step", dependsOn=["a/root"])
+        assert made.status == 201 and made.json()["state"] == "WAITING"
+        # A link across scopes takes a principal allowed on both; a cancel follows it.
+        assert (await put("admin", "b/after", dependsOn=["a/root"])).status == 201
+        headers = {"Authorization": f"Bearer {SCOPED['team-a'][1]}"}
+        async with client.post("/v1/tasks/a/root/cancel", headers=headers) as resp:
+            assert resp.status == 200
+        admin = {"Authorization": f"Bearer {SCOPED['admin'][1]}"}
+        async with client.get("/v1/tasks/b/after", headers=admin) as resp:
+            assert (await resp.json())["state"] == "CANCELLED"

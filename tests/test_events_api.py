@@ -229,6 +229,16 @@ async def test_a_malformed_position_is_400_naming_the_parameter_or_header(api: A
             assert resp.status == 400, bad
             problem = await resp.json(content_type=None)
             assert problem["detail"].startswith("Last-Event-ID:"), problem
+    # Well formed but past what a store can have issued: the store refuses it, and the
+    # answer still names where it came from.
+    for name in ("after", "Last-Event-ID"):
+        too_big = "99999999999999999999-99999999999999999999"
+        given = {"params": {"after": too_big}} if name == "after" else {}
+        headers = {"Last-Event-ID": too_big} if name != "after" else {}
+        async with api.client.get("/v1/events", headers=headers, **given) as resp:
+            assert resp.status == 400, name
+            problem = await resp.json(content_type=None)
+            assert problem["detail"].startswith(f"{name}:") and problem["fields"] == [name]
 
 
 async def test_each_principal_has_its_own_streams_within_the_gateways(
