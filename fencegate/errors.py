@@ -384,36 +384,31 @@ class DownstreamBusy(Unavailable):
     code = "DOWNSTREAM_BUSY"
 
 
-class TooManyConnections(Unavailable):
+class _AskLater(ProblemError):
+    """A refusal that says when to ask again."""
+
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds to wait (``retryAfterMs``, else the ``Retry-After`` header)."""
+        ms = self.problem.get("retryAfterMs")
+        if isinstance(ms, int | float) and not isinstance(ms, bool):
+            return max(float(ms), 0.0) / 1000
+        header = self.headers.get("Retry-After", "")
+        return float(header) if header.isdigit() else None
+
+
+class TooManyConnections(_AskLater, Unavailable):
     """The gateway is at a bound of open connections, event streams or waiting long-polls
     (its own or this principal's); nothing was done. Ask again after ``retry_after`` s."""
 
     code = "TOO_MANY_CONNECTIONS"
 
-    @property
-    def retry_after(self) -> float | None:
-        """Seconds to wait (``retryAfterMs``, else the ``Retry-After`` header)."""
-        ms = self.problem.get("retryAfterMs")
-        if isinstance(ms, int | float) and not isinstance(ms, bool):
-            return max(float(ms), 0.0) / 1000
-        header = self.headers.get("Retry-After", "")
-        return float(header) if header.isdigit() else None
 
-
-class RateLimited(ProblemError):
+class RateLimited(_AskLater):
     """The principal is over its rate or its requests in flight ([auth]); nothing was done.
     Ask again after ``retry_after`` seconds."""
 
     code, status = "RATE_LIMITED", 429
-
-    @property
-    def retry_after(self) -> float | None:
-        """Seconds to wait (``retryAfterMs``, else the ``Retry-After`` header)."""
-        ms = self.problem.get("retryAfterMs")
-        if isinstance(ms, int | float) and not isinstance(ms, bool):
-            return max(float(ms), 0.0) / 1000
-        header = self.headers.get("Retry-After", "")
-        return float(header) if header.isdigit() else None
 
 
 class RequestTimeout(ProblemError):

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import structlog
 from aiohttp import web
+from multidict import MultiMapping
 
 from fencegate.gateway.api_models import (
     ClaimBody,
@@ -469,16 +470,23 @@ _TASK_QUERY = frozenset({"state", "owner", "cursor", "limit"})
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
 
 
+def _query(request: web.Request, allowed: frozenset[str]) -> MultiMapping[str]:
+    """The query string, refused (400 naming them) with parameters not in ``allowed`` or
+    given more than once."""
+    query = request.query
+    unknown = set(query) - allowed
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    for name in allowed:
+        if len(query.getall(name, [])) > 1:
+            raise BadRequest(f"{name}: given more than once")
+    return query
+
+
 def _task_filter(request: web.Request) -> tuple[TaskFilter, int, str | None]:
     """``GET /v1/tasks``'s query: the filter (with the caller's scope), the page size and the
     task id to continue after; a bad parameter is 400 naming it."""
-    query = request.query
-    unknown = set(query) - _TASK_QUERY
-    if unknown:
-        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
-    for name in _TASK_QUERY:
-        if len(query.getall(name, [])) > 1:
-            raise BadRequest(f"{name}: given more than once")
+    query = _query(request, _TASK_QUERY)
     state = query.get("state")
     if state is not None and state not in TaskState.__members__:
         raise BadRequest(f"state: one of {', '.join(TaskState.__members__)}")
@@ -519,13 +527,7 @@ _WAIT_QUERY = frozenset({"waitFor", "waitMs"})
 def _wait_query(request: web.Request) -> tuple[TaskState | None, int]:
     """``GET /v1/tasks/{id}``'s ``waitFor`` (a state) and ``waitMs`` (clamped to
     ``tasks.max_wait_ms``; default that maximum)."""
-    query = request.query
-    unknown = set(query) - _WAIT_QUERY
-    if unknown:
-        raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
-    for name in _WAIT_QUERY:
-        if len(query.getall(name, [])) > 1:
-            raise BadRequest(f"{name}: given more than once")
+    query = _query(request, _WAIT_QUERY)
     wanted = query.get("waitFor")
     raw_wait = query.get("waitMs")
     if wanted is None:

@@ -137,6 +137,30 @@ END;
 """
 
 
+def _statements(script: str) -> list[str]:
+    """A script's statements, one by one (a trigger's body keeps its semicolons), so they can
+    run inside one transaction (``executescript`` would commit first)."""
+    out: list[str] = []
+    pending = ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            out.append(pending.strip())
+            pending = ""
+    if pending.strip():
+        raise ValueError(f"incomplete SQL statement: {pending!r}")
+    return out
+
+
+def _schema_version(conn: sqlite3.Connection) -> int | None:
+    """The file's schema version, None for a new file (or one from before versions)."""
+    try:
+        row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
+    except sqlite3.OperationalError:  # no such table: a new file
+        return None
+    return None if row is None else int(row[0])
+
+
 def _add_flow_columns(conn: sqlite3.Connection) -> None:
     """Schema version 2 on a file of version 1 (or new): the columns ``tasks`` gained."""
     have = {row[1] for row in conn.execute("PRAGMA table_info(tasks)")}
@@ -257,21 +281,8 @@ class SQLiteStore(SqlStore):
         )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
-        conn.executescript(_SCHEMA)
-        row = conn.execute("SELECT version FROM fencegate_schema WHERE id = 1").fetchone()
-        if row is not None:
-            sql_steps.check_schema_version(int(row[0]), f"SQLite file {self.path!r}")
-        if row is None or int(row[0]) < sql_steps.SCHEMA_VERSION:
-            # A new file, or one an older fencegate wrote: each part is idempotent and the
-            # version is written last, so a crash half-way is finished by the next start.
-            _add_flow_columns(conn)
-            conn.executescript(_FLOW_SCHEMA)
-            conn.execute(
-                "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
-                "ON CONFLICT (id) DO UPDATE SET version = excluded.version "
-                "WHERE fencegate_schema.version < excluded.version",
-                (sql_steps.SCHEMA_VERSION,),
-            )
+        if _schema_version(conn) != sql_steps.SCHEMA_VERSION:  # else: no write at open
+            self._create_or_upgrade(conn)
         row = conn.execute(
             "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
         ).fetchone()
@@ -281,6 +292,31 @@ class SQLiteStore(SqlStore):
         self._store_clock = StoreClock(mark, self._clock_sources)
         self._conn = conn
         self._save_clock(conn)
+
+    def _create_or_upgrade(self, conn: sqlite3.Connection) -> None:
+        """Create the schema (a new file) or upgrade an older one, as one transaction (one
+        fsync, and a second process opening the file at the same time waits for it and
+        then finds it done). A schema newer than this code is refused."""
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _statements(_SCHEMA):
+                conn.execute(statement)
+            found = _schema_version(conn)
+            if found is not None:
+                sql_steps.check_schema_version(found, f"SQLite file {self.path!r}")
+            if found is None or found < sql_steps.SCHEMA_VERSION:
+                _add_flow_columns(conn)
+                for statement in _statements(_FLOW_SCHEMA):
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
+                    "ON CONFLICT (id) DO UPDATE SET version = excluded.version",
+                    (sql_steps.SCHEMA_VERSION,),
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
 
     def _save_clock(self, conn: sqlite3.Connection) -> None:
         """Persist the clock's high-water mark (inside the caller's transaction, if any)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,6 +148,11 @@ def test_downstream_fixture_is_shared(downstream: Downstream) -> None:
 # --- long-polls back off ---------------------------------------------------------------------
 
 
+def sqlite_url(tmp_path: Path) -> str:
+    """The SDK's pacing does not depend on the store: these run on SQLite only."""
+    return f"sqlite:///{tmp_path / 'fencegate.db'}"
+
+
 @contextlib.asynccontextmanager
 async def counting_client(
     store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch, **tasks: int
@@ -167,11 +173,13 @@ async def counting_client(
 
 
 async def test_wait_committed_backs_off_when_the_gateway_refuses_long_polls(
-    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At its bound of long-polls the gateway answers 503 with Retry-After: 1; the SDK asks
     again after that, never at once (an upper bound on calls, whatever the machine's speed)."""
-    async with counting_client(store_url, key_prefix, monkeypatch, max_waiters_per_principal=0) as (
+    async with counting_client(
+        sqlite_url(tmp_path), key_prefix, monkeypatch, max_waiters_per_principal=0
+    ) as (
         client,
         sent,
     ):
@@ -190,10 +198,10 @@ async def test_wait_committed_backs_off_when_the_gateway_refuses_long_polls(
 
 
 async def test_wait_for_spaces_its_polls_when_the_gateway_does_not_wait(
-    store_url: str, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, key_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With tasks.max_wait_ms = 0 every long-poll answers at once: MIN_POLL_S apart."""
-    async with counting_client(store_url, key_prefix, monkeypatch, max_wait_ms=0) as (
+    async with counting_client(sqlite_url(tmp_path), key_prefix, monkeypatch, max_wait_ms=0) as (
         client,
         sent,
     ):

@@ -383,7 +383,20 @@ class LeaseMachine(RuleBasedStateMachine):
             assert code != "ok" or stored is None
             return
         assert stored is not None and stored.task_id == model.task_id
-        name = self.by_id(model.task_id)
+        self.granted(self.by_id(model.task_id), model, stored, model_attempt, owner, principal)
+
+    def granted(
+        self,
+        name: str,
+        model: Task,
+        stored: Task,
+        model_attempt: str,
+        owner: str,
+        principal: str | None,
+    ) -> None:
+        """A claim both sides granted: the records agree, and the attempt joins the handles."""
+        self.same_task(model, stored)
+        self.keep(name, model)
         self.handles.append(
             Handle(
                 name,
@@ -396,8 +409,6 @@ class LeaseMachine(RuleBasedStateMachine):
                 principal,
             )
         )
-        self.same_task(model, stored)
-        self.keep(name, model)
 
     def set_paused(self, paused: bool) -> None:
         stored = self.run(self.store.set_claims_paused(paused))
@@ -428,20 +439,7 @@ class LeaseMachine(RuleBasedStateMachine):
         )
         event(f"claim {code}")
         if code == "ok":
-            self.same_task(model, stored)
-            self.keep(name, model)
-            self.handles.append(
-                Handle(
-                    name,
-                    model_attempt,
-                    stored.attempt_id,
-                    model.claim_generation,
-                    owner,
-                    model.claim_epoch,
-                    model.cancel_generation,
-                    principal,
-                )
-            )
+            self.granted(name, model, stored, model_attempt, owner, principal)
 
     @staticmethod
     def _caller(handle: Handle, tamper: str) -> str | None:

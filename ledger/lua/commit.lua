@@ -39,15 +39,5 @@ t.updated_at = s(now)
 t.attempt_cost = add_cost(t.attempt_cost, ARGV[12])
 save_hash(KEYS[1], t)
 task_changed(KEYS[3], before, t)
-for _, id in ipairs(sorted_members(dependents_key(t.task_id))) do
-  local d = load_hash(task_key(id))
-  if d then
-    local d_before = before_of(d)
-    if dependency_committed(d, t, now) then
-      save_task(KEYS[3], d_before, d)
-    else
-      loaded[task_key(id)] = nil
-    end
-  end
-end
+update_dependents(KEYS[3], t.task_id, function(d) return dependency_committed(d, t, now) end)
 return answer('OK', t)

@@ -135,16 +135,6 @@ for _, d in ipairs(added) do redis.call('SADD', dependents_key(d), task_id) end
 
 -- A new revision of a committed task: its open dependents lose that provenance and wait again.
 if before and before.state == 'COMMITTED' then
-  for _, id in ipairs(sorted_members(dependents_key(task_id))) do
-    local d = load_hash(task_key(id))
-    if d then
-      local d_before = before_of(d)
-      if dependency_revised(d, task_id, now) then
-        save_task(KEYS[2], d_before, d)
-      else
-        loaded[task_key(id)] = nil
-      end
-    end
-  end
+  update_dependents(KEYS[2], task_id, function(d) return dependency_revised(d, task_id, now) end)
 end
 return task_answer(status, t)

@@ -298,6 +298,24 @@ local function cancel_open(t, now)
 end
 
 
+-- Apply `rule` (a dependency rule of ledger/tasks.py, as a function of the dependent's record
+-- that changes it in place and says whether it did) to every dependent of `task_id`, in task
+-- id order as the SQL stores do, and save the ones it changed.
+local function update_dependents(leases, task_id, rule)
+  for _, id in ipairs(sorted_members(dependents_key(task_id))) do
+    local key = task_key(id)
+    local d = load_hash(key)
+    if d then
+      local d_before = before_of(d)
+      if rule(d) then
+        save_task(leases, d_before, d)
+      else
+        loaded[key] = nil
+      end
+    end
+  end
+end
+
 -- Cancel the open dependents of the (cancelled) tasks in `frontier`, breadth first, each once
 -- (ledger.sql_steps._cascade): a dependent that changed passes the cancel on to its own
 -- dependents; a committed or already cancelled one stops it. Once `limit` tasks were
