@@ -371,10 +371,6 @@ async def _run(
             else [SocketSite(runner, sock, host, port, factory, ssl_context=ssl_context,
                              ssl_handshake_timeout=handshake_timeout) for sock in sockets]
         )  # fmt: skip
-        for site in sites:
-            await site.start()
-        log = structlog.get_logger("fencegate")
-        log.info("gateway.listening", listen=sites[0].name, max_connections=server.max_connections)
         stop = asyncio.Event()
         received: list[str] = []
 
@@ -382,11 +378,17 @@ async def _run(
             received.append(signum.name)
             stop.set()
 
+        # Before the first site starts: a site may answer /readyz while it starts, and a
+        # SIGINT sent on that answer must stop the gateway cleanly, not kill it.
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, on_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, reload_auth, app, config_path)
         unblock_stop_signals()  # a worker's: blocked since the fork, so none was lost
+        for site in sites:
+            await site.start()
+        log = structlog.get_logger("fencegate")
+        log.info("gateway.listening", listen=sites[0].name, max_connections=server.max_connections)
         if listening is not None:
             listening()
         await stop.wait()
