@@ -7,7 +7,7 @@ Worker side: ``claim`` (a guarded lease as an ``async with``: renewed in the bac
 the body cancelled when it is lost), ``acquire`` (a bare lease you renew yourself) and
 ``claim_next`` (the best task of a queue, as a bare lease; ``lease.hold()`` guards it).
 Operator side: ``list_effects`` / ``iter_effects``, ``get_effect``, ``resolve_effect``,
-``approve_effect``, ``reconcile_effect``, ``get_rollout``.
+``approve_effect``, ``reconcile_effect``, ``get_rollout``, ``get_store_stats``.
 
 Every refusal of the gateway is raised as its typed exception (``fencegate.errors``);
 a gateway that does not answer is ``GatewayUnreachable`` (``ClientTimeout`` when the SDK's
@@ -704,6 +704,12 @@ class Client:
     async def get_rollout(self) -> dict[str, Any]:
         """``GET /v1/rollout``: the rollback checklist (``safeToSwitchPools`` and its counts)."""
         _, answer = await self.call("GET", "/v1/rollout")
+        return dict(answer)
+
+    async def get_store_stats(self) -> dict[str, Any]:
+        """``GET /v1/store/stats``: the store's sizes (records by kind, what is due to expire,
+        tombstones, bytes)."""
+        _, answer = await self.call("GET", "/v1/store/stats")
         return dict(answer)
 
 

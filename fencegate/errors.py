@@ -18,6 +18,7 @@ The tree::
         ├── Unauthenticated, Forbidden   401 UNAUTHENTICATED, 403 FORBIDDEN
         ├── NotFound                     404 NOT_FOUND (no such route)
         │   └── NoSuchTask, NoSuchEffect, NoSuchDownstream
+        │       (410 TaskExpired, EffectExpired: gone with retention)
         ├── Conflict                     409: the fence or the ledger says no
         │   ├── ClaimRefused             the claim is not (or can no longer be) current
         │   │   └── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
@@ -66,6 +67,7 @@ __all__ = [
     "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
+    "EffectExpired",
     "EffectInFlight",
     "EffectSettled",
     "EffectUnknown",
@@ -92,6 +94,7 @@ __all__ = [
     "StaleEpoch",
     "StaleInput",
     "StoreUnavailable",
+    "TaskExpired",
     "TooManyConnections",
     "Unauthenticated",
     "Unavailable",
@@ -231,6 +234,19 @@ class NoSuchTask(NotFound):
 
 class NoSuchEffect(NotFound):
     code = "NO_SUCH_EFFECT"
+
+
+class TaskExpired(NoSuchTask):
+    """410: the task settled and its record went with retention; the same input is not run
+    again (``expiredAt``, ``revision`` in ``problem``)."""
+
+    code, status = "TASK_EXPIRED", 410
+
+
+class EffectExpired(NoSuchEffect):
+    """410: the effect settled and its record went with its task's retention."""
+
+    code, status = "EFFECT_EXPIRED", 410
 
 
 class NoSuchDownstream(NotFound):

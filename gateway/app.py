@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from fencegate.adapters.mcp import McpToolCache
-from fencegate.gateway import coordination, events, ledger_api, openapi, operations
+from fencegate.gateway import coordination, events, ledger_api, openapi, operations, retention
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
 from fencegate.gateway.downstreams import build_adapter
@@ -150,6 +150,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     # After the store: they start once it is open and stop before it closes.
     app.cleanup_ctx.append(events.trim_loop)
     app.cleanup_ctx.append(events.cascade_loop)
+    app.cleanup_ctx.append(retention.retention_loop)
     app.cleanup_ctx.append(client_ctx)
     app.cleanup_ctx.append(reconciler_ctx)
     app.cleanup_ctx.append(aborts_ctx)
@@ -161,6 +162,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.add_routes(events.routes)
     app.add_routes(ledger_api.routes)
     app.add_routes(operations.routes)
+    app.add_routes(retention.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
     app[MCP_TOOLS] = McpToolCache()
     for method in ("GET", "POST", "DELETE"):

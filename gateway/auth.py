@@ -96,6 +96,7 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("GET", "/metrics"): _READERS,
         ("GET", "/openapi.json"): _EVERY_ROLE,  # the API description; no secrets in it
         ("GET", "/v1/rollout"): _READERS,
+        ("GET", "/v1/store/stats"): _READERS,
         # tasks: schedulers create, revise and cancel; workers hold leases. The list is for
         # the people and programs that watch the queue (a worker claims what it is given).
         ("GET", "/v1/tasks"): _only(_SCHEDULER, _OPERATOR, _OBSERVER),

@@ -14,6 +14,7 @@ from fencegate.gateway.config import (
     ServerConfig,
     load_config,
     parse_listen,
+    public_url,
 )
 from fencegate.gateway.demo import register as _add_demo
 from fencegate.gateway.ops_cli import add_global_options, merge_global_options
@@ -82,20 +83,6 @@ def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
     return context
 
 
-def _public_url(url: str) -> str:
-    """``url`` as it may be logged or printed: no password (a Redis password), no query or
-    fragment (an API key passed as a parameter); a user name stays (PostgreSQL's, which
-    says who connects). Split by hand: a multi-host PostgreSQL URL is no single URL."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url.split("?")[0].split("#")[0]
-    rest = rest.split("#", 1)[0].split("?", 1)[0]
-    authority, slash, path = rest.partition("/")
-    userinfo, at, hosts = authority.rpartition("@")
-    user = userinfo.split(":", 1)[0] if at else ""
-    return f"{scheme}://{user + '@' if user else ''}{hosts}{slash}{path}"
-
-
 def _serve(args: argparse.Namespace) -> int:
     """Every line this writes to stderr is one JSON object (gateway/logs.py), start-up errors
     included; exit 2 for a config that cannot be used, 1 for a store or listen failure.
@@ -138,7 +125,7 @@ def _serve(args: argparse.Namespace) -> int:
         version=gateway_version(),
         config=os.path.abspath(args.config) if args.config else None,
         listen=listen,
-        store=_public_url(config.store.url),
+        store=public_url(config.store.url),
         workers=config.server.workers,
         loop=loop_name,
     )
@@ -146,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
         log.info(
             "gateway.downstream",
             name=downstream.name,
-            url=_public_url(downstream.url),
+            url=public_url(downstream.url),
             adapter=downstream.adapter,
             timeout_ms=downstream.timeout_ms,
         )
@@ -254,7 +241,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
         finally:
             await store.close()
 
-    store_url = _public_url(config.store.url)
+    store_url = public_url(config.store.url)
     try:
         app = create_app(config)
         warnings = asyncio.run(reach(app[STORE]))
@@ -287,7 +274,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
         ),
         f"downstreams: {len(config.downstreams)}",
         *(
-            f"  {d.name}: url={_public_url(d.url)} adapter={d.adapter} timeout_ms={d.timeout_ms}"
+            f"  {d.name}: url={public_url(d.url)} adapter={d.adapter} timeout_ms={d.timeout_ms}"
             for d in config.downstreams
         ),
         "fencegate serve --check: ok (the config is valid and the store answers)",

@@ -32,6 +32,7 @@ __all__ = [
     "ProbeConfig",
     "ProxyConfig",
     "ReconcilerConfig",
+    "RetentionConfig",
     "Role",
     "ServerConfig",
     "StoreConfig",
@@ -40,6 +41,7 @@ __all__ = [
     "load_auth",
     "load_config",
     "parse_listen",
+    "public_url",
     "with_listen",
     "with_workers",
 ]
@@ -364,6 +366,27 @@ class EventsConfig(_Section):
     write_timeout_ms: Annotated[int, Field(ge=10, le=10 * _MINUTE_MS)] = 10_000
     #: A comment line on an idle stream this often, so proxies do not close it.
     heartbeat_ms: Annotated[int, Field(ge=100, le=10 * _MINUTE_MS)] = 15_000
+
+
+class RetentionConfig(_Section):
+    """What the store keeps, and for how long (ledger.retention, docs/operations.md).
+
+    Settled tasks (COMMITTED, CANCELLED) and their effects are deleted ``settled_ms`` after
+    they settled, unless still needed (an effect PREPARED, UNKNOWN or awaiting approval, a
+    task that depends on it); a tombstone per task and per effect stays ``tombstone_ms``.
+    Every gateway sweeps; the steps are atomic, so several sweeping at once is safe."""
+
+    #: False: nothing is ever deleted (the store grows; ``fencegate store stats`` shows it).
+    enabled: bool = True
+    #: How long a settled task and its effects stay readable (and replayable) after settling.
+    settled_ms: Annotated[int, Field(ge=1_000, le=3_650 * _DAY_MS)] = 7 * _DAY_MS
+    #: How long an expired task's and effect's tombstone refuses late calls naming them. Must
+    #: be at least every downstream's ``dedupe_window_ms``: after it the task id is new again.
+    tombstone_ms: Annotated[int, Field(ge=1_000, le=3_650 * _DAY_MS)] = 30 * _DAY_MS
+    #: How often this gateway runs a sweep (it goes on at once while a step finds work).
+    interval_ms: Annotated[int, Field(ge=100, le=_DAY_MS)] = 60_000
+    #: Most settled tasks (and most tombstones) one atomic step looks at.
+    batch: Annotated[int, Field(ge=1, le=10_000)] = 200
 
 
 class LoggingConfig(_Section):
@@ -737,6 +760,7 @@ class Config(_Section):
     reconciler: ReconcilerConfig = ReconcilerConfig()
     tasks: TasksConfig = TasksConfig()
     events: EventsConfig = EventsConfig()
+    retention: RetentionConfig = RetentionConfig()
     logging: LoggingConfig = LoggingConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
     #: None: no authentication (docs/security.md).
@@ -764,6 +788,31 @@ class Config(_Section):
                 raise ValueError(
                     f"downstreams[{i}].max_body_bytes exceeds server.max_body_bytes "
                     f"({self.server.max_body_bytes})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _tombstones_outlive_dedupe_windows(self) -> Config:
+        # A tombstone is what keeps an expired effect's idempotency key from being sent as
+        # new work; once it is gone only the downstream's own deduplication could.
+        windows = [
+            (f"downstreams[{i}].dedupe_window_ms", d.dedupe_window_ms)
+            for i, d in enumerate(self.downstreams)
+            if isinstance(d, IdempotentDownstream)
+        ]
+        for i, d in enumerate(self.downstreams):
+            if isinstance(d, McpDownstream):
+                windows += [
+                    (f"downstreams[{i}].tools.{name}.dedupe_window_ms", tool.dedupe_window_ms)
+                    for name, tool in d.tools.items()
+                    if tool.dedupe_window_ms is not None
+                ]
+        for key, window in windows:
+            if self.retention.enabled and window > self.retention.tombstone_ms:
+                raise ValueError(
+                    f"retention.tombstone_ms ({self.retention.tombstone_ms}) is shorter than "
+                    f"{key} ({window}): an expired effect's key could be sent again as new "
+                    "work after its tombstone went; raise retention.tombstone_ms"
                 )
         return self
 
@@ -847,6 +896,20 @@ class AuthReloadError(ConfigError):
     def __init__(self, message: str, key: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+def public_url(url: str) -> str:
+    """``url`` as it may be logged or printed: no password (a Redis password), no query or
+    fragment (an API key passed as a parameter); a user name stays (PostgreSQL's, which
+    says who connects). Split by hand: a multi-host PostgreSQL URL is no single URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.split("?")[0].split("#")[0]
+    rest = rest.split("#", 1)[0].split("?", 1)[0]
+    authority, slash, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    user = userinfo.split(":", 1)[0] if at else ""
+    return f"{scheme}://{user + '@' if user else ''}{hosts}{slash}{path}"
 
 
 def load_auth(path: str | Path) -> AuthConfig:

@@ -30,12 +30,24 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from fencegate.ledger.retention import StoreStats
 from fencegate.ledger.store import Gauges
 
 __all__ = ["CONTENT_TYPE", "FORWARD_OUTCOMES", "Metrics", "share_between_processes"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+#: The ``StoreStats`` fields ``fencegate_store_records`` carries, as its ``kind`` label.
+STORE_RECORD_KINDS = (
+    "tasks",
+    "claimed_tasks",
+    "settled_tasks",
+    "due_tasks",
+    "effects",
+    "task_tombstones",
+    "effect_tombstones",
+    "events",
+)
 _HUMAN = (0.1, 0.5, 1, 5, 15, 30, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 
 
@@ -229,6 +241,29 @@ class Metrics:
             ["unit"],
             registry=r,
         )
+        self.store_records = Gauge(
+            "fencegate_store_records",
+            "Records in the store (store-wide), by kind: tasks, claimed_tasks, settled_tasks, "
+            "due_tasks (settled past retention.settled_ms), effects, task_tombstones, "
+            "effect_tombstones, events; set by the retention loop",
+            ["kind"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.store_bytes = Gauge(
+            "fencegate_store_bytes",
+            "What the store occupies (SQLite: used pages; Redis: used_memory; PostgreSQL: "
+            "fencegate's tables and indexes); set by the retention loop",
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.expired = Counter(
+            "fencegate_expired",
+            "Records this gateway's retention sweep deleted (tasks, effects) and tombstones "
+            "it forgot (tombstones)",
+            ["kind"],
+            registry=r,
+        )
         self.store_seconds = Histogram(
             "fencegate_store_seconds",
             "Store round trips by operation",
@@ -273,6 +308,12 @@ class Metrics:
         self.prepared_effects.set(gauges.prepared_effects)
         self.active_leases.set(gauges.active_leases)
         self.awaiting_approval.set(gauges.awaiting_approval)
+
+    def set_store_stats(self, stats: StoreStats) -> None:
+        for kind in STORE_RECORD_KINDS:
+            self.store_records.labels(kind).set(getattr(stats, kind))
+        if stats.bytes is not None:
+            self.store_bytes.set(stats.bytes)
 
     def render(self) -> bytes:
         if _SHARED_DIRECTORY is None:

@@ -276,6 +276,31 @@ _ANSWERS: dict[str, Schema] = {
             "safeToSwitchPools": {"type": "boolean"},
         }
     ),
+    "StoreStats": _object(
+        {
+            "tasks": _object(
+                {
+                    "total": _COUNTER,
+                    "claimed": _COUNTER,
+                    "settled": _COUNTER,
+                    "dueToExpire": _COUNTER,
+                }
+            ),
+            "effects": _object(
+                {
+                    "total": _COUNTER,
+                    "prepared": _COUNTER,
+                    "unknown": _COUNTER,
+                    "awaitingApproval": _COUNTER,
+                }
+            ),
+            "tombstones": _object({"tasks": _COUNTER, "effects": _COUNTER}),
+            "events": _COUNTER,
+            "bytes": _nullable(_COUNTER),
+            "bytesDetail": {"type": "object", "additionalProperties": _COUNTER},
+            "retention": _object({"enabled": {"type": "boolean"}, "settledMs": _COUNTER}),
+        }
+    ),
     "StoredResponse": _STORED_RESPONSE,
     "Effect": _EFFECT,
     "EffectPage": _object(
@@ -444,7 +469,7 @@ def _op(
 _TASK_ID = {"$ref": "#/components/parameters/taskId"}
 _EFFECT_ID = {"$ref": "#/components/parameters/effectId"}
 _OPERATOR_HEADER = {"$ref": "#/components/parameters/operator"}
-_OK_TASK = {404: ("NO_SUCH_TASK",), 409: _LEASE_CODES}
+_OK_TASK = {404: ("NO_SUCH_TASK",), 409: _LEASE_CODES, 410: ("TASK_EXPIRED",)}
 _WAIT_QUERY = [
     {
         "name": "waitFor",
@@ -461,7 +486,11 @@ _WAIT_QUERY = [
         "schema": {"type": "integer", "minimum": 0, "maximum": 999999},
     },
 ]
-_OK_EFFECT = {404: ("NO_SUCH_EFFECT", "NO_SUCH_DOWNSTREAM"), 409: _EFFECT_CODES}
+_OK_EFFECT = {
+    404: ("NO_SUCH_EFFECT", "NO_SUCH_DOWNSTREAM"),
+    409: _EFFECT_CODES,
+    410: ("EFFECT_EXPIRED",),
+}
 
 
 def _task_paths() -> dict[str, Any]:
@@ -504,7 +533,7 @@ def _task_paths() -> dict[str, Any]:
                 "coordination",
                 {"200": _json("Task", "the task record")},
                 params=_WAIT_QUERY,
-                extra={404: ("NO_SUCH_TASK",)},
+                extra={404: ("NO_SUCH_TASK",), 410: ("TASK_EXPIRED",)},
             ),
         },
         "/v1/tasks/{task_id}/claim": {
@@ -518,6 +547,7 @@ def _task_paths() -> dict[str, Any]:
                 extra={
                     404: ("NO_SUCH_TASK",),
                     409: (*_LEASE_CODES, "DEPENDENCIES_PENDING"),
+                    410: ("TASK_EXPIRED",),
                     503: ("CLAIMS_PAUSED",),
                 },
             ),
@@ -579,7 +609,11 @@ def _task_paths() -> dict[str, Any]:
                 "coordination",
                 {"200": _json("Cancelled", "the new cancelGeneration")},
                 body=_body(None, required=False),
-                extra={404: ("NO_SUCH_TASK",), 409: ("ALREADY_COMMITTED",)},
+                extra={
+                    404: ("NO_SUCH_TASK",),
+                    409: ("ALREADY_COMMITTED",),
+                    410: ("TASK_EXPIRED",),
+                },
             ),
         },
     }
@@ -694,7 +728,7 @@ def _ledger_paths() -> dict[str, Any]:
                 "Read one effect record (observers: stored body withheld)",
                 "ledger",
                 {"200": _json("Effect", "the record")},
-                extra={404: ("NO_SUCH_EFFECT",)},
+                extra={404: ("NO_SUCH_EFFECT",), 410: ("EFFECT_EXPIRED",)},
             ),
         },
         "/v1/effects/{effect_id}/resolve": {
@@ -786,6 +820,15 @@ def _operation_paths() -> dict[str, Any]:
                 {"200": _json("Rollout", "the checklist")},
             )
         },
+        "/v1/store/stats": {
+            "get": _op(
+                "storeStats",
+                "The store's sizes, from its indexes: records by kind, what is due to expire, "
+                "tombstones, bytes",
+                "operations",
+                {"200": _json("StoreStats", "the sizes")},
+            )
+        },
     }
 
 
@@ -821,8 +864,9 @@ def _proxy_path() -> dict[str, Any]:
         "headers": _PROXY_HEADERS,
     }
     extra = {
-        404: ("NO_SUCH_DOWNSTREAM",),
+        404: ("NO_SUCH_DOWNSTREAM", "NO_SUCH_TASK"),
         409: (*_LEASE_CODES, *_EFFECT_CODES),
+        410: ("TASK_EXPIRED",),
         422: ("PAYLOAD_CONFLICT",),
         502: ("DOWNSTREAM_UNREACHABLE",),
         503: ("CLAIMS_PAUSED", "DOWNSTREAM_BUSY"),

@@ -18,6 +18,7 @@ import functools
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from fencegate.gateway import ops_commands as commands
+from fencegate.gateway import store_cli
 from fencegate.gateway.ops_commands import DEFAULT_URL, Command
 
 __all__ = ["add_global_options", "merge_global_options", "register"]
@@ -132,7 +133,7 @@ def merge_global_options(parser: argparse.ArgumentParser, args: argparse.Namespa
             flag = "--" + next(iter(given)).replace("_", "-")
             parser.error(
                 f"{flag} goes with the operator commands (effects, tasks, epoch, claims, "
-                f"rollout), not with {args.command!r}"
+                f"rollout, store), not with {args.command!r}"
             )
         return
     for name, default in _DEFAULTS.items():
@@ -153,8 +154,8 @@ def _leaf(
 
 
 def register(sub: SubParsers) -> None:
-    """Add ``effects``, ``tasks``, ``epoch``, ``claims`` and ``rollout`` to ``fencegate``'s
-    parser."""
+    """Add ``effects``, ``tasks``, ``epoch``, ``claims``, ``rollout`` and ``store`` to
+    ``fencegate``'s parser."""
     common = _common()
 
     effects = sub.add_parser("effects", help="read and settle the idempotency ledger")
@@ -242,6 +243,26 @@ def register(sub: SubParsers) -> None:
     _leaf(claim_actions, "pause", "refuse new claims (CLAIMS_PAUSED)", common,
           commands.claims_pause)  # fmt: skip
     _leaf(claim_actions, "resume", "accept new claims again", common, commands.claims_resume)
+
+    store = sub.add_parser("store", help="the store's sizes")
+    store_actions = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _leaf(
+        store_actions,
+        "stats",
+        "records by kind, what retention removes next, tombstones, bytes",
+        common,
+        commands.store_stats,
+    )
+    store_migrate = store_actions.add_parser(
+        "migrate",
+        help="bring a store written by an older fencegate to this version's format",
+        description="Opens the store of --config directly (no gateway), migrates it in "
+        "idempotent steps and says what it did; run it again after an interruption.",
+    )
+    store_migrate.add_argument(
+        "--config", metavar="FILE", help="the gateway's TOML config (default: embedded store)"
+    )
+    store_migrate.set_defaults(func=store_cli.migrate, operator_command=False)
 
     rollout = sub.add_parser("rollout", help="is it safe to switch worker pools?")
     rollout_actions = rollout.add_subparsers(dest="action", required=True, metavar="ACTION")

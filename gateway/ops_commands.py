@@ -555,6 +555,13 @@ async def rollout_status(client: OperatorClient, args: argparse.Namespace) -> in
     return 0 if status.get("safeToSwitchPools") else EXIT_NOT_SAFE
 
 
+async def store_stats(client: OperatorClient, args: argparse.Namespace) -> int:
+    """The store's sizes and what retention will remove next."""
+    stats = await client.get_store_stats()
+    _answer(client, args, stats, render.store_stats(stats))
+    return 0
+
+
 # --- running one ----------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "resolved",
     "rollout",
     "scheduler_line",
+    "store_stats",
     "table",
     "task",
     "tasks_table",
@@ -402,3 +403,46 @@ def rollout(status: Mapping[str, Any]) -> str:
     return (
         checklist + "\nNOT safe to switch pools: wait for leases to expire and settle the effects"
     )
+
+
+def _size(n: Any) -> str:
+    if not isinstance(n, int) or isinstance(n, bool):
+        return "unknown"
+    if n < 1024:
+        return f"{n} bytes"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit} ({n} bytes)"
+
+
+def store_stats(stats: Mapping[str, Any]) -> str:
+    """``store stats``: what the store holds, what expires next, and how big it is."""
+    tasks, effects = stats.get("tasks") or {}, stats.get("effects") or {}
+    stones, retention = stats.get("tombstones") or {}, stats.get("retention") or {}
+    settled_ms = retention.get("settledMs")
+    due = f"settled for {settled_ms} ms or more" if isinstance(settled_ms, int) else "due"
+    lines = fields(
+        [
+            ("tasks", tasks.get("total")),
+            ("  claimed", tasks.get("claimed")),
+            ("  settled", tasks.get("settled")),
+            (f"  {due}", tasks.get("dueToExpire")),
+            ("effects", effects.get("total")),
+            ("  PREPARED", effects.get("prepared")),
+            ("  UNKNOWN", effects.get("unknown")),
+            ("  awaiting approval", effects.get("awaitingApproval")),
+            ("tombstones (tasks)", stones.get("tasks")),
+            ("tombstones (effects)", stones.get("effects")),
+            ("events", stats.get("events")),
+            ("size", _size(stats.get("bytes"))),
+        ]
+    )
+    detail = stats.get("bytesDetail") or {}
+    if isinstance(detail, Mapping) and detail:
+        lines += "\n" + fields([(f"  {name}", _size(n)) for name, n in sorted(detail.items())])
+    if retention.get("enabled") is False:
+        lines += "\nretention is off ([retention] enabled = false): nothing is ever removed"
+    return lines

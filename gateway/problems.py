@@ -47,7 +47,13 @@ def problem_body(status: int, code: str, title: str, detail: str, **extra: Any) 
 #: Problem members that hold a store time (ms since the Unix epoch). A detail names such a
 #: time as ``<member> <ms>``; the answer shows it as ``<ISO 8601> (<member> <ms>)``. The
 #: stores (Python and Lua alike) write only the number, so their texts cannot drift.
-TIME_MEMBERS = ("leaseExpiresAt", "runtimeEndsAt", "probeUntil", "resolvedAt")
+TIME_MEMBERS = (
+    "leaseExpiresAt",
+    "runtimeEndsAt",
+    "probeUntil",
+    "resolvedAt",
+    "expiredAt",
+)
 
 
 def readable_detail(detail: str, extra: Mapping[str, Any]) -> str:

@@ -53,6 +53,7 @@ __all__ = [
     "DownstreamBusy",
     "DownstreamTimeout",
     "DownstreamUnreachable",
+    "EffectExpired",
     "EffectInFlight",
     "EffectSettled",
     "EffectUnknown",
@@ -76,6 +77,7 @@ __all__ = [
     "StaleEpoch",
     "StaleInput",
     "StoreUnavailable",
+    "TaskExpired",
     "TooManyConnections",
     "Unauthenticated",
     "UnsupportedMediaType",
@@ -136,6 +138,25 @@ class NoSuchTask(NotFound, ClaimRefused):
 class NoSuchEffect(NotFound):
     code = "NO_SUCH_EFFECT"
     title = "No such effect"
+
+
+class TaskExpired(NoSuchTask):
+    """The task settled and its record went with retention (``ledger.retention``); a
+    tombstone remembers it. A NoSuchTask (so every client and rule that handles a missing
+    task handles it), answered 410 so that nobody mistakes it for a typo and retries."""
+
+    code = "TASK_EXPIRED"
+    status = 410
+    title = "Task expired"
+
+
+class EffectExpired(NoSuchEffect):
+    """The effect settled and its record went with its task's retention; a tombstone
+    remembers its id and final state."""
+
+    code = "EFFECT_EXPIRED"
+    status = 410
+    title = "Effect expired"
 
 
 class NoSuchDownstream(NotFound):

@@ -83,6 +83,62 @@ class Keys:
         return None
 
     @property
+    def meta(self) -> str:
+        """Hash: ``format``, the format of everything written under this prefix
+        (``redis_store.FORMAT_VERSION``); absent on a store written before formats were
+        recorded (format 1)."""
+        return f"{self.prefix}:meta"
+
+    @property
+    def settled(self) -> str:
+        """Sorted set: the id of every COMMITTED or CANCELLED task scored by ``due_at``, when
+        it settled (``ledger.retention``). ``task_lib.lua`` keeps it wherever a task's state
+        is written; ``retention.lua`` reads the oldest few (never the whole store) and moves
+        a task still needed to the back (score = now)."""
+        return f"{self.prefix}:settled"
+
+    @property
+    def settled_indexed(self) -> str:
+        """Set once every task settled before the settled index existed has been added to
+        it (``RedisStore._index_settled``)."""
+        return f"{self.prefix}:settled:indexed"
+
+    def tombstone(self, task_id: str) -> str:
+        """Hash: what is remembered of an expired task (every field of
+        ``ledger.tasks.Tombstone``, named as its attributes). Under the task's hash tag, as
+        its other keys. Redis expires it ``tombstone_ms`` after it was written (``forget_at``
+        on the production clock; readers compare ``forget_at`` with the store's now, so
+        Redis's expiry only frees the memory). Until then ``put.lua`` reads it (the same
+        input is refused, a new one continues the numbers) and every refusal of a missing
+        task becomes TASK_EXPIRED."""
+        return f"{self.prefix}:{{{task_id}}}:tombstone"
+
+    def effect_tombstone(self, effect_id: str) -> str:
+        """Hash: what is remembered of an expired effect (every field of
+        ``ledger.retention.EffectTombstone``); expires as ``tombstone`` does. Until then a
+        refusal of a missing effect becomes EFFECT_EXPIRED."""
+        return f"{self.prefix}:effect-tombstone:{effect_id}"
+
+    @property
+    def task_tombstones(self) -> str:
+        """Sorted set: the task ids with a tombstone, scored by ``forget_at``, so that
+        tombstones are counted (``store_stats``) and forgotten (the sweep drops the entries,
+        and their keys, with score <= now) without a scan."""
+        return f"{self.prefix}:tombstones:tasks"
+
+    @property
+    def effect_tombstones(self) -> str:
+        """Sorted set: the effect ids with a tombstone, scored by ``forget_at`` (as
+        ``task_tombstones``)."""
+        return f"{self.prefix}:tombstones:effects"
+
+    @property
+    def cascades(self) -> str:
+        """Set of cancelled task ids whose dependents a cascade has still to visit
+        (``task_lib.lua``'s CASCADES; ``continue_cascades``)."""
+        return f"{self.prefix}:cascades"
+
+    @property
     def leases(self) -> str:
         """Sorted set: taskId scored by leaseExpiresAt, for every CLAIMED task."""
         return f"{self.prefix}:leases"

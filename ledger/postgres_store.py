@@ -92,8 +92,9 @@ _SCHEMA = (
 )
 
 #: Schema version 2 (task flow, ``sql_steps.SCHEMA_VERSION``), run on a new database or one
-#: of version 1, each statement idempotent: queue columns, dependents, and the change feed.
-#: An event row's ``xid`` is its transaction's (``ledger.sql_steps.read_events`` says why).
+#: of version 1 (before version 3's ``_RETENTION_SCHEMA``), each statement idempotent: queue
+#: columns, dependents, and the change feed. An event row's ``xid`` is its transaction's
+#: (``ledger.sql_steps.read_events`` says why).
 _TASK_EVENT = """json_build_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW.state,
         'queue', NEW.queue,
         'revision', (NEW.fields::jsonb ->> 'revision')::bigint,
@@ -155,6 +156,37 @@ _FLOW_SCHEMA = (
     "FOR EACH ROW EXECUTE FUNCTION fencegate_effect_event()",
 )
 
+#: Schema version 3 (retention): ``sql_steps.RETENTION_TABLES`` and the triggers that keep
+#: the settled index. A task entering COMMITTED or CANCELLED gets its entry, due from the
+#: ``updated_at`` it settled at; one going back to an open state (a new revision) loses it; a
+#: write that leaves it settled (a commit replay, a cancel of a cancelled task) does not touch
+#: it. The triggers' WHEN clauses are checked without calling the function, so a claim, a
+#: renew or a prepare pays nothing for them, and a commit writes its entry within its UPDATE:
+#: no step takes a round trip more. Then the backfill of tasks already settled.
+_SETTLED = sql_steps.SETTLED_STATES_SQL
+_RETENTION_SCHEMA = (
+    *sql_steps.RETENTION_TABLES,
+    f"""CREATE OR REPLACE FUNCTION fencegate_task_settled() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.state IN {_SETTLED} THEN
+            INSERT INTO settled (task_id, due_at)
+            VALUES (NEW.task_id, (NEW.fields::jsonb ->> 'updated_at')::bigint)
+            ON CONFLICT (task_id) DO UPDATE SET due_at = excluded.due_at;
+        ELSE
+            DELETE FROM settled WHERE task_id = NEW.task_id;
+        END IF;
+        RETURN NULL;
+    END $$""",
+    "DROP TRIGGER IF EXISTS tasks_settled_insert ON tasks",
+    "CREATE TRIGGER tasks_settled_insert AFTER INSERT ON tasks FOR EACH ROW "
+    f"WHEN (NEW.state IN {_SETTLED}) EXECUTE FUNCTION fencegate_task_settled()",
+    "DROP TRIGGER IF EXISTS tasks_settled_update ON tasks",
+    "CREATE TRIGGER tasks_settled_update AFTER UPDATE OF state ON tasks FOR EACH ROW "
+    f"WHEN ((OLD.state IN {_SETTLED}) IS DISTINCT FROM (NEW.state IN {_SETTLED})) "
+    "EXECUTE FUNCTION fencegate_task_settled()",
+)
+
 #: The database's time in ms. ``clock_timestamp()`` (not ``now()``, fixed at BEGIN): read
 #: after the step's locks are held.
 _NOW_SQL = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
@@ -210,6 +242,10 @@ _POSTGRES = sql_steps.Dialect(
     lock_dependency_graph=f"SELECT pg_advisory_xact_lock({_GRAPH_LOCK})",
     events_visible="xid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
     events_end=f"SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint - 1, {2**62}",
+    # Each table with its indexes and TOAST, found on the search path like every statement.
+    table_bytes="SELECT name, COALESCE(pg_total_relation_size(to_regclass(name)), 0) "
+    f"FROM unnest(ARRAY[{', '.join(repr(t) for t in sql_steps.STORE_TABLES)}]::text[]) AS name",
+    store_bytes="",
 )
 
 
@@ -330,10 +366,15 @@ class PostgresStore(SqlStore):
                     found: int | None = await conn.fetchval(
                         "SELECT version FROM fencegate_schema WHERE id = 1"
                     )
+                    self.schema_found = found
                     if found is not None and found >= sql_steps.SCHEMA_VERSION:
                         return found
-                    # New, or written by an older fencegate: upgrade (idempotent steps).
-                    await conn.execute(";\n".join(_FLOW_SCHEMA))
+                    # New, or written by an older fencegate: upgrade (idempotent steps, the
+                    # version row last), one script.
+                    upgrade = [*_RETENTION_SCHEMA, sql_steps.backfill_settled(_POSTGRES)]
+                    if found is None or found < 2:
+                        upgrade[:0] = _FLOW_SCHEMA
+                    await conn.execute(";\n".join(upgrade))
                     await conn.execute(
                         "INSERT INTO fencegate_schema (id, version) VALUES (1, $1) "
                         "ON CONFLICT (id) DO UPDATE SET version = excluded.version",

@@ -22,6 +22,14 @@ and the change feed, a stream (``{prefix}:events``) every change of a task's sta
 claim generation and of an effect's state appends to. The task scripts build other tasks' keys
 from the prefix (their ARGV[2]), which is one more reason this store is single-instance only.
 
+Retention (issue 17, ``ledger.retention``): ``task_lib.lua`` keeps the settled index
+(``{prefix}:settled``, COMMITTED and CANCELLED task ids by when they settled) wherever a task's
+state is written; ``retention.lua`` expires the oldest due tasks a bounded batch at a time and
+leaves tombstones (``{prefix}:{<taskId>}:tombstone``, ``{prefix}:effect-tombstone:<effectId>``,
+each expiring by itself, and two sorted sets by ``forget_at`` to count and forget them).
+``put.lua`` reads a task's tombstone as it creates it; every other refusal of a missing task or
+effect is refined into ``TASK_EXPIRED`` / ``EFFECT_EXPIRED`` in one place (``_refusal``).
+
 At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
 ``store.durability_warning`` for each setting under which an answered transition can be lost.
 
@@ -67,13 +75,22 @@ from fencegate.ledger.errors import (
     EventsGone,
     FencegateError,
     NoSuchEffect,
+    NoSuchTask,
+    StoreIncompatible,
     StoreUnavailable,
 )
 from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.retention import (
+    EffectTombstone,
+    ExpiryReport,
+    StoreStats,
+    expired_effect,
+)
 from fencegate.ledger.store import (
     TASK_SCAN,
     EffectTransition,
+    Migration,
     Store,
     StoreKind,
     StoreOptions,
@@ -92,7 +109,10 @@ from fencegate.ledger.tasks import (
     RenewRequest,
     Scheduler,
     Task,
+    TaskState,
+    Tombstone,
     cost_to_json,
+    expired_task,
     task_from_fields,
 )
 
@@ -120,6 +140,9 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "probe_due_init": (),
     "events_read": (),
     "events_trim": (),
+    "retention": ("task_lib", "effect_lib"),
+    "settled_index": ("task_lib",),
+    "stats": (),
 }
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
 _CAS_ATTEMPTS = 8
@@ -133,6 +156,14 @@ _REVISIONS_KEPT = 4096
 PIPELINE_BATCH_MAX = 128
 #: Most events one run of events_trim.lua drops (trim_events runs it until it drops fewer).
 _TRIM_BATCH = 1000
+#: Tasks one run of settled_index.lua reads (the settled index's one-time backfill).
+_SETTLED_BACKFILL_BATCH = 1000
+#: The format of what this code writes under its key prefix (``{prefix}:meta`` ``format``).
+#: 1: written before formats were recorded (no meta key; no settled index, no tombstones).
+#: 2: retention (issue 17): the settled index and tombstones. A newer format is refused; an
+#: older one is served as it is (every record reads the same) and migrated by
+#: ``fencegate store migrate`` (``RedisStore.migrate``).
+FORMAT_VERSION = 2
 #: A position this store issues: a stream entry id.
 _POSITION = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 #: Each part of a stream entry id is an unsigned 64-bit number.
@@ -198,6 +229,32 @@ def _cost_arg(cost: Cost) -> str:
 def _record(raw: str) -> Effect:
     """An effect record as a script answers it: the stored cjson text, one bulk string."""
     return effects.effect_from_fields(json.loads(raw))
+
+
+def _task_tombstone(fields: dict[str, str]) -> Tombstone:
+    """A task tombstone as ``retention.lua`` writes it (and ``put.lua`` answers it)."""
+    return Tombstone(
+        task_id=fields["task_id"],
+        revision=int(fields["revision"]),
+        claim_generation=int(fields["claim_generation"]),
+        cancel_generation=int(fields["cancel_generation"]),
+        input_digest=fields["input_digest"],
+        state=TaskState(fields["state"]),
+        expired_at=int(fields["expired_at"]),
+        forget_at=int(fields["forget_at"]),
+        effects=int(fields["effects"]),
+    )
+
+
+def _effect_tombstone(fields: dict[str, str]) -> EffectTombstone:
+    """An effect tombstone as ``retention.lua`` writes it."""
+    return EffectTombstone(
+        effect_id=fields["effect_id"],
+        task_id=fields["task_id"],
+        state=EffectState(fields["state"]),
+        expired_at=int(fields["expired_at"]),
+        forget_at=int(fields["forget_at"]),
+    )
 
 
 def _index_member_parts(member: str) -> tuple[int, str, str]:
@@ -372,7 +429,9 @@ class RedisStore(Store):
         self._timeout_s = timeout_ms / 1000
         self._keys = keys.Keys(key_prefix)
         self._durability_checked = False
+        self._format_checked = False
         self._tasks_indexed = False
+        self._settled_indexed = False
         self._effect_indexes = [
             self._keys.prepared,
             self._keys.unknown,
@@ -466,6 +525,8 @@ class RedisStore(Store):
         self.observe(name, time.monotonic() - started)
         if not self._durability_checked:
             await self._check_durability()
+        if not self._format_checked:
+            await self._check_format()
         return reply  # type: ignore[no-any-return]
 
     async def open(self) -> None:
@@ -506,6 +567,78 @@ class RedisStore(Store):
         await self._call(lambda: self._command(self._redis.ping, "PING"))
         if not self._durability_checked:
             await self._check_durability()
+        if not self._format_checked:
+            await self._check_format()
+
+    async def _format(self) -> tuple[int | None, bool]:
+        """(the format recorded under the prefix or None, whether anything was ever written
+        under it)."""
+        keys_ = self._keys
+
+        async def read() -> Any:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hget(keys_.meta, "format")
+            pipe.exists(keys_.scheduler, keys_.tasks_index, keys_.tasks_indexed, keys_.events)
+            return await pipe.execute()
+
+        recorded, written = await self._call(read)
+        return (int(recorded) if recorded is not None else None), bool(written)
+
+    async def _check_format(self) -> None:
+        """Refuse a newer format (its records could be misread); record ours on a new store;
+        say so once when an older one waits for ``fencegate store migrate``. Checked at the
+        first contact, like durability."""
+        recorded, written = await self._format()
+        if recorded is not None and recorded > FORMAT_VERSION:
+            raise StoreIncompatible(
+                f"the Redis keys under prefix {self._keys.prefix!r} are in fencegate format "
+                f"{recorded}, newer than this gateway's {FORMAT_VERSION}: run the fencegate "
+                "version that wrote them (or newer)"
+            )
+        if recorded is None and not written:
+            await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
+        elif (recorded or 1) < FORMAT_VERSION:
+            log.warning(
+                "store.migration_needed",
+                store="redis",
+                found=recorded or 1,
+                current=FORMAT_VERSION,
+                reason="written by an older fencegate: it is served as it is; run "
+                "`fencegate store migrate` once the older gateways are stopped",
+            )
+        self._format_checked = True
+
+    async def migrate(self) -> Migration:
+        """Format 1 -> 2: the tasks index and the settled index completed from the records (both
+        idempotent: ZADD NX of what each task's state says, in bounded steps), then the format
+        recorded. Safe while older gateways serve, but a task they settle afterwards is not
+        indexed (an older gateway does not know the index): run it again once they stopped."""
+        recorded, written = await self._format()
+        if recorded is not None and recorded > FORMAT_VERSION:
+            await self._check_format()  # raises, with the words
+        found = recorded if recorded is not None else (1 if written else None)
+        done: list[str] = []
+        if found is not None and found < FORMAT_VERSION:
+            await self._index_old_tasks()
+            added = await self._index_settled(again=True)
+            done.append(f"settled index: {added} settled task(s) added (retention can see them)")
+            await self._call(lambda: self._redis.hset(self._keys.meta, "format", FORMAT_VERSION))
+            done.append(f"format {FORMAT_VERSION} recorded in {self._keys.meta}")
+        elif found is None:
+            await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
+        self._format_checked = True
+        return Migration(
+            store="redis",
+            found=found,
+            current=FORMAT_VERSION,
+            done=tuple(done),
+            notes=(
+                "older gateways may keep serving while this runs; tasks they settle afterwards "
+                "are not in the settled index: run this again once the last one stopped",
+            )
+            if done
+            else (),
+        )
 
     async def now_ms(self) -> int:
         sec, usec = await self._call(lambda: self._command(self._redis.time, "TIME"))
@@ -543,6 +676,10 @@ class RedisStore(Store):
             ],
         )
         status, fields = _parse(reply)
+        if status == "EXPIRED":
+            # The task expired and this is its input again: the model's refusal, composed
+            # from the tombstone put.lua read in the same step.
+            raise expired_task(_task_tombstone(fields))
         return task_from_fields(fields), PutOutcome(status)
 
     async def get_task(self, task_id: str) -> Task:
@@ -551,8 +688,44 @@ class RedisStore(Store):
             lambda: self._command(functools.partial(self._redis.hgetall, key), "HGETALL", key)
         )
         if not fields:
-            raise ERRORS_BY_CODE["NO_SUCH_TASK"]()
+            raise await self._refusal(NoSuchTask(), task_id=task_id)
         return task_from_fields(fields)
+
+    async def _refusal(
+        self,
+        exc: FencegateError,
+        *,
+        task_id: str | None = None,
+        effect_id: str | None = None,
+    ) -> FencegateError:
+        """The refusal to give for a step that found no task ``task_id`` (``exc`` a plain
+        NoSuchTask) or no effect ``effect_id`` (a plain NoSuchEffect): ``TaskExpired`` /
+        ``EffectExpired`` when a live tombstone remembers it, else ``exc`` itself.
+
+        The one place this store refines those refusals (docs/dev/retention-spec.md): a second
+        read, after the step answered, of the tombstone and the store's time. It only changes
+        which refusal is given, never what a step did, so it need not be atomic with the step;
+        a tombstone past its ``forget_at`` on the store's clock counts as absent, whether or
+        not Redis has expired the key yet."""
+        if type(exc) is NoSuchTask and task_id is not None:
+            key = self._keys.tombstone(task_id)
+        elif type(exc) is NoSuchEffect and effect_id is not None:
+            key = self._keys.effect_tombstone(effect_id)
+        else:
+            return exc
+
+        async def read() -> Any:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(key)
+                pipe.time()
+                return await pipe.execute()
+
+        fields, (sec, usec) = await self._call(read)
+        if not fields or int(fields["forget_at"]) <= self._store_time(sec, usec):
+            return exc
+        if task_id is not None:
+            return expired_task(_task_tombstone(fields))
+        return expired_effect(_effect_tombstone(fields))
 
     async def _index_old_tasks(self) -> None:
         """Add the tasks created before the task index existed (an older fencegate) to it:
@@ -640,7 +813,10 @@ class RedisStore(Store):
                 request.principal or "",
             ],
         )
-        task = task_from_fields(_parse(reply)[1])
+        try:
+            task = task_from_fields(_parse(reply)[1])
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=task_id) from None
         self._remember_revision(task_id, task.claim_generation, task.revision)
         return task
 
@@ -695,7 +871,10 @@ class RedisStore(Store):
                 _cost_arg(request.cost),
             ],
         )
-        return task_from_fields(_parse(reply)[1])
+        try:
+            return task_from_fields(_parse(reply)[1])
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=task_id) from None
 
     async def release(self, task_id: str, identity: Identity) -> Task:
         reply = await self._task_script(
@@ -709,7 +888,10 @@ class RedisStore(Store):
                 identity.principal or "",
             ],
         )
-        return task_from_fields(_parse(reply)[1])
+        try:
+            return task_from_fields(_parse(reply)[1])
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=task_id) from None
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
         reply = await self._task_script(
@@ -728,14 +910,20 @@ class RedisStore(Store):
                 _cost_arg(request.cost),
             ],
         )
-        status, fields = _parse(reply)
+        try:
+            status, fields = _parse(reply)
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=task_id) from None
         return task_from_fields(fields), status == "REPLAY"
 
     async def cancel(self, task_id: str) -> Task:
         reply = await self._task_script(
             "cancel", [self._keys.task(task_id), self._keys.leases], [self.max_cascade]
         )
-        return task_from_fields(_parse(reply)[1])
+        try:
+            return task_from_fields(_parse(reply)[1])
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=task_id) from None
 
     async def continue_cascades(self, limit: int) -> int:
         """cascade.lua: the recorded cascades (a set of cancelled task ids), one step."""
@@ -803,7 +991,10 @@ class RedisStore(Store):
                 fence.principal or "",
             ],
         )
-        return task_from_fields(_parse(reply)[1])
+        try:
+            return task_from_fields(_parse(reply)[1])
+        except NoSuchTask as exc:
+            raise await self._refusal(exc, task_id=fence.task_id) from None
 
     async def prepare_effect(
         self,
@@ -852,7 +1043,10 @@ class RedisStore(Store):
         )
         status = reply[0]
         if status == "ERR":
-            _parse(reply)  # raises
+            try:
+                _parse(reply)  # raises
+            except NoSuchTask as exc:
+                raise await self._refusal(exc, task_id=fence.task_id) from None
         if status == "REJECT":
             code, detail, retry = reply[1], reply[2], reply[3]
             effect = _record(reply[4])
@@ -884,7 +1078,10 @@ class RedisStore(Store):
         )
         status = reply[0]
         if status == "ERR":
-            _parse(reply)  # raises
+            try:
+                _parse(reply)  # raises
+            except NoSuchEffect as exc:
+                raise await self._refusal(exc, effect_id=effect_id) from None
         return _record(reply[1]), status == "OK"
 
     async def _read_effects(self, refs: Sequence[tuple[str, str]]) -> list[Effect | None]:
@@ -912,14 +1109,14 @@ class RedisStore(Store):
             lambda: self._redis.hget(self._keys.effect_tasks, effect_id)
         )
         if task_id is None:
-            raise NoSuchEffect()
+            raise await self._refusal(NoSuchEffect(), effect_id=effect_id)
         return str(task_id)
 
     async def get_effect(self, effect_id: str) -> Effect:
         task_id = await self._task_of(effect_id)
         (effect,) = await self._read_effects([(task_id, effect_id)])
         if effect is None:
-            raise NoSuchEffect()
+            raise await self._refusal(NoSuchEffect(), effect_id=effect_id)
         return effect
 
     async def list_effects(
@@ -1062,6 +1259,121 @@ class RedisStore(Store):
         active, prepared, unknown, awaiting = await self._script("gauges", keys_, [])
         return Gauges(int(active), int(prepared), int(unknown), int(awaiting))
 
+    # --- retention (ledger.retention) --------------------------------------------------------
+
+    async def _index_settled(self, *, again: bool = False) -> int:
+        """Add the tasks settled before the settled index existed (an older fencegate) to it,
+        once per store (the marker key ``settled_indexed`` remembers): settled_index.lua over
+        the tasks index, a batch per run, each task's state read in the step that indexes it.
+        The tasks index is completed first (its own one-time SCAN), so this needs no SCAN.
+        Tasks that settle meanwhile are indexed by task_lib.lua anyway; two gateways doing it
+        at once is harmless (ZADD NX)."""
+        indexed: int = await self._call(lambda: self._redis.exists(self._keys.settled_indexed))
+        if indexed and not again:
+            self._settled_indexed = True
+            return 0
+        if not self._tasks_indexed:
+            await self._index_old_tasks()
+        after, added = "", 0
+        while True:
+            last, read, new = await self._task_script(
+                "settled_index",
+                [self._keys.tasks_index, self._keys.settled],
+                [after, _SETTLED_BACKFILL_BATCH],
+            )
+            added += int(new)
+            if int(read) < _SETTLED_BACKFILL_BATCH:
+                break
+            after = str(last)
+        await self._call(lambda: self._redis.set(self._keys.settled_indexed, "1"))
+        log.info("store.settled_indexed", store="redis", added=added)
+        self._settled_indexed = True
+        return added
+
+    async def expire_settled(self, settled_ms: int, tombstone_ms: int, limit: int) -> ExpiryReport:
+        """retention.lua: one bounded, atomic sweep step (its comments say what it does)."""
+        if not self._settled_indexed:
+            await self._index_settled()
+        reply = await self._task_script(
+            "retention",
+            [
+                self._keys.settled,
+                self._keys.leases,
+                self._keys.tasks_index,
+                self._keys.effects_index,
+                self._keys.effect_tasks,
+                self._keys.prepared,
+                self._keys.unknown,
+                self._keys.awaiting,
+                self._keys.probe_due,
+                self._keys.task_tombstones,
+                self._keys.effect_tombstones,
+            ],
+            [settled_ms, tombstone_ms, limit],
+        )
+        examined, tasks, effects_, forgotten, *kept = reply
+        return ExpiryReport(
+            examined=int(examined),
+            expired_tasks=int(tasks),
+            expired_effects=int(effects_),
+            kept={str(kept[i]): int(kept[i + 1]) for i in range(0, len(kept), 2)},
+            forgotten=int(forgotten),
+        )
+
+    async def store_stats(self, settled_ms: int) -> StoreStats:
+        """stats.lua (every count, at one instant of the store's clock, plus MEMORY USAGE of
+        the store's global structures) and ``INFO memory`` in one auto-pipelined round trip.
+        ``bytes`` is the whole Redis's ``used_memory``: every key prefix and database on it."""
+        if not self._settled_indexed:
+            await self._index_settled()
+        detail = {
+            "events": self._keys.events,
+            "tasks:index": self._keys.tasks_index,
+            "effects:index": self._keys.effects_index,
+            "effects:task": self._keys.effect_tasks,
+            "settled": self._keys.settled,
+            "tombstones:tasks": self._keys.task_tombstones,
+            "tombstones:effects": self._keys.effect_tombstones,
+        }
+        counts_keys = [
+            self._keys.tasks_index,
+            self._keys.leases,
+            self._keys.settled,
+            self._keys.effects_index,
+            self._keys.prepared,
+            self._keys.unknown,
+            self._keys.awaiting,
+            self._keys.task_tombstones,
+            self._keys.effect_tombstones,
+            self._keys.events,
+            *detail.values(),
+        ]
+        counts, memory = await asyncio.gather(
+            self._script("stats", counts_keys, [settled_ms]),
+            self._call(
+                lambda: self._command(
+                    functools.partial(self._redis.info, "memory"), "INFO", "memory"
+                )
+            ),
+        )
+        n = [int(x) for x in counts]
+        used = memory.get("used_memory") if isinstance(memory, dict) else None
+        return StoreStats(
+            tasks=n[0],
+            claimed_tasks=n[1],
+            settled_tasks=n[2],
+            due_tasks=n[3],
+            effects=n[4],
+            prepared_effects=n[5],
+            unknown_effects=n[6],
+            awaiting_approval=n[7],
+            task_tombstones=n[8],
+            effect_tombstones=n[9],
+            events=n[10],
+            bytes=int(used) if used is not None else None,
+            bytes_detail={name: size for name, size in zip(detail, n[11:], strict=True) if size},
+        )
+
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
         """Read, decide in Python, compare-and-set; a concurrent writer makes it read again."""
         task_id = await self._task_of(effect_id)
@@ -1077,7 +1389,10 @@ class RedisStore(Store):
             raw, (sec, usec) = await self._call(read)
             now = self._store_time(sec, usec)
             current = None if raw is None else effects.effect_from_fields(json.loads(raw))
-            updated = transition(current, now)
+            try:
+                updated = transition(current, now)
+            except NoSuchEffect as exc:  # the record went (expired) since _task_of found it
+                raise await self._refusal(exc, effect_id=effect_id) from None
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]
             cas_keys = [key, *self._effect_indexes]

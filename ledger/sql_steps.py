@@ -26,17 +26,20 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from fencegate.ledger import effects, queries, tasks
+from fencegate.ledger import effects, queries, retention, tasks
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import (
     BadRequest,
+    EffectExpired,
     EventsGone,
     NoSuchEffect,
     NoSuchTask,
     StoreIncompatible,
+    TaskExpired,
 )
 from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.retention import EffectTombstone, ExpiryReport, StoreStats
 from fencegate.ledger.store import TASK_SCAN, EffectTransition, encode_cursor
 from fencegate.ledger.tasks import (
     ClaimRequest,
@@ -48,17 +51,23 @@ from fencegate.ledger.tasks import (
     Scheduler,
     Task,
     TaskState,
+    Tombstone,
 )
 
 __all__ = [
     "NOW",
+    "RETENTION_TABLES",
     "SCHEMA_VERSION",
+    "SETTLED_STATES_SQL",
+    "STORE_TABLES",
     "TASK_FLOW_COLUMNS",
     "TRIM_BATCH",
     "Dialect",
     "Sql",
     "Step",
+    "backfill_settled",
     "check_schema_version",
+    "expired_refusal",
     "run_sync",
 ]
 
@@ -66,11 +75,15 @@ T = TypeVar("T")
 
 #: The version of the tables these steps read and write. A store finding a newer one in its
 #: database refuses to start: a newer fencegate wrote rows this code may misread.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Version 2 (task flow): tasks gained the columns ``queue``, ``priority``, ``ready_at``,
 #: ``claim_epoch`` (every row of version 1 has no queue: NULLs are right for it), the tables
 #: ``dependents`` and ``events`` (with triggers filling it) came new. A store opening a
 #: version-1 database adds them and writes 2 (``TASK_FLOW_COLUMNS``).
+#: Version 3 (retention): the tables ``settled`` (kept by triggers on ``tasks``),
+#: ``task_tombstones`` and ``effect_tombstones`` (``RETENTION_TABLES``). A store opening a
+#: version-1 or -2 database adds them (and version 2's), fills ``settled`` from the tasks
+#: already settled (``backfill_settled``) and writes 3, in one transaction.
 
 #: The columns version 2 added to ``tasks`` (name, portable type).
 TASK_FLOW_COLUMNS = (
@@ -79,6 +92,70 @@ TASK_FLOW_COLUMNS = (
     ("ready_at", "BIGINT"),
     ("claim_epoch", "BIGINT"),
 )
+
+
+#: The tables version 3 added, portable DDL (each statement idempotent). ``settled`` is the
+#: settled index: one row per COMMITTED or CANCELLED task, ``due_at`` its ``updated_at`` when
+#: it settled (or when a sweep last kept it). The tombstones hold every field of
+#: ``tasks.Tombstone`` and ``retention.EffectTombstone``; ``forget_at`` is indexed for the
+#: sweep that forgets them and for counting the live ones.
+RETENTION_TABLES = (
+    """CREATE TABLE IF NOT EXISTS settled (
+        task_id TEXT PRIMARY KEY,
+        due_at  BIGINT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS settled_due ON settled (due_at, task_id)",
+    """CREATE TABLE IF NOT EXISTS task_tombstones (
+        task_id           TEXT PRIMARY KEY,
+        revision          BIGINT NOT NULL,
+        claim_generation  BIGINT NOT NULL,
+        cancel_generation BIGINT NOT NULL,
+        input_digest      TEXT NOT NULL,
+        state             TEXT NOT NULL,
+        expired_at        BIGINT NOT NULL,
+        forget_at         BIGINT NOT NULL,
+        effects           BIGINT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS task_tombstones_forget ON task_tombstones (forget_at)",
+    """CREATE TABLE IF NOT EXISTS effect_tombstones (
+        effect_id  TEXT PRIMARY KEY,
+        task_id    TEXT NOT NULL,
+        state      TEXT NOT NULL,
+        expired_at BIGINT NOT NULL,
+        forget_at  BIGINT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS effect_tombstones_forget ON effect_tombstones (forget_at)",
+)
+
+#: Every table of fencegate's schema (what ``store_stats`` sizes, where a store can tell).
+STORE_TABLES = (
+    "tasks",
+    "effects",
+    "dependents",
+    "cascades",
+    "events",
+    "events_trimmed",
+    "scheduler",
+    "settled",
+    "task_tombstones",
+    "effect_tombstones",
+    "fencegate_schema",
+)
+
+#: The task states the settled index holds, as a SQL list (``retention.SETTLED_TASK_STATES``;
+#: the stores' triggers use the same list).
+SETTLED_STATES_SQL = "('COMMITTED', 'CANCELLED')"
+
+
+def backfill_settled(d: Dialect) -> str:
+    """The upgrade to version 3's one data step: an entry in ``settled`` for every task
+    already settled, due from its ``updated_at`` (the instant it settled: nothing changes a
+    settled task's record but a new revision, which opens it). Idempotent."""
+    return (
+        "INSERT INTO settled (task_id, due_at) "
+        f"SELECT task_id, {d.json_int('updated_at')} FROM tasks "
+        f"WHERE state IN {SETTLED_STATES_SQL} ON CONFLICT (task_id) DO NOTHING"
+    )
 
 
 def check_schema_version(found: int, where: str) -> None:
@@ -133,6 +210,12 @@ class Dialect:
     events_visible: str
     #: SELECT of the position "after everything visible now" (two columns: xid, seq).
     events_end: str
+    #: SELECT of (table, bytes) rows, one per table of ``STORE_TABLES`` (tables and their
+    #: indexes), or empty where that is not cheap to tell (``store_stats``).
+    table_bytes: str
+    #: SELECT of the whole store's size in bytes (one value), used when ``table_bytes`` is
+    #: empty; empty where the store cannot tell.
+    store_bytes: str
 
     # SQL mirrors of the pure rules (each names the function it mirrors).
     def overdue(self) -> str:
@@ -303,6 +386,81 @@ def _effects_from(rows: Iterable[Any], now: int) -> list[Effect]:
     return [effects.effective(effects.effect_from_fields(json.loads(r[0])), now) for r in rows]
 
 
+_TASK_STONE_COLUMNS = (
+    "revision, claim_generation, cancel_generation, input_digest, state, expired_at, "
+    "forget_at, effects"
+)
+
+
+def load_task_tombstone(task_id: str) -> Step[Tombstone | None]:
+    """The task's tombstone row, live or not (the caller compares ``forget_at`` with its
+    ``now``: one past it counts as absent, swept or not)."""
+    row = yield Sql(
+        f"SELECT {_TASK_STONE_COLUMNS} FROM task_tombstones WHERE task_id = ?", (task_id,), "one"
+    )
+    if row is None:
+        return None
+    return Tombstone(
+        task_id=task_id,
+        revision=int(row[0]),
+        claim_generation=int(row[1]),
+        cancel_generation=int(row[2]),
+        input_digest=str(row[3]),
+        state=TaskState(row[4]),
+        expired_at=int(row[5]),
+        forget_at=int(row[6]),
+        effects=int(row[7]),
+    )
+
+
+def load_effect_tombstone(effect_id: str) -> Step[EffectTombstone | None]:
+    row = yield Sql(
+        "SELECT task_id, state, expired_at, forget_at FROM effect_tombstones WHERE effect_id = ?",
+        (effect_id,),
+        "one",
+    )
+    if row is None:
+        return None
+    return EffectTombstone(
+        effect_id=effect_id,
+        task_id=str(row[0]),
+        state=EffectState(row[1]),
+        expired_at=int(row[2]),
+        forget_at=int(row[3]),
+    )
+
+
+def expired_refusal(
+    step: Step[T], *, task_id: str | None = None, effect_id: str | None = None
+) -> Step[T]:
+    """``step``, with its NO_SUCH_TASK for ``task_id`` (NO_SUCH_EFFECT for ``effect_id``)
+    turned into TASK_EXPIRED (EFFECT_EXPIRED) when a live tombstone remembers that id.
+
+    The one place the SQL stores refine that refusal, in the same transaction as the step:
+    the tombstone is read only after the step refused (one more statement on that path, none
+    on any other), and it changes only which refusal is given, never whether one is."""
+    try:
+        return (yield from step)
+    except (TaskExpired, EffectExpired):
+        raise
+    except NoSuchTask:
+        if task_id is None:
+            raise
+        stone = yield from load_task_tombstone(task_id)
+        now = yield NOW
+        if stone is None or stone.forget_at <= now:
+            raise
+        raise tasks.expired_task(stone) from None
+    except NoSuchEffect:
+        if effect_id is None:
+            raise
+        effect_stone = yield from load_effect_tombstone(effect_id)
+        now = yield NOW
+        if effect_stone is None or effect_stone.forget_at <= now:
+            raise
+        raise retention.expired_effect(effect_stone) from None
+
+
 # --- tasks ----------------------------------------------------------------------------------
 
 
@@ -320,6 +478,13 @@ def put_task(
     found = yield from load_task(d, task_id, lock=True)
     if found is not None and found.input_digest == input_digest:
         return found, PutOutcome.UNCHANGED
+    # No record: an expired task leaves a tombstone. The same input is refused before any
+    # dependency check, as ``tasks.put`` orders it; a new one continues its revision.
+    stone = None if found is not None else (yield from load_task_tombstone(task_id))
+    if stone is not None and stone.input_digest == input_digest:
+        now = yield NOW
+        if stone.forget_at > now:
+            raise tasks.expired_task(stone)
     wanted = tuple(dict.fromkeys(depends_on)) if depends_on is not None else None
     before = found.depends_on if found is not None else ()
     deps_now = wanted if wanted is not None else before
@@ -349,8 +514,13 @@ def put_task(
         priority=priority,
         depends_on=wanted,
         deps=deps,
+        tombstone=stone if stone is not None and stone.forget_at > now else None,
     )
     yield from save_task(task, found is not None)
+    if stone is not None:
+        # Created again (from the tombstone, or afresh past its forget_at): the record speaks
+        # for the task id from now on.
+        yield Sql("DELETE FROM task_tombstones WHERE task_id = ?", (task_id,))
     for dep in before:
         if dep not in deps_now:
             yield Sql(
@@ -714,6 +884,191 @@ def gauges(d: Dialect) -> Step[Gauges]:
     (unknown,) = yield Sql("SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'", (), "one")
     (awaiting,) = yield Sql(f"SELECT COUNT(*) FROM effects WHERE {d.awaiting()}", (), "one")
     return Gauges(int(active), int(prepared), int(unknown) + int(overdue), int(awaiting))
+
+
+# --- retention (ledger.retention) ------------------------------------------------------------
+
+
+def expire_settled(
+    d: Dialect, settled_ms: int, tombstone_ms: int, limit: int
+) -> Step[ExpiryReport]:
+    """One step of the retention sweep (``Store.expire_settled``), mirroring
+    ``retention.why_kept`` for each settled task due.
+
+    Locking (PostgreSQL): the due entries are taken with their task rows in one
+    ``FOR UPDATE SKIP LOCKED`` read, so two sweepers take different tasks and neither waits
+    for the other, and a task some step holds (a put of a new revision, a commit replay) is
+    left for a later sweep instead of waited for: the triggers that keep ``settled`` lock its
+    row after the task's, so waiting here for a task while holding its entry could deadlock.
+    The effects are then read ``FOR UPDATE`` (task, then effect: the order every step uses),
+    so an operator's transition in flight is waited for and judged as it ends.
+
+    ``now`` is read once, first (the cutoff needs it): what the rules read of it
+    (``effects.effective``) only tells a running PREPARED from an overdue one, and both
+    keep the task."""
+    now = yield NOW
+    rows = yield Sql(
+        "SELECT tasks.fields FROM settled JOIN tasks ON tasks.task_id = settled.task_id "
+        "WHERE settled.due_at <= ? ORDER BY settled.due_at, settled.task_id LIMIT ?"
+        f"{d.for_update_skip_locked}",
+        (now - settled_ms, limit),
+        "all",
+    )
+    kept: dict[str, int] = {}
+    expired_tasks = expired_effects = 0
+    for row in rows:
+        task = _task_of(row)
+        effect_rows = yield Sql(
+            "SELECT fields FROM effects WHERE task_id = ? ORDER BY created_at, effect_id"
+            f"{d.for_update}",
+            (task.task_id,),
+            "all",
+        )
+        records = [effects.effect_from_fields(json.loads(r[0])) for r in effect_rows]
+        dependent = yield Sql(
+            "SELECT 1 FROM dependents JOIN tasks ON tasks.task_id = dependents.dependent_id "
+            "WHERE dependents.task_id = ? LIMIT 1",
+            (task.task_id,),
+            "one",
+        )
+        reason = retention.why_kept(task, records, dependent is not None, now)
+        if reason == "open":  # the triggers make this impossible; an entry too many goes
+            yield Sql("DELETE FROM settled WHERE task_id = ?", (task.task_id,))
+        elif reason is not None:
+            kept[reason] = kept.get(reason, 0) + 1
+            yield Sql("UPDATE settled SET due_at = ? WHERE task_id = ?", (now, task.task_id))
+        else:
+            yield from _expire_task(d, task, records, now, tombstone_ms)
+            expired_tasks += 1
+            expired_effects += len(records)
+    forgotten = 0
+    for table, key in (("task_tombstones", "task_id"), ("effect_tombstones", "effect_id")):
+        gone = yield Sql(
+            f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
+            f"WHERE forget_at <= ? ORDER BY forget_at LIMIT ?{d.for_update_skip_locked}) "
+            f"RETURNING {key}",
+            (now, limit),
+            "all",
+        )
+        forgotten += len(gone)
+    return ExpiryReport(
+        examined=len(rows),
+        expired_tasks=expired_tasks,
+        expired_effects=expired_effects,
+        kept=kept,
+        forgotten=forgotten,
+    )
+
+
+def _expire_task(
+    d: Dialect, task: Task, records: list[Effect], now: int, tombstone_ms: int
+) -> Step[None]:
+    """Delete ``task`` (held by the caller) with everything naming it, and leave its
+    tombstones. The SQL indexes (queue, leases, effect order) are the tables' own, so the rows
+    take them along; the feed's events stay (trimmed by count, ``events.retain``)."""
+    task_id = task.task_id
+    yield Sql("DELETE FROM effects WHERE task_id = ?", (task_id,))
+    yield Sql("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+    yield Sql("DELETE FROM settled WHERE task_id = ?", (task_id,))
+    # Its dependents record: why_kept saw none of those tasks exist, so the rows are stale.
+    yield Sql("DELETE FROM dependents WHERE task_id = ?", (task_id,))
+    if task.depends_on:
+        # Its entries in its dependencies' records: the primary key's own lookups, no scan.
+        yield Sql(
+            "DELETE FROM dependents WHERE dependent_id = ? "
+            f"AND task_id IN ({','.join('?' * len(task.depends_on))})",
+            (task_id, *task.depends_on),
+        )
+    # A cascade still recorded for it (its dependents are gone, so nothing is left to do). A
+    # row ``continue_cascades`` holds is left to it: it drops the row itself, and waiting
+    # for it here could deadlock (it locks the row, then the task this step holds).
+    yield Sql(
+        "DELETE FROM cascades WHERE task_id IN "
+        f"(SELECT task_id FROM cascades WHERE task_id = ?{d.for_update_skip_locked})",
+        (task_id,),
+    )
+    stone = retention.tombstone(task, len(records), now, tombstone_ms)
+    yield Sql(
+        f"INSERT INTO task_tombstones (task_id, {_TASK_STONE_COLUMNS}) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+        "revision = excluded.revision, claim_generation = excluded.claim_generation, "
+        "cancel_generation = excluded.cancel_generation, input_digest = excluded.input_digest, "
+        "state = excluded.state, expired_at = excluded.expired_at, "
+        "forget_at = excluded.forget_at, effects = excluded.effects",
+        (
+            task_id,
+            stone.revision,
+            stone.claim_generation,
+            stone.cancel_generation,
+            stone.input_digest,
+            stone.state.value,
+            stone.expired_at,
+            stone.forget_at,
+            stone.effects,
+        ),
+    )
+    for effect_stone in retention.effect_tombstones(records, now, tombstone_ms):
+        yield Sql(
+            "INSERT INTO effect_tombstones (effect_id, task_id, state, expired_at, forget_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (effect_id) DO UPDATE SET "
+            "task_id = excluded.task_id, state = excluded.state, "
+            "expired_at = excluded.expired_at, forget_at = excluded.forget_at",
+            (
+                effect_stone.effect_id,
+                effect_stone.task_id,
+                effect_stone.state.value,
+                effect_stone.expired_at,
+                effect_stone.forget_at,
+            ),
+        )
+
+
+def store_stats(d: Dialect, settled_ms: int) -> Step[StoreStats]:
+    """``Store.store_stats``: counts over indexed columns (one statement) and the store's
+    size (``Dialect.table_bytes`` / ``store_bytes``). Effects count as ``gauges`` counts
+    them (``effects.effective``): a PREPARED past its deadline is UNKNOWN."""
+    now = yield NOW
+    counts = yield Sql(
+        "SELECT (SELECT COUNT(*) FROM tasks), "
+        "(SELECT COUNT(*) FROM tasks WHERE state = 'CLAIMED'), "
+        "(SELECT COUNT(*) FROM settled), "
+        "(SELECT COUNT(*) FROM settled WHERE due_at <= ?), "
+        "(SELECT COUNT(*) FROM effects), "
+        f"(SELECT COUNT(*) FROM effects WHERE {d.running()}), "
+        "(SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'), "
+        f"(SELECT COUNT(*) FROM effects WHERE {d.overdue()}), "
+        f"(SELECT COUNT(*) FROM effects WHERE {d.awaiting()}), "
+        "(SELECT COUNT(*) FROM task_tombstones WHERE forget_at > ?), "
+        "(SELECT COUNT(*) FROM effect_tombstones WHERE forget_at > ?), "
+        "(SELECT COUNT(*) FROM events)",
+        (now - settled_ms, now, now, now, now),
+        "one",
+    )
+    n = [int(c) for c in counts]
+    detail: dict[str, int] = {}
+    size: int | None = None
+    if d.table_bytes:
+        for name, value in (yield Sql(d.table_bytes, (), "all")):
+            detail[str(name)] = int(value or 0)
+        size = sum(detail.values())
+    elif d.store_bytes:
+        row = yield Sql(d.store_bytes, (), "one")
+        size = None if row is None or row[0] is None else int(row[0])
+    return StoreStats(
+        tasks=n[0],
+        claimed_tasks=n[1],
+        settled_tasks=n[2],
+        due_tasks=n[3],
+        effects=n[4],
+        prepared_effects=n[5],
+        unknown_effects=n[6] + n[7],
+        awaiting_approval=n[8],
+        task_tombstones=n[9],
+        effect_tombstones=n[10],
+        events=n[11],
+        bytes=size,
+        bytes_detail=detail,
+    )
 
 
 def update_effect(d: Dialect, effect_id: str, transition: EffectTransition) -> Step[Effect]:

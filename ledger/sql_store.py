@@ -1,6 +1,10 @@
 """What the SQL stores share: every transition of ``Store`` as a shared step of
 ``ledger.sql_steps``, so a SQL store supplies only its dialect, how it runs a step (connection,
 transaction, locking) and its clock.
+
+Every step that names one task or one effect runs through ``_named``, the one place a
+NO_SUCH_TASK / NO_SUCH_EFFECT becomes TASK_EXPIRED / EFFECT_EXPIRED when a tombstone remembers
+the id (``sql_steps.expired_refusal``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from fencegate.ledger import sql_steps
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter
-from fencegate.ledger.store import EffectTransition, Store, decode_cursor, new_id
+from fencegate.ledger.retention import ExpiryReport, StoreStats
+from fencegate.ledger.store import EffectTransition, Migration, Store, decode_cursor, new_id
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -34,11 +39,50 @@ class SqlStore(Store):
 
     #: The store's SQL fragments (row locks, scheduler locks, JSON access).
     dialect: sql_steps.Dialect
+    #: The schema version the store was in when this process opened it, before the upgrade
+    #: the opening made (None: a new store): what ``migrate`` reports.
+    schema_found: int | None = None
 
     @abc.abstractmethod
     async def _steps(self, make: Callable[[], sql_steps.Step[T]], op: str) -> T:
         """Run the step ``make`` builds as one atomic transaction (``op`` names it for
         metrics). ``make`` is called where and when the step runs, once per attempt."""
+
+    async def _named(
+        self,
+        make: Callable[[], sql_steps.Step[T]],
+        op: str,
+        *,
+        task_id: str | None = None,
+        effect_id: str | None = None,
+    ) -> T:
+        """``_steps`` for a step naming ``task_id`` or ``effect_id``: a refusal saying it does
+        not exist says it expired when a live tombstone remembers it (same transaction)."""
+        return await self._steps(
+            lambda: sql_steps.expired_refusal(make(), task_id=task_id, effect_id=effect_id), op
+        )
+
+    async def migrate(self) -> Migration:
+        """The upgrade itself happens when a store is opened (``open``: one transaction, every
+        step idempotent, the version row last), so an interrupted one is simply done again;
+        this reports what the opening found and did."""
+        found, current = self.schema_found, sql_steps.SCHEMA_VERSION
+        if found is None or found >= current:
+            return Migration(self.kind, found, current)
+        return Migration(
+            self.kind,
+            found,
+            current,
+            done=(
+                f"schema upgraded from version {found} to {current} as the store was opened "
+                "(new tables, indexes and triggers; the settled index filled from the tasks)",
+            ),
+            notes=(
+                f"gateways of schema version {found} that are running keep working (the "
+                "upgrade only adds; its triggers index their writes too), but one restarted "
+                "refuses the store: upgrade them all",
+            ),
+        )
 
     def _windows_from(self) -> int | None:
         """Records created before this store instant get no resend window (a store whose
@@ -72,7 +116,9 @@ class SqlStore(Store):
         )
 
     async def get_task(self, task_id: str) -> Task:
-        return await self._steps(lambda: sql_steps.get_task(self.dialect, task_id), "get_task")
+        return await self._named(
+            lambda: sql_steps.get_task(self.dialect, task_id), "get_task", task_id=task_id
+        )
 
     async def list_tasks(
         self, wanted: TaskFilter, limit: int, after: str | None
@@ -83,9 +129,10 @@ class SqlStore(Store):
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         attempt_id = new_id()
-        return await self._steps(
+        return await self._named(
             lambda: sql_steps.claim(self.dialect, task_id, request, self.policy, attempt_id),
             "claim",
+            task_id=task_id,
         )
 
     async def claim_next(self, queue: str, request: ClaimRequest) -> Task | None:
@@ -96,24 +143,30 @@ class SqlStore(Store):
         )
 
     async def renew(self, task_id: str, request: RenewRequest) -> Task:
-        return await self._steps(
-            lambda: sql_steps.renew(self.dialect, task_id, request, self.policy), "renew"
+        return await self._named(
+            lambda: sql_steps.renew(self.dialect, task_id, request, self.policy),
+            "renew",
+            task_id=task_id,
         )
 
     async def release(self, task_id: str, identity: Identity) -> Task:
-        return await self._steps(
-            lambda: sql_steps.release(self.dialect, task_id, identity), "release"
+        return await self._named(
+            lambda: sql_steps.release(self.dialect, task_id, identity), "release", task_id=task_id
         )
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
         commit_id = new_id()
-        return await self._steps(
-            lambda: sql_steps.commit(self.dialect, task_id, request, commit_id), "commit"
+        return await self._named(
+            lambda: sql_steps.commit(self.dialect, task_id, request, commit_id),
+            "commit",
+            task_id=task_id,
         )
 
     async def cancel(self, task_id: str) -> Task:
-        return await self._steps(
-            lambda: sql_steps.cancel(self.dialect, task_id, self.max_cascade), "cancel"
+        return await self._named(
+            lambda: sql_steps.cancel(self.dialect, task_id, self.max_cascade),
+            "cancel",
+            task_id=task_id,
         )
 
     async def continue_cascades(self, limit: int) -> int:
@@ -145,7 +198,9 @@ class SqlStore(Store):
     # --- the idempotency ledger -------------------------------------------------------------
 
     async def check_fence(self, fence: Fence) -> Task:
-        return await self._steps(lambda: sql_steps.check_fence(self.dialect, fence), "check_fence")
+        return await self._named(
+            lambda: sql_steps.check_fence(self.dialect, fence), "check_fence", task_id=fence.task_id
+        )
 
     async def prepare_effect(
         self,
@@ -155,7 +210,7 @@ class SqlStore(Store):
         resend_window_ms: int | None = None,
         require_approval: bool = False,
     ) -> PrepareOutcome:
-        return await self._steps(
+        return await self._named(
             lambda: sql_steps.prepare_effect(
                 self.dialect,
                 request,
@@ -165,6 +220,7 @@ class SqlStore(Store):
                 windows_from=self._windows_from(),
             ),
             "prepare_effect",
+            task_id=request.fence.task_id,
         )
 
     async def complete_effect(
@@ -177,16 +233,17 @@ class SqlStore(Store):
         reason: str,
         response_json: str | None,
     ) -> tuple[Effect, bool]:
-        return await self._steps(
+        return await self._named(
             lambda: sql_steps.complete_effect(
                 self.dialect, effect_id, seq, attempt_id, outcome, reason, response_json
             ),
             "complete_effect",
+            effect_id=effect_id,
         )
 
     async def get_effect(self, effect_id: str) -> Effect:
-        return await self._steps(
-            lambda: sql_steps.get_effect(self.dialect, effect_id), "get_effect"
+        return await self._named(
+            lambda: sql_steps.get_effect(self.dialect, effect_id), "get_effect", effect_id=effect_id
         )
 
     async def list_effects(
@@ -228,6 +285,21 @@ class SqlStore(Store):
         return await self._steps(lambda: sql_steps.gauges(self.dialect), "gauges")
 
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
+        return await self._named(
+            lambda: sql_steps.update_effect(self.dialect, effect_id, transition),
+            "update_effect",
+            effect_id=effect_id,
+        )
+
+    # --- retention --------------------------------------------------------------------------
+
+    async def expire_settled(self, settled_ms: int, tombstone_ms: int, limit: int) -> ExpiryReport:
         return await self._steps(
-            lambda: sql_steps.update_effect(self.dialect, effect_id, transition), "update_effect"
+            lambda: sql_steps.expire_settled(self.dialect, settled_ms, tombstone_ms, limit),
+            "expire_settled",
+        )
+
+    async def store_stats(self, settled_ms: int) -> StoreStats:
+        return await self._steps(
+            lambda: sql_steps.store_stats(self.dialect, settled_ms), "store_stats"
         )

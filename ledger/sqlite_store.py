@@ -137,6 +137,30 @@ END;
 """
 
 
+#: Schema version 3 (retention, ``sql_steps.RETENTION_TABLES``): the triggers that keep the
+#: settled index. A task entering COMMITTED or CANCELLED gets its entry, due from the
+#: ``updated_at`` it settled at; one going back to an open state (a new revision) loses it; a
+#: write that leaves it settled (a commit replay, a cancel of a cancelled task) does not touch
+#: it, so its ``due_at`` stays. In the statement that writes the task: no step says more.
+_SETTLED = sql_steps.SETTLED_STATES_SQL
+_RETENTION_SCHEMA = f"""
+CREATE TRIGGER IF NOT EXISTS tasks_settled_insert AFTER INSERT ON tasks
+WHEN NEW.state IN {_SETTLED} BEGIN
+    INSERT OR REPLACE INTO settled (task_id, due_at)
+    VALUES (NEW.task_id, CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER));
+END;
+CREATE TRIGGER IF NOT EXISTS tasks_settled_enter AFTER UPDATE OF state ON tasks
+WHEN NEW.state IN {_SETTLED} AND OLD.state NOT IN {_SETTLED} BEGIN
+    INSERT OR REPLACE INTO settled (task_id, due_at)
+    VALUES (NEW.task_id, CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER));
+END;
+CREATE TRIGGER IF NOT EXISTS tasks_settled_leave AFTER UPDATE OF state ON tasks
+WHEN OLD.state IN {_SETTLED} AND NEW.state NOT IN {_SETTLED} BEGIN
+    DELETE FROM settled WHERE task_id = OLD.task_id;
+END;
+"""
+
+
 def _statements(script: str) -> list[str]:
     """A script's statements, one by one (a trigger's body keeps its semicolons), so they can
     run inside one transaction (``executescript`` would commit first)."""
@@ -229,6 +253,11 @@ _SQLITE = sql_steps.Dialect(
     lock_dependency_graph="",
     events_visible="1 = 1",
     events_end="SELECT 0, COALESCE(MAX(seq), 0) FROM events",
+    # Per table would need the dbstat table, which reads every page: the file's used pages.
+    table_bytes="",
+    store_bytes="SELECT ((SELECT page_count FROM pragma_page_count()) "
+    "- (SELECT freelist_count FROM pragma_freelist_count())) "
+    "* (SELECT page_size FROM pragma_page_size())",
 )
 
 
@@ -281,7 +310,8 @@ class SQLiteStore(SqlStore):
         )
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
-        if _schema_version(conn) != sql_steps.SCHEMA_VERSION:  # else: no write at open
+        self.schema_found = _schema_version(conn)
+        if self.schema_found != sql_steps.SCHEMA_VERSION:  # else: no write at open
             self._create_or_upgrade(conn)
         row = conn.execute(
             "SELECT now_ms, boot_id, boot_ms, ceiling_ms, windows_from FROM clock WHERE id = 1"
@@ -305,9 +335,16 @@ class SQLiteStore(SqlStore):
             if found is not None:
                 sql_steps.check_schema_version(found, f"SQLite file {self.path!r}")
             if found is None or found < sql_steps.SCHEMA_VERSION:
+                # Every statement idempotent, the version row last: a file of any older
+                # version (or a new one) ends up the same.
                 _add_flow_columns(conn)
                 for statement in _statements(_FLOW_SCHEMA):
                     conn.execute(statement)
+                for statement in sql_steps.RETENTION_TABLES:
+                    conn.execute(statement)
+                for statement in _statements(_RETENTION_SCHEMA):
+                    conn.execute(statement)
+                conn.execute(sql_steps.backfill_settled(_SQLITE))
                 conn.execute(
                     "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
                     "ON CONFLICT (id) DO UPDATE SET version = excluded.version",

@@ -22,6 +22,7 @@ from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, 
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.events import Event
 from fencegate.ledger.queries import Gauges, TaskFilter
+from fencegate.ledger.retention import ExpiryReport, StoreStats
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -36,6 +37,7 @@ from fencegate.ledger.tasks import (
 __all__ = [
     "EffectTransition",
     "Gauges",
+    "Migration",
     "Store",
     "StoreKind",
     "StoreOptions",
@@ -74,6 +76,30 @@ class StoreOptions:
     max_dependents: int = 1_000
     #: Most dependents one cancel cascades to in its own step (``[tasks] max_cascade``).
     max_cascade: int = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """What ``Store.migrate`` found and did, for a person reading it."""
+
+    store: str
+    #: The format the store was in (None: a store nothing had written yet).
+    found: int | None
+    #: The format it is in now: this code's.
+    current: int
+    #: What was done, one line each (empty: it was already current).
+    done: tuple[str, ...] = ()
+    #: What may run beside it, and what to do after (the upgrade rule for this store).
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        found = "empty" if self.found is None else f"format {self.found}"
+        head = (
+            f"already in format {self.current}: nothing to do"
+            if not self.done
+            else f"migrated from {found} to format {self.current}"
+        )
+        return [head, *(f"  {line}" for line in self.done), *self.notes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +350,28 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def gauges(self) -> Gauges:
         """Counts kept cheap by the store's own indexes (one round trip)."""
+
+    # --- retention (ledger.retention) --------------------------------------------------------
+
+    @abc.abstractmethod
+    async def expire_settled(self, settled_ms: int, tombstone_ms: int, limit: int) -> ExpiryReport:
+        """One atomic step of the retention sweep. Reads up to ``limit`` tasks from the
+        settled index whose ``due_at`` is at or before now - ``settled_ms``, oldest first;
+        each one ``retention.why_kept`` lets go is deleted with its effects, its dependents
+        record and every index entry, and leaves a task tombstone and one effect tombstone
+        per effect (``forget_at`` = now + ``tombstone_ms``); each one still needed gets
+        ``due_at`` = now (looked at again ``settled_ms`` later). Also removes up to ``limit``
+        tombstones past their ``forget_at``. Several gateways may sweep at once."""
+
+    @abc.abstractmethod
+    async def migrate(self) -> Migration:
+        """Bring a store written by an older fencegate to this code's format (every step
+        idempotent: an interrupted run is finished by running it again) and say what was
+        found and done. A newer format raises ``StoreIncompatible``."""
+
+    @abc.abstractmethod
+    async def store_stats(self, settled_ms: int) -> StoreStats:
+        """Sizes from the store's own indexes and counters, never a scan of the records."""
 
     @abc.abstractmethod
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:

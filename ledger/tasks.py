@@ -63,6 +63,7 @@ from fencegate.ledger.errors import (
     RuntimeExceeded,
     StaleEpoch,
     StaleInput,
+    TaskExpired,
 )
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "Scheduler",
     "Task",
     "TaskState",
+    "Tombstone",
     "add_cost",
     "bump_epoch",
     "cancel",
@@ -95,6 +97,7 @@ __all__ = [
     "cycle",
     "dependency_committed",
     "dependency_revised",
+    "expired_task",
     "graph_too_large",
     "is_claimable",
     "put",
@@ -226,6 +229,35 @@ class Task:
 
 
 @dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is remembered of an expired task until ``forget_at``."""
+
+    task_id: str
+    revision: int
+    claim_generation: int
+    cancel_generation: int
+    input_digest: str
+    #: COMMITTED or CANCELLED.
+    state: TaskState
+    expired_at: int
+    forget_at: int
+    #: How many effect records went with it.
+    effects: int
+
+
+def expired_task(stone: Tombstone) -> TaskExpired:
+    """The refusal of any call naming an expired task (the store raises it where it would
+    have raised NoSuchTask; ``ledger.retention`` says when one is made)."""
+    return TaskExpired(
+        f"task {stone.task_id} was {stone.state.value} and expired at expiredAt "
+        f"{stone.expired_at} with its {stone.effects} effect record(s): nothing was done. "
+        f"PUT a new input to run it again (revision {stone.revision + 1})",
+        expiredAt=stone.expired_at,
+        revision=stone.revision,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimRequest:
     owner: str
     ttl_ms: int
@@ -354,6 +386,7 @@ def put(
     priority: int | None = None,
     depends_on: tuple[str, ...] | None = None,
     deps: Mapping[str, Task | None] | None = None,
+    tombstone: Tombstone | None = None,
 ) -> tuple[Task, PutOutcome]:
     """Create a task, or open a new revision when its input changed.
 
@@ -363,10 +396,14 @@ def put(
     claimed); it is discarded (superseded). ``queue``, ``priority``, ``depends_on`` None keep
     the task's (defaults on create); the same input changes nothing, whatever they say.
     ``deps``: the store's records of the dependencies the new revision will have (checked by
-    ``check_dependencies``; the store has walked them for cycles).
+    ``check_dependencies``; the store has walked them for cycles). ``tombstone``: what is
+    remembered of the task if it expired (``ledger.retention``): the same input is refused,
+    a new one creates the task again at the next revision with its generations continuing.
     """
     if task is not None and task.input_digest == input_digest:
         return task, PutOutcome.UNCHANGED
+    if task is None and tombstone is not None and tombstone.input_digest == input_digest:
+        raise expired_task(tombstone)
     wanted = tuple(dict.fromkeys(depends_on)) if depends_on is not None else None
     if wanted is None:
         wanted = task.depends_on if task is not None else ()
@@ -377,7 +414,9 @@ def put(
         created = Task(
             task_id=task_id,
             state=state,
-            revision=1,
+            revision=tombstone.revision + 1 if tombstone is not None else 1,
+            claim_generation=tombstone.claim_generation if tombstone is not None else 0,
+            cancel_generation=tombstone.cancel_generation if tombstone is not None else 0,
             input_digest=input_digest,
             max_runtime_ms=max_runtime_ms,
             created_at=now,

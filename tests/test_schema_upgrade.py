@@ -1,24 +1,40 @@
-"""A database written by schema version 1 (before task flow) opens, is upgraded in place to
-version 2, and its tasks keep working: nothing a running deployment stored is stranded.
+"""A database written by an older schema version opens, is upgraded in place to the current
+one, and its tasks keep working: nothing a running deployment stored is stranded.
 
-The version-1 tables are written here as that version created them (ledger/sql_steps.py
-``SCHEMA_VERSION`` says what version 2 added).
+Version 1 (before task flow) is written here as that version created it; version 2 (before
+retention) by the stores' own version-2 DDL, which version 3 only adds to (``_SCHEMA`` and
+``_FLOW_SCHEMA`` of each SQL store; ledger/sql_steps.py ``SCHEMA_VERSION`` says what each
+version added). Version 3's upgrade fills the settled index from the tasks already settled,
+so they expire like any other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
 
-from fencegate.ledger import sql_steps
+from fencegate.ledger import effects, postgres_store, sql_steps, sqlite_store, tasks
+from fencegate.ledger.effects import Effect, EffectState
+from fencegate.ledger.errors import EffectExpired, TaskExpired
 from fencegate.ledger.postgres_store import PostgresStore
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.store import Store
-from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, TaskState
+from fencegate.ledger.tasks import (
+    ClaimRequest,
+    Commit,
+    DepCommit,
+    LeasePolicy,
+    PutOutcome,
+    Task,
+    TaskState,
+)
 from tests.conftest import postgres_test_url
 from tests.postgres_server import PostgresServer
 
@@ -55,10 +71,24 @@ INSERT_OLD = (
     "INSERT INTO tasks (task_id, state, lease_expires_at, fields) "
     "VALUES ('old-task', 'READY', NULL, '{}')"
 )
+#: A task version 1 cancelled: the upgrade to version 3 puts it in the settled index.
+OLD_CANCELLED = {
+    **OLD_TASK,
+    "state": "CANCELLED",
+    "task_id": "old-cancelled",
+    "cancel_generation": "1",
+    "updated_at": "1500",
+}
+INSERT_CANCELLED = (
+    "INSERT INTO tasks (task_id, state, lease_expires_at, fields) "
+    "VALUES ('old-cancelled', 'CANCELLED', NULL, '{}')"
+)
 
 
 async def exercise_upgraded(store: Store) -> None:
     """The old task reads and claims as before; the new features work beside it."""
+    stats = await store.store_stats(0)
+    assert (stats.tasks, stats.settled_tasks, stats.due_tasks) == (2, 1, 1)
     old = await store.get_task("old-task")
     assert old.state is TaskState.READY and old.queue is None and old.depends_on == ()
     _, start = await store.read_events(None, 10)
@@ -80,6 +110,7 @@ async def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> N
         for statement in VERSION_1:
             conn.execute(statement)
         conn.execute(INSERT_OLD.replace("'{}'", "?"), (json.dumps(OLD_TASK),))
+        conn.execute(INSERT_CANCELLED.replace("'{}'", "?"), (json.dumps(OLD_CANCELLED),))
     for first in (True, False):  # the second open finds version 2 and changes nothing
         store = SQLiteStore(str(path), POLICY)
         await store.open()
@@ -90,7 +121,7 @@ async def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> N
             await store.close()
     with sqlite3.connect(path) as conn:
         (version,) = conn.execute("SELECT version FROM fencegate_schema").fetchone()
-    assert version == sql_steps.SCHEMA_VERSION == 2
+    assert version == sql_steps.SCHEMA_VERSION == 3
 
 
 async def test_a_version_1_postgres_database_is_upgraded_in_place(
@@ -102,6 +133,7 @@ async def test_a_version_1_postgres_database_is_upgraded_in_place(
         for statement in VERSION_1:
             await conn.execute(statement)
         await conn.execute(INSERT_OLD.replace("'{}'", "$1"), json.dumps(OLD_TASK))
+        await conn.execute(INSERT_CANCELLED.replace("'{}'", "$1"), json.dumps(OLD_CANCELLED))
     finally:
         await conn.close()
     store = PostgresStore(url, POLICY)
@@ -112,6 +144,191 @@ async def test_a_version_1_postgres_database_is_upgraded_in_place(
         await store.close()
     conn = await asyncpg.connect(url)
     try:
-        assert await conn.fetchval("SELECT version FROM fencegate_schema") == 2
+        assert await conn.fetchval("SELECT version FROM fencegate_schema") == 3
     finally:
         await conn.close()
+
+
+# --- version 2 -> 3 (retention) -------------------------------------------------------------
+
+
+def _done(task_id: str, updated_at: int, **more: Any) -> Task:
+    """A task committed at ``updated_at`` by its first claim."""
+    return Task(
+        task_id=task_id,
+        state=TaskState.COMMITTED,
+        revision=1,
+        input_digest=f"in-{task_id}",
+        created_at=1_000,
+        updated_at=updated_at,
+        ready_at=1_000,
+        claim_generation=1,
+        attempt_id="a1",
+        owner="w",
+        claim_epoch=1,
+        claim_revision=1,
+        attempt_started_at=1_000,
+        lease_expires_at=11_000,
+        commit=Commit("c1", "a1", 1, "r", updated_at),
+        **more,
+    )
+
+
+#: What a version-2 gateway left behind: a committed task with a committed effect, a cancelled
+#: one, an open one, and a committed dependency with an open dependent.
+V2_TASKS = (
+    _done("done", 2_000),
+    Task("dropped", TaskState.CANCELLED, 1, "in-dropped", 1_000, 3_000, cancel_generation=1),
+    Task("open", TaskState.READY, 1, "in-open", 1_000, 1_000, ready_at=1_000, queue="q"),
+    _done("base", 4_000),
+    Task(
+        "child",
+        TaskState.READY,
+        1,
+        "in-child",
+        1_000,
+        4_000,
+        ready_at=4_000,
+        depends_on=("base",),
+        dep_commits=(DepCommit("base", "c1", "r"),),
+    ),
+)
+V2_EFFECT = Effect(
+    effect_id=effects.effect_id("done", 1, "main", "s1"),
+    task_id="done",
+    revision=1,
+    node="main",
+    slot="s1",
+    downstream="api",
+    method="POST",
+    path="/x",
+    payload_digest="d1",
+    state=EffectState.COMMITTED,
+    created_at=1_500,
+    updated_at=1_600,
+)
+
+
+def v2_rows() -> list[tuple[str, tuple[Any, ...]]]:
+    """The rows as a version-2 store wrote them (``?`` placeholders)."""
+    out: list[tuple[str, tuple[Any, ...]]] = []
+    for task in V2_TASKS:
+        out.append(
+            (
+                "INSERT INTO tasks (task_id, state, lease_expires_at, queue, priority, ready_at, "
+                "claim_epoch, fields) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    task.task_id,
+                    task.state.value,
+                    task.lease_expires_at,
+                    task.queue,
+                    task.priority,
+                    task.ready_at,
+                    task.claim_epoch,
+                    json.dumps(tasks.task_to_fields(task)),
+                ),
+            )
+        )
+    out.append(("INSERT INTO dependents (task_id, dependent_id) VALUES (?, ?)", ("base", "child")))
+    e = V2_EFFECT
+    out.append(
+        (
+            "INSERT INTO effects (effect_id, task_id, downstream, state, deadline_at, created_at, "
+            "fields) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                e.effect_id,
+                e.task_id,
+                e.downstream,
+                e.state.value,
+                e.deadline_at,
+                e.created_at,
+                json.dumps(effects.effect_to_fields(e)),
+            ),
+        )
+    )
+    return out
+
+
+def numbered(text: str) -> str:
+    """``?`` placeholders as PostgreSQL's ``$1, $2...``."""
+    count = iter(range(1, 100))
+    return re.sub(r"\?", lambda _: f"${next(count)}", text)
+
+
+async def exercise_upgraded_v2(store: Store) -> None:
+    """The settled tasks were put in the settled index (due from when they settled) and
+    expire; the open ones and a needed dependency stay."""
+    stats = await store.store_stats(0)
+    assert (stats.tasks, stats.settled_tasks, stats.due_tasks) == (5, 3, 3)
+    report = await store.expire_settled(0, 600_000, 100)
+    assert (report.examined, report.expired_tasks, report.expired_effects) == (3, 2, 1)
+    assert report.kept == {"dependents": 1}
+    with pytest.raises(TaskExpired):
+        await store.get_task("done")
+    with pytest.raises(TaskExpired):
+        await store.get_task("dropped")
+    with pytest.raises(EffectExpired):
+        await store.get_effect(V2_EFFECT.effect_id)
+    assert (await store.get_task("base")).state is TaskState.COMMITTED
+    claimed = await store.claim_next("q", ClaimRequest("w", 10_000, 1))
+    assert claimed is not None and claimed.task_id == "open"
+    again, outcome = await store.put_task("done", "in-2", None)
+    assert (outcome, again.revision, again.claim_generation) == (PutOutcome.CREATED, 2, 1)
+
+
+async def test_a_version_2_sqlite_file_is_upgraded_and_its_settled_tasks_expire(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v2.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for statement in sqlite_store._statements(sqlite_store._SCHEMA):
+            conn.execute(statement)
+        for name, sql_type in sql_steps.TASK_FLOW_COLUMNS:
+            conn.execute(f"ALTER TABLE tasks ADD COLUMN {name} {sql_type}")
+        for statement in sqlite_store._statements(sqlite_store._FLOW_SCHEMA):
+            conn.execute(statement)
+        conn.execute("INSERT INTO fencegate_schema (id, version) VALUES (1, 2)")
+        for text, args in v2_rows():
+            conn.execute(text, args)
+        conn.commit()
+    for first in (True, False):  # the second open finds version 3 and changes nothing
+        store = SQLiteStore(str(path), POLICY)
+        await store.open()
+        try:
+            if first:
+                with contextlib.closing(sqlite3.connect(path)) as conn:
+                    settled = dict(conn.execute("SELECT task_id, due_at FROM settled"))
+                assert settled == {"done": 2_000, "dropped": 3_000, "base": 4_000}
+                await exercise_upgraded_v2(store)
+        finally:
+            await store.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        (version,) = conn.execute("SELECT version FROM fencegate_schema").fetchone()
+    assert version == sql_steps.SCHEMA_VERSION == 3
+
+
+async def test_a_version_2_postgres_database_is_upgraded_and_its_settled_tasks_expire(
+    postgres_server: PostgresServer, request: pytest.FixtureRequest
+) -> None:
+    url = postgres_test_url(postgres_server, request)
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(";\n".join((*postgres_store._SCHEMA, *postgres_store._FLOW_SCHEMA)))
+        await conn.execute("INSERT INTO fencegate_schema (id, version) VALUES (1, 2)")
+        for text, args in v2_rows():
+            await conn.execute(numbered(text), *args)
+    finally:
+        await conn.close()
+    store = PostgresStore(url, POLICY)
+    await store.open()
+    try:
+        conn = await asyncpg.connect(url)
+        try:
+            settled = dict(await conn.fetch("SELECT task_id, due_at FROM settled"))
+            assert settled == {"done": 2_000, "dropped": 3_000, "base": 4_000}
+            assert await conn.fetchval("SELECT version FROM fencegate_schema") == 3
+        finally:
+            await conn.close()
+        await exercise_upgraded_v2(store)
+    finally:
+        await store.close()

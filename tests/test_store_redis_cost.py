@@ -11,7 +11,7 @@ notes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis
@@ -25,7 +25,7 @@ from bench._procs import (
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Action, EffectRequest, EffectState, Fence
 from fencegate.ledger.redis_store import RedisStore
-from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, Task
+from fencegate.ledger.tasks import ClaimRequest, CommitRequest, LeasePolicy, Task
 from tests.servers import RedisServer
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
@@ -92,6 +92,67 @@ async def test_a_fenced_call_runs_few_redis_commands(
     assert ran.get("zrem", 0) == 1, ran
     assert ran.get("xadd", 0) == 2, ran  # one event per effect state change, no more
     assert sum(ran.values()) <= 14, ran
+
+
+async def test_the_settled_index_costs_one_command_where_a_task_settles_or_reopens(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    """Retention's settled index (issue 17) is kept inside the task scripts (task_lib.lua's
+    ``index_settled``): one ZADD as a task commits or is cancelled, one ZREM as a new
+    revision reopens it, nothing for the steps between open states (claim) or that leave a
+    settled task settled (a commit replay, cancelling a cancelled task), and nothing on the
+    fenced call (``test_a_fenced_call_runs_few_redis_commands`` holds prepare and complete
+    to their budget). A create reads the task's tombstone: one HGETALL."""
+    server = make_redis_server()
+    store = RedisStore(server.url, POLICY)
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    counted: dict[str, dict[str, int]] = {}
+
+    async def count(name: str, step: Awaitable[object]) -> None:
+        client.config_resetstat()
+        await step
+        ran = _commands(client)
+        ran.pop("config|resetstat", None)
+        ran.pop("info", None)
+        counted[name] = ran
+
+    try:
+        # Load every script first (a NOSCRIPT round trip would count twice).
+        await store.put_task("warm", "in", None)
+        warm = await store.claim("warm", ClaimRequest("w", 60_000, 1))
+        assert warm.attempt_id is not None
+        await store.commit("warm", CommitRequest(warm.attempt_id, 1, 1, 0, "in", "r"))
+        await store.put_task("warm2", "in", None)
+        await store.cancel("warm2")
+
+        await count("create", store.put_task("t1", "in", None))
+        task = await store.claim("t1", ClaimRequest("w", 60_000, 1))
+        assert task.attempt_id is not None
+        done = CommitRequest(task.attempt_id, 1, 1, 0, "in", "r")
+        await count("commit", store.commit("t1", done))
+        await count("replay", store.commit("t1", done))
+        await count("revise", store.put_task("t1", "in-2", None))
+        await count("claim", store.claim("t1", ClaimRequest("w", 60_000, 1)))
+        await count("cancel", store.cancel("t1"))
+        await count("cancel again", store.cancel("t1"))
+    finally:
+        client.close()
+        await store.close()
+    total = {name: sum(ran.values()) for name, ran in counted.items()}
+    # create: EVALSHA, TIME, HGETALL task, HGETALL tombstone, DEL + HSET task (save_hash of a new
+    # hash), ZADD tasks index, ZREM leases, XADD.
+    assert counted["create"].get("hgetall") == 2 and total["create"] == 9, counted
+    # commit: EVALSHA, TIME, HMGET scheduler, HGETALL, HSET, ZREM leases, ZADD settled, XADD,
+    # SMEMBERS dependents.
+    assert counted["commit"].get("zadd") == 1 and total["commit"] == 9, counted
+    assert "zadd" not in counted["replay"] and total["replay"] == 4, counted
+    # revise: EVALSHA, TIME, HGETALL, HSET + HDEL, ZREM leases, ZREM settled, XADD, SMEMBERS.
+    assert counted["revise"].get("zrem") == 2 and total["revise"] == 9, counted
+    # claim: EVALSHA, TIME, HMGET scheduler, HGETALL, HSET, ZADD leases, XADD: no settled index.
+    assert counted["claim"].get("zadd") == 1 and total["claim"] == 7, counted
+    # cancel: EVALSHA, TIME, HGETALL, HSET, ZREM leases, ZADD settled, XADD, SMEMBERS (the cascade).
+    assert counted["cancel"].get("zadd") == 1 and total["cancel"] == 8, counted
+    assert total["cancel again"] == 3, counted
 
 
 async def test_a_wrong_revision_from_the_gateway_is_not_trusted(

@@ -7,13 +7,34 @@
 -- ARGV[7] priority or '' (not given), ARGV[8] dependsOn as a JSON array, duplicates removed,
 -- or '' (not given), ARGV[9] most dependents a task may have, ARGV[10] most tasks the cycle
 -- check walks (ledger.tasks.MAX_GRAPH_VISITS)
+-- Also reads (on create) and deletes the task's tombstone and its entry in the tombstones'
+-- index (task_lib.lua: tombstone_key, TASK_TOMBSTONES), and keeps the settled index
+-- (task_changed).
 -- Returns {'CREATED'|'REVISED'|'UNCHANGED', fields...} (with `discarded` when attempts were
--- superseded) or {'ERR', code, detail}
+-- superseded), {'EXPIRED', tombstone fields...} when the task expired and this is its input
+-- again (the gateway raises ledger.tasks.expired_task from the fields, so the text is the
+-- model's), or {'ERR', code, detail}
 local task_id = ARGV[3]
 local now = now_ms(ARGV[1])
 local found = load_hash(KEYS[1])
 if found and found.input_digest == ARGV[4] then
   return answer('UNCHANGED', found)
+end
+
+-- No record: the task may have expired (ledger.retention). Its tombstone, while live
+-- (forget_at > now: one past it counts as absent even before the sweep or Redis's own
+-- expiry removed it), is the `tombstone` of ledger.tasks.put: the same input is refused (the
+-- work was done), a new one creates the task at the next revision with its claim and cancel
+-- generations continuing, so neither effectIds nor fencing tokens repeat.
+local stone
+if not found then
+  local flat = redis.call('HGETALL', tombstone_key(task_id))
+  if #flat > 0 then
+    stone = {}
+    for i = 1, #flat, 2 do stone[flat[i]] = flat[i + 1] end
+    if tonumber(stone.forget_at) <= now then stone = false end
+  end
+  if stone and stone.input_digest == ARGV[4] then return answer('EXPIRED', stone) end
 end
 
 local before_deps = {}
@@ -98,6 +119,16 @@ if not found then
   t = {task_id = task_id, state = state, revision = '1', input_digest = ARGV[4],
        claim_generation = '0', cancel_generation = '0', created_at = s(now), updated_at = s(now),
        ready_at = s(now), depends_on = deps_text, dep_commits = dep_commits_text(commits)}
+  if stone then
+    t.revision = s(tonumber(stone.revision) + 1)
+    t.claim_generation = stone.claim_generation
+    t.cancel_generation = stone.cancel_generation
+  end
+  if stone ~= nil then
+    -- The task exists again: its tombstone (live and used, or dead) means nothing any more.
+    redis.call('DEL', tombstone_key(task_id))
+    redis.call('ZREM', TASK_TOMBSTONES, task_id)
+  end
   if ARGV[5] ~= '' then t.max_runtime_ms = ARGV[5] end
   if ARGV[6] ~= '' then t.queue = ARGV[6] end
   if ARGV[7] ~= '' and tonumber(ARGV[7]) ~= 0 then t.priority = ARGV[7] end

@@ -15,9 +15,18 @@ local function queue_key(q, kind) return P .. ':queue:{' .. q .. '}:' .. kind en
 local EVENTS = P .. ':events'
 -- Set of cancelled tasks whose dependents a cascade has still to visit (continue_cascades).
 local CASCADES = P .. ':cascades'
+-- Retention (ledger.retention): the settled index (taskId by due_at, kept by task_changed),
+-- a task's tombstone and the tombstones' forget_at index (ledger/keys.py: settled,
+-- tombstone, task_tombstones).
+local SETTLED = P .. ':settled'
+local function tombstone_key(id) return P .. ':{' .. id .. '}:tombstone' end
+local TASK_TOMBSTONES = P .. ':tombstones:tasks'
 
 -- States the dependency rules change (ledger.tasks._OPEN).
 local OPEN = {WAITING = true, READY = true, CLAIMED = true}
+-- States retention may delete, the ones the settled index holds
+-- (ledger.retention.SETTLED_TASK_STATES).
+local SETTLED_STATES = {COMMITTED = true, CANCELLED = true}
 
 -- --- JSON ----------------------------------------------------------------------------------
 
@@ -148,10 +157,31 @@ local function index_queue(before, t)
   queue_add(t)
 end
 
+-- --- the settled index (ledger.retention) ---------------------------------------------------
+
+-- Keep the settled index in step with a task a step changed: a task entering COMMITTED or
+-- CANCELLED is added with due_at = its updated_at (the step's now); one leaving them (a new
+-- revision) is removed. A step that leaves a settled task settled writes nothing, so its
+-- due_at stays (and the retention sweep's "kept: due_at = now" is not undone), and a step
+-- between open states writes nothing either: claim, renew, release and the hot path pay no
+-- command for the index, commit, cancel and put at most one.
+local function index_settled(before, t)
+  local was = before ~= nil and SETTLED_STATES[before.state] ~= nil
+  local is = SETTLED_STATES[t.state] ~= nil
+  if is and not was then
+    redis.call('ZADD', SETTLED, tonumber(t.updated_at), t.task_id)
+  elseif was and not is then
+    redis.call('ZREM', SETTLED, t.task_id)
+  end
+end
+
 -- Every index and the feed, after a step changed task `t` (before: before_of it as read).
+-- The one place a task's state is written to its indexes, so the settled index cannot miss
+-- a step (the dependents a commit, revision or cancel changes go through save_task to here).
 local function task_changed(leases, before, t)
   index_lease(leases, t)
   index_queue(before, t)
+  index_settled(before, t)
   task_event(before, t)
 end
 
