@@ -405,6 +405,14 @@ def rollout(status: Mapping[str, Any]) -> str:
     )
 
 
+def _duration(ms: int) -> str:
+    """``604800000`` as ``7d``: the largest unit that divides it, else milliseconds."""
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
 def _size(n: Any) -> str:
     if not isinstance(n, int) or isinstance(n, bool):
         return "unknown"
@@ -423,7 +431,11 @@ def store_stats(stats: Mapping[str, Any]) -> str:
     tasks, effects = stats.get("tasks") or {}, stats.get("effects") or {}
     stones, retention = stats.get("tombstones") or {}, stats.get("retention") or {}
     settled_ms = retention.get("settledMs")
-    due = f"settled for {settled_ms} ms or more" if isinstance(settled_ms, int) else "due"
+    due = (
+        f"due (settled {_duration(settled_ms)} ago or more)"
+        if isinstance(settled_ms, int)
+        else "due"
+    )
     lines = fields(
         [
             ("tasks", tasks.get("total")),

@@ -430,6 +430,9 @@ class RedisStore(Store):
         self._keys = keys.Keys(key_prefix)
         self._durability_checked = False
         self._format_checked = False
+        #: Whether the keys are in this code's format: until then retention does nothing
+        #: (``expire_settled``), since gateways of the older format may still serve.
+        self._format_current = False
         self._tasks_indexed = False
         self._settled_indexed = False
         self._effect_indexes = [
@@ -595,6 +598,7 @@ class RedisStore(Store):
                 f"{recorded}, newer than this gateway's {FORMAT_VERSION}: run the fencegate "
                 "version that wrote them (or newer)"
             )
+        self._format_current = recorded == FORMAT_VERSION or (recorded is None and not written)
         if recorded is None and not written:
             await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
         elif (recorded or 1) < FORMAT_VERSION:
@@ -627,6 +631,7 @@ class RedisStore(Store):
         elif found is None:
             await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
         self._format_checked = True
+        self._format_current = True
         return Migration(
             store="redis",
             found=found,
@@ -1291,7 +1296,18 @@ class RedisStore(Store):
         return added
 
     async def expire_settled(self, settled_ms: int, tombstone_ms: int, limit: int) -> ExpiryReport:
-        """retention.lua: one bounded, atomic sweep step (its comments say what it does)."""
+        """retention.lua: one bounded, atomic sweep step (its comments say what it does).
+
+        Nothing expires while the keys are in an older format (until ``fencegate store
+        migrate`` recorded this one): a gateway of that format may still be serving, and it
+        neither indexes what it settles nor checks tombstones, so a PUT it receives for an
+        expired task would create it again at revision 1. Re-read each sweep (one HGET), so
+        running gateways start once the migration is done."""
+        if not self._format_current:
+            recorded, _ = await self._format()
+            self._format_current = recorded == FORMAT_VERSION
+            if not self._format_current:
+                return ExpiryReport()
         if not self._settled_indexed:
             await self._index_settled()
         reply = await self._task_script(

@@ -58,6 +58,9 @@ from tests.downstream import Downstream
 from tests.postgres_server import PostgresServer, Setting
 from tests.servers import GatewayProcess, Gateways, write_gateway_config
 
+#: About a minute on two cores: run after the default suite (`.ci/run` runs `-m slow` too).
+pytestmark = pytest.mark.slow
+
 #: Concurrent agents; each call goes to the gateways in turn.
 AGENTS = 8
 #: Claim rounds per task (claim, effects, release; the last one commits), and effects a round.

@@ -28,7 +28,7 @@ from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 
-RUN_S = 8.0
+RUN_S = 6.0
 WORKERS = 4
 SLOTS = ("a", "b")
 
@@ -39,7 +39,7 @@ def run_config(store_url: str, key_prefix: str, downstream: Downstream) -> Confi
         store_url,
         key_prefix,
         downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 2_000}],
-        proxy={"prepared_margin_ms": 1_500},
+        proxy={"prepared_margin_ms": 4_000},
         reconciler={"enabled": False},
         retention={"settled_ms": 1_000, "tombstone_ms": 3_000, "interval_ms": 100, "batch": 20},
     )
@@ -117,6 +117,11 @@ async def test_a_long_run_levels_off_and_keeps_everything_live(
             lease = await api.claim(task_id, ttl_ms=10_000)
             for slot in SLOTS:
                 status, body = await send(api, lease, slot)
+                for _ in range(20):  # a loaded store may answer 503 (nothing sent): retry
+                    if status != 503:
+                        break
+                    await asyncio.sleep(0.05)
+                    status, body = await send(api, lease, slot)
                 assert status == 200, body
             assert (await api.commit(lease)).status == 200
             done.append(lease)

@@ -194,6 +194,26 @@ async def events_gone(env: Env) -> object:
     return [event async for event in env.client.events(after=old)]
 
 
+async def _expired(env: Env) -> str:
+    """A committed task with one effect, gone with retention; returns the effect's id."""
+    lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
+    paid = await pay(lease)
+    await lease.commit({"n": 1})
+    env.advance(2_000)
+    report = await env.store.expire_settled(1_000, 86_400_000, 10)
+    assert report.expired_tasks == 1
+    return str(paid.headers["Fence-Effect-Id"])
+
+
+async def task_expired(env: Env) -> object:
+    await _expired(env)
+    return await env.client.put_task("t1", "in-1")  # the same input: not run again
+
+
+async def effect_expired(env: Env) -> object:
+    return await env.client.get_effect(await _expired(env))
+
+
 async def effect_in_flight(env: Env) -> object:
     lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
     first = asyncio.create_task(pay(lease, path="/slow/300/pay"))
@@ -280,6 +300,8 @@ SCENARIOS: dict[str, Scenario] = {
     "ALREADY_COMMITTED": already_committed,
     "DEPENDENCIES_PENDING": dependencies_pending,
     "EVENTS_GONE": events_gone,
+    "TASK_EXPIRED": task_expired,
+    "EFFECT_EXPIRED": effect_expired,
     "EFFECT_IN_FLIGHT": effect_in_flight,
     "EFFECT_UNKNOWN": effect_unknown,
     "EFFECT_SETTLED": effect_settled,
