@@ -119,12 +119,11 @@ def why_kept(task: Task, effects: Iterable[Effect], has_dependents: bool, now: i
         return "open"
     if has_dependents:
         return "dependents"
-    for effect in effects:
-        current = effective(effect, now)
-        if current.state in (EffectState.PREPARED, EffectState.UNKNOWN):
-            return "unsettled_effect"
-        if is_awaiting_approval(current):
-            return "awaiting_approval"
+    current = [effective(effect, now) for effect in effects]
+    if any(e.state in (EffectState.PREPARED, EffectState.UNKNOWN) for e in current):
+        return "unsettled_effect"
+    if any(is_awaiting_approval(e) for e in current):
+        return "awaiting_approval"
     return None
 
 

@@ -263,3 +263,25 @@ async def test_stats_count_what_is_there_and_what_is_due(store: Store) -> None:
     assert stats.bytes is None or stats.bytes > 0
     store.clock_offset_ms += SETTLED_MS
     assert (await store.store_stats(SETTLED_MS)).due_tasks == 1
+
+
+def test_why_kept_names_the_unsettled_effect_before_an_approval_whatever_the_order() -> None:
+    """Pure: the reason does not depend on the order a store lists the effects in."""
+    from dataclasses import replace
+
+    from fencegate.ledger.effects import Effect, EffectAttempt
+    from fencegate.ledger.retention import why_kept
+
+    task = Task("t", TaskState.COMMITTED, 1, "in", 0, 0)
+    base = Effect(
+        "e" * 64, "t", 1, "main", "s", "api", "POST", "/x", "d", EffectState.UNKNOWN, 0, 0
+    )
+    unknown = replace(base, attempts=(EffectAttempt("a", 1, 0),))
+    waiting = replace(base, effect_id="f" * 64, state=EffectState.NOT_APPLIED)  # no attempt
+    done = replace(base, effect_id="0" * 64, state=EffectState.COMMITTED)
+    assert why_kept(task, [waiting, unknown], False, 10) == "unsettled_effect"
+    assert why_kept(task, [unknown, waiting], False, 10) == "unsettled_effect"
+    assert why_kept(task, [done, waiting], False, 10) == "awaiting_approval"
+    assert why_kept(task, [done], True, 10) == "dependents"
+    assert why_kept(task, [done], False, 10) is None
+    assert why_kept(replace(task, state=TaskState.READY), [], False, 10) == "open"

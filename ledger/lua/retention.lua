@@ -44,7 +44,7 @@ local function has_dependents(id)
 end
 
 -- The task's effect records in creation order (createdAt, then effectId, the order every
--- store lists them in), so that why_kept's first reason is the same on every store.
+-- store lists them in).
 local function task_effects(id)
   local list = {}
   for i, raw in ipairs(redis.call('HVALS', effects_key(id))) do list[i] = cjson.decode(raw) end
@@ -64,6 +64,8 @@ local function why_kept(t, list)
   if has_dependents(t.task_id) then return 'dependents' end
   for _, e in ipairs(list) do
     if e.state == 'PREPARED' or e.state == 'UNKNOWN' then return 'unsettled_effect' end
+  end
+  for _, e in ipairs(list) do
     if is_awaiting_approval(e) then return 'awaiting_approval' end
   end
   return nil
