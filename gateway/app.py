@@ -62,6 +62,8 @@ def build_store(config: Config) -> Store:
         postgres_max_connections=config.store.postgres_max_connections,
         max_dependents=config.tasks.max_dependents,
         max_cascade=config.tasks.max_cascade,
+        redis_min_replicas=config.store.redis_min_replicas,
+        redis_replica_timeout_ms=config.store.redis_replica_timeout_ms,
     )
 
 

@@ -228,8 +228,23 @@ class StoreConfig(_Section):
     #: to timeout_ms for a free one). Keep gateways x this below the server's max_connections.
     postgres_max_connections: Annotated[int, Field(ge=1, le=1_000)] = 20
     #: Redis and PostgreSQL: name of the environment variable holding the store's password
-    #: (a password written in a PostgreSQL URL is refused).
+    #: (a password written in a PostgreSQL or redis+sentinel URL is refused).
     password_env: str | None = None
+    #: Redis only: replicas that must acknowledge each write step (``WAIT N``) before it is
+    #: answered; fewer within redis_replica_timeout_ms answers 503 "may have been applied".
+    #: 0: no WAIT (replication stays asynchronous). docs/stores.md, "High availability".
+    redis_min_replicas: Annotated[int, Field(ge=0, le=16)] = 0
+    #: Redis only: how long that WAIT waits for them; below timeout_ms.
+    redis_replica_timeout_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] = 500
+
+    @model_validator(mode="after")
+    def _replica_timeout_within_timeout(self) -> StoreConfig:
+        if self.redis_min_replicas and self.redis_replica_timeout_ms >= self.timeout_ms:
+            raise ValueError(
+                f"redis_replica_timeout_ms ({self.redis_replica_timeout_ms}) must be below "
+                f"timeout_ms ({self.timeout_ms}): the WAIT after a write step is part of it"
+            )
+        return self
 
     @field_validator("url")
     @classmethod

@@ -37,6 +37,13 @@ Auto-pipelining (``_AutoPipeline``, on unless the URL says ``?pipeline=0``): the
 single commands issued in one event-loop turn go to Redis as one non-transactional pipeline
 (one write, one read) instead of each paying redis-py's whole per-command path; every caller
 gets its own reply or its own error, and every script stays atomic on its own.
+
+High availability (issue 18): ``redis+sentinel://`` URLs (``parse_sentinel_url``) build the
+client with redis-py's Sentinel, which asks the sentinels for the master's address whenever it
+connects, so the gateway follows the master through a failover. ``min_replicas`` > 0 ends every
+flushed batch that holds a write step with ``WAIT min_replicas replica_timeout_ms`` on the same
+connection (``_AutoPipeline``); a shortfall answers every step of that batch StoreUnavailable
+("may have been applied"). docs/stores.md says what WAIT promises and what it does not.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -116,7 +125,14 @@ from fencegate.ledger.tasks import (
     task_from_fields,
 )
 
-__all__ = ["STORE_KIND", "RedisStore", "durability_warnings", "load_script_source"]
+__all__ = [
+    "STORE_KIND",
+    "RedisStore",
+    "SentinelSpec",
+    "durability_warnings",
+    "load_script_source",
+    "parse_sentinel_url",
+]
 
 log = structlog.get_logger("fencegate.store")
 T = TypeVar("T")
@@ -144,6 +160,10 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "settled_index": ("task_lib",),
     "stats": (),
 }
+#: The scripts that never write: no WAIT follows them (every other script may write).
+_READ_ONLY_SCRIPTS = frozenset({"fence", "gauges", "events_read", "stats"})
+#: Bounds of ``[store] redis_min_replicas`` (gateway.config checks them too).
+MAX_MIN_REPLICAS = 16
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
 _CAS_ATTEMPTS = 8
 #: Most index entries one list call scans before answering with what it found and a cursor.
@@ -279,6 +299,101 @@ def split_pipeline_option(url: str) -> tuple[str, bool | None]:
     return urlunsplit(parts._replace(query=rest)), _PIPELINE_VALUES[said[0]]
 
 
+#: The Sentinel URL scheme, and the form the errors show.
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_FORM = "redis+sentinel://[USER@]HOST1:PORT1,HOST2:PORT2,.../MASTER_NAME[/DB]"
+_SENTINEL_PORT = 26379
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+")
+_MASTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_USER = re.compile(r"[A-Za-z0-9._~-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelSpec:
+    """A ``redis+sentinel://`` URL, parsed: whom to ask, for which master, as whom."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int
+    username: str | None
+
+
+def parse_sentinel_url(url: str) -> SentinelSpec:
+    """``redis+sentinel://[USER@]HOST1:PORT1,HOST2:PORT2,.../MASTER_NAME[/DB]`` (a port left
+    out is 26379; ``?pipeline=0|1`` as for ``redis://``); ValueError saying what is wrong and
+    the right form. A password in the URL is refused: it comes from ``store.password_env``."""
+    url, _ = split_pipeline_option(url)
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{why}; expected {SENTINEL_FORM}")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != SENTINEL_SCHEME:
+        raise bad(f"not a {SENTINEL_SCHEME}:// url")
+    rest, _, query = rest.partition("?")
+    if query:
+        raise bad(f"the only query parameter a {SENTINEL_SCHEME} url takes is pipeline=0|1")
+    if "#" in rest:
+        raise bad("a fragment (#...) is not part of the form")
+    authority, _, path = rest.partition("/")
+    userinfo, at, hosts = authority.rpartition("@")
+    username = None
+    if at:
+        if ":" in userinfo:
+            raise bad(
+                "a password in the Redis Sentinel url is refused: set store.password_env to the "
+                "name of an environment variable holding it"
+            )
+        if not _USER.fullmatch(userinfo):
+            raise bad(f"{userinfo!r} is not a user name")
+        username = userinfo
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, port = item, str(_SENTINEL_PORT)
+        if item.startswith("["):
+            end = item.find("]")
+            host, tail = item[: end + 1], item[end + 1 :]
+            if tail:
+                if not tail.startswith(":"):
+                    raise bad(f"sentinel address {item!r} is not HOST:PORT")
+                port = tail[1:]
+        elif ":" in item:
+            host, _, port = item.rpartition(":")
+        if not host or not _HOST.fullmatch(host):
+            raise bad(f"sentinel address {item!r} is not HOST:PORT")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise bad(f"sentinel address {item!r} has no valid port")
+        sentinels.append((host.strip("[]"), int(port)))
+    parts = path.split("/") if path else []
+    if not parts or not parts[0]:
+        raise bad("the master's name (as in the sentinels' `sentinel monitor`) is missing")
+    if len(parts) > 2:
+        raise bad(f"{path!r} is more than MASTER_NAME/DB")
+    if not _MASTER_NAME.fullmatch(parts[0]):
+        raise bad(f"{parts[0]!r} is not a master name")
+    db = 0
+    if len(parts) == 2:
+        if not parts[1].isdigit() or int(parts[1]) > 10_000:
+            raise bad(f"the database {parts[1]!r} is not a number")
+        db = int(parts[1])
+    if len(set(sentinels)) != len(sentinels):
+        raise bad("a sentinel is listed twice")
+    return SentinelSpec(tuple(sentinels), parts[0], db, username)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """redis-py's Sentinel pool (each new connection asks the sentinels where the master is)
+    that waits for a free connection like ``BlockingConnectionPool`` instead of failing."""
+
+
+def _shortfall(min_replicas: int, timeout_ms: int, acked: Any) -> StoreUnavailable:
+    said = f"WAIT answered {acked}" if isinstance(acked, int) else f"WAIT failed: {acked}"
+    return StoreUnavailable(
+        f"the write was not confirmed by {min_replicas} Redis replica(s) within {timeout_ms} "
+        f"ms ({said}); the step may have been applied"
+    )
+
+
 @dataclass(slots=True)
 class _Queued:
     """One store call waiting for its turn's flush: the command as sent, the script to load
@@ -287,6 +402,8 @@ class _Queued:
     command: tuple[Any, ...]
     script: AsyncScript | None
     future: asyncio.Future[Any]
+    #: Whether the call may write (then, with min_replicas, its batch ends with WAIT).
+    writes: bool = False
 
 
 class _AutoPipeline:
@@ -305,20 +422,41 @@ class _AutoPipeline:
     NOSCRIPT means Redis ran nothing for that call: the flush loads the missing scripts and
     sends those calls again, both in one more round trip. A caller that gave up (its timeout,
     a cancellation) before the flush starts is never sent; one that gives up while the batch
-    is in flight is simply not answered, and the others are."""
+    is in flight is simply not answered, and the others are.
 
-    def __init__(self, client: aioredis.Redis, timeout_s: float, max_batch: int) -> None:
+    With ``min_replicas`` > 0, a batch holding any call that may write ends with ``WAIT
+    min_replicas replica_timeout_ms`` in the same pipeline, so on the same connection: WAIT
+    waits for the replication offset of that connection's last write, so it covers every write
+    of the batch. Fewer replicas than asked (or WAIT refused, e.g. by a demoted master) answers
+    every call of the batch StoreUnavailable, "may have been applied": each may have run on the
+    master, but nothing says it would survive a failover. A NOSCRIPT re-send carries its own
+    WAIT. ``run`` does the same for one call (``?pipeline=0``)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        timeout_s: float,
+        max_batch: int,
+        *,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 0,
+    ) -> None:
         self._redis = client
         self._timeout_s = timeout_s
         self._max_batch = max_batch
+        self._min_replicas = min_replicas
+        self._replica_timeout_ms = replica_timeout_ms
         self._open: list[_Queued] | None = None
         self._flushing: set[asyncio.Task[None]] = set()
         #: Pipelines sent (NOSCRIPT re-sends not counted) and the calls they carried.
         self.flushes = 0
         self.calls = 0
 
-    def submit(self, command: tuple[Any, ...], script: AsyncScript | None = None) -> Awaitable[Any]:
-        """Queue ``command`` for this turn's flush; the returned future is its reply."""
+    def submit(
+        self, command: tuple[Any, ...], script: AsyncScript | None = None, *, writes: bool = False
+    ) -> Awaitable[Any]:
+        """Queue ``command`` for this turn's flush; the returned future is its reply.
+        ``writes``: the command may write (a WAIT follows its batch when min_replicas > 0)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         batch = self._open
@@ -327,21 +465,43 @@ class _AutoPipeline:
             task = loop.create_task(self._flush(batch))
             self._flushing.add(task)
             task.add_done_callback(self._flushing.discard)
-        batch.append(_Queued(command, script, future))
+        batch.append(_Queued(command, script, future, writes))
         if len(batch) >= self._max_batch:
             self._open = None
         return future
+
+    async def run(
+        self, command: tuple[Any, ...], script: AsyncScript | None = None, *, writes: bool = False
+    ) -> Any:
+        """Send ``command`` now, alone (followed by WAIT if it writes and min_replicas > 0)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        await self._flush([_Queued(command, script, future, writes)])
+        return await future
 
     async def drain(self) -> None:
         """Wait for the flushes under way (before the connections close)."""
         while self._flushing:
             await asyncio.gather(*self._flushing, return_exceptions=True)
 
-    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def _send(
+        self, commands: Sequence[tuple[Any, ...]], wait: bool = False
+    ) -> tuple[list[Any], Any]:
+        """The replies, and WAIT's (None unless ``wait``: then it ends the pipeline)."""
         pipe = self._redis.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
-        return await pipe.execute(raise_on_error=False)
+        if wait:
+            pipe.execute_command("WAIT", self._min_replicas, self._replica_timeout_ms)
+        replies = await pipe.execute(raise_on_error=False)
+        if wait:
+            return replies[:-1], replies[-1]
+        return replies, None
+
+    def _confirmed(self, acked: Any) -> bool:
+        return isinstance(acked, int) and acked >= self._min_replicas
+
+    def _wants_wait(self, queued: Sequence[_Queued]) -> bool:
+        return self._min_replicas > 0 and any(q.writes for q in queued)
 
     async def _flush(self, batch: list[_Queued]) -> None:
         if self._open is batch:
@@ -351,21 +511,25 @@ class _AutoPipeline:
             return
         self.flushes += 1
         self.calls += len(live)
+        wait = self._wants_wait(live)
         try:
             async with asyncio.timeout(self._timeout_s):
-                replies = await self._send([queued.command for queued in live])
+                replies, acked = await self._send([queued.command for queued in live], wait)
                 again = [
                     i
                     for i, reply in enumerate(replies)
                     if isinstance(reply, NoScriptError) and live[i].script is not None
                 ]
-                if again:
-                    replies = await self._load_and_resend(live, replies, again)
+                if again and (not wait or self._confirmed(acked)):
+                    replies, acked = await self._load_and_resend(live, replies, again, acked)
         except asyncio.CancelledError:  # the loop is shutting down
             self._fail(live, RedisConnectionError("the store call's pipeline was cancelled"))
             raise
         except Exception as exc:  # the round trip failed: nobody in the batch got an answer
             self._fail(live, exc)
+            return
+        if wait and not self._confirmed(acked):
+            self._fail(live, _shortfall(self._min_replicas, self._replica_timeout_ms, acked))
             return
         for queued, reply in zip(live, replies, strict=True):
             if queued.future.done():
@@ -382,21 +546,24 @@ class _AutoPipeline:
                 queued.future.set_exception(exc)
 
     async def _load_and_resend(
-        self, live: list[_Queued], replies: list[Any], again: list[int]
-    ) -> list[Any]:
+        self, live: list[_Queued], replies: list[Any], again: list[int], acked: Any
+    ) -> tuple[list[Any], Any]:
         """After NOSCRIPT (a SCRIPT FLUSH, a restart, a failover) Redis ran none of those
-        calls: load each missing script and send them again, in one round trip."""
+        calls: load each missing script and send them again, in one round trip (ending with
+        its own WAIT when they may write: it may use another connection). Answers the replies
+        and the WAIT reply that now stands for the batch."""
         scripts: dict[str, AsyncScript] = {}
         for i in again:
             script = live[i].script
             assert script is not None
             scripts[script.sha] = script
         loads = [("SCRIPT LOAD", script.script) for script in scripts.values()]
-        resent = await self._send([*loads, *(live[i].command for i in again)])
+        wait = self._wants_wait([live[i] for i in again])
+        resent, acked_again = await self._send([*loads, *(live[i].command for i in again)], wait)
         replies = list(replies)
         for i, reply in zip(again, resent[len(loads) :], strict=True):
             replies[i] = reply
-        return replies
+        return replies, (acked_again if wait else acked)
 
 
 class RedisStore(Store):
@@ -417,10 +584,13 @@ class RedisStore(Store):
         pipeline: bool | None = None,
         max_dependents: int = 1_000,
         max_cascade: int = 1_000,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 500,
     ) -> None:
         """``pipeline``: auto-pipeline the store calls (``_AutoPipeline``); None follows the
         URL's ``?pipeline=0|1``, on when absent. ``max_dependents``, ``max_cascade``: as
-        ``Store`` says (``StoreOptions``)."""
+        ``Store`` says (``StoreOptions``). ``min_replicas``, ``replica_timeout_ms``: every
+        write step is followed by ``WAIT min_replicas replica_timeout_ms`` (0: no WAIT)."""
         super().__init__(policy)
         self.max_dependents = max_dependents
         self.max_cascade = max_cascade
@@ -442,21 +612,50 @@ class RedisStore(Store):
             self._keys.probe_due,
             self._keys.events,
         ]
+        if not 0 <= min_replicas <= MAX_MIN_REPLICAS:
+            raise ValueError(f"min_replicas is 0..{MAX_MIN_REPLICAS}, not {min_replicas}")
+        if min_replicas and not 0 < replica_timeout_ms < timeout_ms:
+            raise ValueError("replica_timeout_ms must be above 0 and below timeout_ms")
+        self.min_replicas = min_replicas
+        self.replica_timeout_ms = replica_timeout_ms
         # A bounded pool that waits (up to the store timeout) for a free connection instead of
         # failing, and no client-side retries: a retried script after a lost reply would run
         # twice, and only the gateway knows whether that is safe.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=self._timeout_s,
-            password=password,
-            decode_responses=True,
-            socket_timeout=self._timeout_s,
-            socket_connect_timeout=self._timeout_s,
-            health_check_interval=0,
-            retry=Retry(NoBackoff(), 0),
-        )
-        self._redis: aioredis.Redis = aioredis.Redis.from_pool(pool)  # owns and closes it
+        common: dict[str, Any] = {
+            "max_connections": max_connections,
+            "timeout": self._timeout_s,
+            "password": password,
+            "decode_responses": True,
+            "socket_timeout": self._timeout_s,
+            "socket_connect_timeout": self._timeout_s,
+            "health_check_interval": 0,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        #: The sentinels' clients (redis+sentinel:// only); closed with the store.
+        self._sentinel: Sentinel | None = None
+        if url.lower().startswith(f"{SENTINEL_SCHEME}://"):
+            spec = parse_sentinel_url(url)
+            # Asking the sentinels where the master is happens on every new connection: each
+            # sentinel gets the store timeout, and no retries (a dead one is skipped).
+            self._sentinel = Sentinel(  # type: ignore[no-untyped-call]
+                list(spec.sentinels),
+                sentinel_kwargs={
+                    "socket_timeout": self._timeout_s,
+                    "socket_connect_timeout": self._timeout_s,
+                    "retry": Retry(NoBackoff(), 0),
+                    "health_check_interval": 0,
+                },
+            )
+            self._redis: aioredis.Redis = self._sentinel.master_for(
+                spec.master,
+                connection_pool_class=_BlockingSentinelPool,
+                db=spec.db,
+                username=spec.username,
+                **common,
+            )
+        else:
+            pool = aioredis.BlockingConnectionPool.from_url(url, **common)
+            self._redis = aioredis.Redis.from_pool(pool)  # owns and closes it
         # (taskId, claimGeneration) -> the task revision that claim is for, learnt from claim
         # and prepare answers, so the gateway computes effectIds (prepare.lua checks the
         # revision). A generation is granted once with one revision, and any new revision sends
@@ -466,10 +665,18 @@ class RedisStore(Store):
             name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
         }
         wanted = (True if said is None else said) if pipeline is None else pipeline
-        #: The auto-pipeline of this store's calls; None when it is switched off.
-        self.pipeline = (
-            _AutoPipeline(self._redis, self._timeout_s, PIPELINE_BATCH_MAX) if wanted else None
+        batcher = _AutoPipeline(
+            self._redis,
+            self._timeout_s,
+            PIPELINE_BATCH_MAX,
+            min_replicas=min_replicas,
+            replica_timeout_ms=replica_timeout_ms,
         )
+        #: The auto-pipeline of this store's calls; None when it is switched off.
+        self.pipeline = batcher if wanted else None
+        #: Without auto-pipelining, a write step with min_replicas > 0 goes through this one
+        #: call at a time (the step and its WAIT on one connection).
+        self._single = batcher
 
     @property
     def kind(self) -> str:
@@ -507,12 +714,20 @@ class RedisStore(Store):
             return self.clock_pinned_ms + self.clock_offset_ms
         return int(sec) * 1000 + int(usec) // 1000 + self.clock_offset_ms
 
-    def _eval(self, name: str, keys_: list[str], args: list[Any]) -> Awaitable[Any]:
-        """Run one registered script: queued for this turn's pipeline, or on its own."""
+    def _eval(
+        self, name: str, keys_: list[str], args: list[Any], *, writes: bool | None = None
+    ) -> Awaitable[Any]:
+        """Run one registered script: queued for this turn's pipeline, or on its own.
+        ``writes`` (default: unless the script is read-only) makes its WAIT follow."""
         script = self._scripts[name]
+        if writes is None:
+            writes = name not in _READ_ONLY_SCRIPTS
+        command = ("EVALSHA", script.sha, len(keys_), *keys_, *args)
         if self.pipeline is None:
+            if writes and self.min_replicas:
+                return self._single.run(command, script, writes=True)
             return script(keys=keys_, args=args)
-        return self.pipeline.submit(("EVALSHA", script.sha, len(keys_), *keys_, *args), script)
+        return self.pipeline.submit(command, script, writes=writes)
 
     def _command(self, direct: Callable[[], Awaitable[Any]], *command: Any) -> Awaitable[Any]:
         """One plain command: queued for this turn's pipeline (redis-py parses its reply as it
@@ -553,6 +768,15 @@ class RedisStore(Store):
             return
         for warning in warnings:
             log.warning("store.durability_warning", store="redis", reason=warning)
+        if self._sentinel is not None and not self.min_replicas:
+            # Logged, not part of ``durability`` (which /readyz refuses on): it is a choice.
+            log.warning(
+                "store.durability_warning",
+                store="redis",
+                reason="redis_min_replicas is 0: replication is asynchronous, so a Sentinel "
+                "failover can lose the last claims, commits and effect records the old master "
+                "answered (docs/stores.md, High availability)",
+            )
 
     async def durability(self) -> list[str]:
         """The durability warnings for the server as it is configured right now."""
@@ -565,6 +789,8 @@ class RedisStore(Store):
         if self.pipeline is not None:
             await self.pipeline.drain()
         await self._redis.aclose()
+        if self._sentinel is not None:
+            await self._sentinel.aclose()
 
     async def ping(self) -> None:
         await self._call(lambda: self._command(self._redis.ping, "PING"))
@@ -969,7 +1195,7 @@ class RedisStore(Store):
 
     async def _scheduler_op(self, op: str) -> Scheduler:
         epoch, paused = await self._call(
-            lambda: self._eval("scheduler", [self._keys.scheduler], [op])
+            lambda: self._eval("scheduler", [self._keys.scheduler], [op], writes=op != "read")
         )
         return Scheduler(epoch=int(epoch), claims_paused=paused == "1")
 
@@ -1422,8 +1648,11 @@ class RedisStore(Store):
 
 def _check_url(url: str) -> None:
     """The ``pipeline`` parameter; redis-py parses the rest (host, port, db, TLS) when the
-    store is built."""
-    split_pipeline_option(url)
+    store is built. A ``redis+sentinel://`` URL is parsed here whole."""
+    if url.lower().startswith(f"{SENTINEL_SCHEME}://"):
+        parse_sentinel_url(url)
+    else:
+        split_pipeline_option(url)
 
 
 def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
@@ -1436,13 +1665,16 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         max_connections=options.redis_max_connections,
         max_dependents=options.max_dependents,
         max_cascade=options.max_cascade,
+        min_replicas=options.redis_min_replicas,
+        replica_timeout_ms=options.redis_replica_timeout_ms,
     )
 
 
 #: ``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path.sock`` (ledger.registry).
+#: ``redis+sentinel://HOST1:PORT1,HOST2:PORT2/MASTER_NAME/DB`` (``parse_sentinel_url``).
 STORE_KIND = StoreKind(
-    schemes=("redis", "rediss", "unix"),
-    example="redis://HOST:PORT/DB",
+    schemes=("redis", "rediss", "unix", SENTINEL_SCHEME),
+    example=f"redis://HOST:PORT/DB or {SENTINEL_FORM}",
     check_url=_check_url,
     create=_create,
 )

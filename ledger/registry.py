@@ -24,6 +24,7 @@ _BUILTIN: dict[str, str] = {
     "redis": "fencegate.ledger.redis_store",
     "rediss": "fencegate.ledger.redis_store",
     "unix": "fencegate.ledger.redis_store",
+    "redis+sentinel": "fencegate.ledger.redis_store",
     "postgresql": "fencegate.ledger.postgres_store",
     "postgres": "fencegate.ledger.postgres_store",
 }
@@ -96,9 +97,12 @@ def open_store(
     postgres_max_connections: int = 20,
     max_dependents: int = 1_000,
     max_cascade: int = 1_000,
+    redis_min_replicas: int = 0,
+    redis_replica_timeout_ms: int = 500,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
-    ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS),
+    ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS,
+    ``redis+sentinel://h1:26379,h2:26379/mymaster/0`` through Sentinel),
     ``postgresql://user@host:port/db``, or any scheme
     registered with ``register``."""
     kind = kind_for(url)
@@ -112,5 +116,7 @@ def open_store(
         postgres_max_connections=postgres_max_connections,
         max_dependents=max_dependents,
         max_cascade=max_cascade,
+        redis_min_replicas=redis_min_replicas,
+        redis_replica_timeout_ms=redis_replica_timeout_ms,
     )
     return kind.create(url, policy, options)

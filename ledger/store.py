@@ -76,6 +76,10 @@ class StoreOptions:
     max_dependents: int = 1_000
     #: Most dependents one cancel cascades to in its own step (``[tasks] max_cascade``).
     max_cascade: int = 1_000
+    #: Redis: replicas that must acknowledge every write step (``WAIT``); 0: none.
+    redis_min_replicas: int = 0
+    #: Redis: how long that ``WAIT`` waits, below ``timeout_ms``.
+    redis_replica_timeout_ms: int = 500
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,204 @@
+"""A Redis Sentinel deployment of our own: one master, two replicas, three sentinels.
+
+Every process listens on a free loopback port, has its own config file and data directory
+under a temporary directory, and is stopped by ``SentinelCluster.stop`` (the fixture calls
+it): no system Redis, and nothing on 6379, is ever touched. The replicas and the master run
+with AOF and ``appendfsync always`` (as tests.servers.RedisServer does), so ``/readyz`` of a
+gateway with ``store.require_durable`` passes on whichever is promoted.
+
+The sentinels watch ``mymaster`` with quorum 2, ``down-after-milliseconds`` 1000 and
+``failover-timeout`` 5000: after ``kill_master`` a replica is promoted in a few seconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from tests.servers import _Child, free_port, wait_for_port
+
+__all__ = ["MASTER_NAME", "SentinelCluster"]
+
+MASTER_NAME = "mymaster"
+DOWN_AFTER_MS = 1_000
+FAILOVER_TIMEOUT_MS = 5_000
+
+
+def _binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)"
+        )
+    return binary
+
+
+class _Node(_Child):
+    """One redis-server process (data node or sentinel) started from its own config file."""
+
+    def __init__(self, directory: Path, name: str, lines: list[str], *, sentinel: bool) -> None:
+        self.directory = directory / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.port = free_port()
+        self.sentinel = sentinel
+        self.config_path = self.directory / ("sentinel.conf" if sentinel else "redis.conf")
+        self.config_path.write_text(
+            "\n".join(
+                [
+                    f"port {self.port}",
+                    "bind 127.0.0.1",
+                    f'dir "{self.directory}"',
+                    f'logfile "{self.directory / "log.txt"}"',
+                    *lines,
+                ]
+            )
+            + "\n"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> _Node:
+        args = [_binary(), str(self.config_path)]
+        if self.sentinel:
+            args.append("--sentinel")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for_port(self.port, proc=self.proc)
+        return self
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=2)
+
+    def log(self) -> str:
+        path = self.directory / "log.txt"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+_DATA = [
+    'save ""',
+    "appendonly yes",
+    "appendfsync always",
+    "maxmemory-policy noeviction",
+    "repl-diskless-sync no",
+    "repl-diskless-sync-delay 0",
+]
+
+
+class SentinelCluster:
+    """The master (``data[0]`` at first), two replicas and three sentinels."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.data: list[_Node] = []
+        self.sentinels: list[_Node] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{MASTER_NAME}/0"
+
+    def start(self) -> SentinelCluster:
+        master = _Node(self.directory, "master", list(_DATA), sentinel=False)
+        self.data.append(master.start())
+        for n in (1, 2):
+            lines = [*_DATA, f"replicaof 127.0.0.1 {master.port}"]
+            self.data.append(_Node(self.directory, f"replica{n}", lines, sentinel=False).start())
+        self._wait(lambda: self._replicas_online(master) == 2, "the replicas to sync")
+        for n in (1, 2, 3):
+            lines = [
+                f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master.port} 2",
+                f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
+                f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}",
+                f"sentinel parallel-syncs {MASTER_NAME} 2",
+            ]
+            self.sentinels.append(
+                _Node(self.directory, f"sentinel{n}", lines, sentinel=True).start()
+            )
+        self._wait(self._sentinels_agree, "the sentinels to see each other and the replicas")
+        return self
+
+    def master_port(self) -> int | None:
+        """The master's port as the first sentinel that answers says."""
+        for sentinel in self.sentinels:
+            try:
+                with sentinel.client() as client:
+                    addr = client.sentinel_get_master_addr_by_name(MASTER_NAME)
+            except redis.RedisError:
+                continue
+            if addr:
+                return int(addr[1])
+        return None
+
+    def master(self) -> _Node:
+        port = self.master_port()
+        return next(node for node in self.data if node.port == port)
+
+    def kill_master(self) -> int:
+        """SIGKILL the current master; its port."""
+        node = self.master()
+        node.kill()
+        return node.port
+
+    def wait_promoted(self, old_port: int, timeout: float = 30.0) -> int:
+        """Until every sentinel names a new master that says it is one; its port."""
+
+        def promoted() -> bool:
+            ports = set()
+            for sentinel in self.sentinels:
+                with sentinel.client() as client:
+                    addr = client.sentinel_get_master_addr_by_name(MASTER_NAME)
+                ports.add(int(addr[1]) if addr else None)
+            if len(ports) != 1 or old_port in ports or None in ports:
+                return False
+            (port,) = ports
+            node = next(n for n in self.data if n.port == port)
+            with node.client() as client:
+                return bool(client.info("replication")["role"] == "master")
+
+        self._wait(promoted, "a replica to be promoted", timeout)
+        port = self.master_port()
+        assert port is not None
+        return port
+
+    def wait_replicas(self, count: int, timeout: float = 30.0) -> None:
+        """Until the current master has ``count`` replicas online."""
+        self._wait(lambda: self._replicas_online(self.master()) >= count, "replicas", timeout)
+
+    @staticmethod
+    def _replicas_online(master: _Node) -> int:
+        with master.client() as client:
+            info = client.info("replication")
+        return sum(
+            1
+            for key, value in info.items()
+            if key.startswith("slave") and isinstance(value, dict) and value["state"] == "online"
+        )
+
+    def _sentinels_agree(self) -> bool:
+        for sentinel in self.sentinels:
+            with sentinel.client() as client:
+                state = client.sentinel_master(MASTER_NAME)
+            if int(state["num-other-sentinels"]) < 2 or int(state["num-slaves"]) < 2:
+                return False
+        return True
+
+    def _wait(self, ready: object, what: str, timeout: float = 30.0) -> None:
+        assert callable(ready)
+        deadline = time.monotonic() + timeout
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                if ready():
+                    return
+            except (redis.RedisError, OSError, StopIteration) as exc:
+                last = exc
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {n.name}\n{n.log()[-1500:]}" for n in self.data + self.sentinels)
+        raise TimeoutError(f"waited {timeout}s for {what} (last error: {last})\n{logs}")
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, *self.data]:
+            node.stop()
