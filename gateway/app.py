@@ -85,6 +85,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     app_metrics = request.app[METRICS]
+    app_metrics.store_regressed.set(1 if request.app[STORE].regressed else 0)
     try:
         app_metrics.set_gauges(await request.app[STORE].gauges())
     except StoreUnavailable as exc:

@@ -257,6 +257,13 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.store_regressed = Gauge(
+            "fencegate_store_regressed",
+            "1 while this gateway refuses writes because the store lost writes a gateway saw "
+            "acknowledged (Redis failover or restore), until `fencegate failover ack`",
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.expired = Counter(
             "fencegate_expired",
             "Records this gateway's retention sweep deleted (tasks, effects) and tombstones "

@@ -264,6 +264,20 @@ def register(sub: SubParsers) -> None:
     )
     store_migrate.set_defaults(func=store_cli.migrate, operator_command=False)
 
+    failover = sub.add_parser("failover", help="after a Redis failover that lost writes")
+    failover_actions = failover.add_subparsers(dest="action", required=True, metavar="ACTION")
+    failover_ack = failover_actions.add_parser(
+        "ack",
+        help="fence every earlier claim and let the gateways write again",
+        description="After a failover (or restore) that lost writes the gateways refuse claims "
+        "and effects (503). This bumps the scheduler epoch once and lets them go on. Opens the "
+        "store of --config directly (docs/operations.md, 'Redis failover').",
+    )
+    failover_ack.add_argument(
+        "--config", metavar="FILE", help="the gateway's TOML config (its [store] is used)"
+    )
+    failover_ack.set_defaults(func=store_cli.failover_ack, operator_command=False)
+
     rollout = sub.add_parser("rollout", help="is it safe to switch worker pools?")
     rollout_actions = rollout.add_subparsers(dest="action", required=True, metavar="ACTION")
     _leaf(

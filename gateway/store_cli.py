@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 
 from fencegate.gateway.config import ConfigError, load_config, public_url
-from fencegate.ledger.errors import StoreUnavailable
+from fencegate.ledger.errors import StoreRegressed, StoreUnavailable
 
-__all__ = ["migrate"]
+__all__ = ["failover_ack", "migrate"]
 
 
 def migrate(args: argparse.Namespace) -> int:
@@ -49,4 +50,46 @@ def migrate(args: argparse.Namespace) -> int:
     print(f"store: {where}")
     for line in lines:
         print(line)
+    return 0
+
+
+def failover_ack(args: argparse.Namespace) -> int:
+    """``fencegate failover ack``: after a Redis failover (or restore) that lost writes,
+    fence every claim granted before (one epoch bump) and let the gateways write again. Exit 0
+    done, 1 store unreachable, 2 a config that cannot be used or a store with nothing to
+    acknowledge."""
+    from fencegate.gateway.app import build_store  # the server's imports, only when used
+    from fencegate.ledger.errors import BadRequest
+
+    try:
+        config = load_config(args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"fencegate failover ack: config error: {exc}", file=sys.stderr)
+        return 2
+    where = public_url(config.store.url)
+
+    async def run() -> int:
+        store = build_store(config)
+        with contextlib.suppress(StoreRegressed):  # what this command is for
+            await store.open()
+        try:
+            return (await store.acknowledge_failover()).epoch
+        finally:
+            await store.close()
+
+    try:
+        epoch = asyncio.run(run())
+    except BadRequest as exc:
+        print(f"fencegate failover ack: {where}: {exc.detail}", file=sys.stderr)
+        return 2
+    except (StoreUnavailable, OSError) as exc:
+        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
+        print(f"fencegate failover ack: {where}: {reason}", file=sys.stderr)
+        return 1
+    print(f"store: {where}")
+    print(
+        f"failover acknowledged: scheduler epoch is now {epoch} (every claim granted before "
+        "is fenced: its worker gets STALE_EPOCH and claims again); gateways write again within "
+        "a second. Settle the UNKNOWN effects: fencegate effects list --state UNKNOWN"
+    )
     return 0

@@ -283,6 +283,13 @@ class StoreUnavailable(FencegateError):
     title = "The lease store is unavailable"
 
 
+class StoreRegressed(StoreUnavailable):
+    """The store lost writes this gateway saw acknowledged (a failover to a replica that
+    lacked them, a restore of an older copy): its claims and effect records may be gone, so
+    writes are refused until an operator acknowledges (``fencegate failover ack``). Reads go
+    on. Still STORE_UNAVAILABLE on the wire: retryable, and what a client already handles."""
+
+
 class StoreIncompatible(StoreUnavailable):
     """The store answered, but its schema is newer than this gateway's: waiting will not
     help, so the gateway refuses to start (every store) instead of waiting for the store."""

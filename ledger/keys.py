@@ -82,6 +82,14 @@ class Keys:
             return key[len(head) : -len(tail)]
         return None
 
+    def write_mark(self, gateway: str) -> str:
+        """String: one gateway process's write mark, INCR'd after the writes of every batch
+        it sends (``RedisStore``). Only that gateway writes it, so on one Redis it only
+        grows: a reply at or below one it saw before sending means its acknowledged writes
+        were lost. One small key per gateway start. ``meta`` ``regressed`` is the store-wide
+        flag a gateway raises then (``fencegate failover ack`` takes it down)."""
+        return f"{self.prefix}:write-mark:{gateway}"
+
     @property
     def meta(self) -> str:
         """Hash: ``format``, the format of everything written under this prefix

@@ -49,6 +49,7 @@ connection (``_AutoPipeline``); a shortfall answers every step of that batch Sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import re
@@ -86,6 +87,7 @@ from fencegate.ledger.errors import (
     NoSuchEffect,
     NoSuchTask,
     StoreIncompatible,
+    StoreRegressed,
     StoreUnavailable,
 )
 from fencegate.ledger.events import Event
@@ -386,6 +388,21 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     that waits for a free connection like ``BlockingConnectionPool`` instead of failing."""
 
 
+def regressed_error(regressed: tuple[int, int] | None) -> StoreRegressed:
+    found = (
+        f" (this gateway's write mark went back from {regressed[0]} to {regressed[1]})"
+        if regressed
+        else ""
+    )
+    return StoreRegressed(
+        "the Redis store has lost writes a gateway saw acknowledged"
+        f"{found}: a failover to a replica that lacked them, or an older copy restored; "
+        "claims and effects are refused until an operator runs `fencegate failover ack` "
+        "(docs/operations.md, 'Redis failover'); a call refused when its writes were found "
+        "lost may have been applied to the store as it is now"
+    )
+
+
 def _shortfall(min_replicas: int, timeout_ms: int, acked: Any) -> StoreUnavailable:
     said = f"WAIT answered {acked}" if isinstance(acked, int) else f"WAIT failed: {acked}"
     return StoreUnavailable(
@@ -440,12 +457,32 @@ class _AutoPipeline:
         *,
         min_replicas: int = 0,
         replica_timeout_ms: int = 0,
+        write_mark: str | None = None,
+        meta: str | None = None,
     ) -> None:
         self._redis = client
         self._timeout_s = timeout_s
         self._max_batch = max_batch
         self._min_replicas = min_replicas
         self._replica_timeout_ms = replica_timeout_ms
+        #: The store-wide write mark's key (``Keys.write_mark``): a batch with writes INCRs it
+        #: after them; None: not tracked.
+        self._write_mark = write_mark
+        self.mark_key = write_mark
+        #: The hash holding the store-wide "writes were lost" flag (``regressed``), read
+        #: after the writes of every batch that carries the mark.
+        self._meta = meta
+        #: Whether that flag was up in the last batch's answer.
+        self.flag_up = False
+        #: How many acknowledgements (``meta`` ``acks``) the store had counted at this
+        #: gateway's last good write batch (None before the first).
+        self.acks_seen: int | None = None
+        #: The highest mark a reply of this store has shown.
+        self.highest_mark = 0
+        #: (the highest mark seen before a batch was sent, the lower one its INCR answered)
+        #: once writes were found lost; None while all is well (``RedisStore`` clears it when
+        #: an operator acknowledged).
+        self.regressed: tuple[int, int] | None = None
         self._open: list[_Queued] | None = None
         self._flushing: set[asyncio.Task[None]] = set()
         #: Pipelines sent (NOSCRIPT re-sends not counted) and the calls they carried.
@@ -484,24 +521,67 @@ class _AutoPipeline:
             await asyncio.gather(*self._flushing, return_exceptions=True)
 
     async def _send(
-        self, commands: Sequence[tuple[Any, ...]], wait: bool = False
-    ) -> tuple[list[Any], Any]:
-        """The replies, and WAIT's (None unless ``wait``: then it ends the pipeline)."""
+        self, commands: Sequence[tuple[Any, ...]], wait: bool = False, mark: bool = False
+    ) -> tuple[list[Any], Any, Any]:
+        """The replies, WAIT's (None unless ``wait``: then it ends the pipeline) and the write
+        mark's (None unless ``mark``: its INCR follows the commands, before WAIT, which then
+        covers it too)."""
         pipe = self._redis.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
+        if mark:
+            pipe.execute_command("INCR", self._write_mark)
+            pipe.execute_command("HMGET", self._meta, "regressed", "acks")
         if wait:
             pipe.execute_command("WAIT", self._min_replicas, self._replica_timeout_ms)
         replies = await pipe.execute(raise_on_error=False)
-        if wait:
-            return replies[:-1], replies[-1]
-        return replies, None
+        acked = replies.pop() if wait else None
+        marked: Any = None
+        if mark:
+            meta, marked = replies.pop(), replies.pop()
+            if isinstance(meta, list) and len(meta) == 2:
+                self.flag_up = meta[0] is not None
+                marked = (marked, int(meta[1] or 0))
+        return replies, acked, marked
+
+    def _mark_lost(self, floor: int, marked: Any) -> bool:
+        """Did this batch's INCR answer at or below ``floor``, the highest mark seen before
+        the batch was sent? Only this gateway writes its mark, and every mark it saw before
+        sending was applied before this INCR ran: a reply at or below it means the server
+        answering now lacks writes this gateway had acknowledged (a failover to a replica
+        that had not received them, a restore). A restart that loses nothing (AOF, fsync
+        always) keeps the mark, so it never trips this. A loss that an operator's
+        acknowledgement made after this gateway's last good write already covers (``acks``
+        grew since) is not raised again: that acknowledgement fenced every claim before it."""
+        if not isinstance(marked, tuple) or not isinstance(marked[0], int):
+            return False  # the INCR itself failed: the batch's own errors say so
+        mark, acks = marked
+        covered = self.acks_seen is not None and acks > self.acks_seen
+        self.acks_seen = acks
+        if mark > floor or covered:
+            self.highest_mark = mark if covered else max(self.highest_mark, mark)
+            return False
+        if self.regressed is None:
+            self.regressed = (floor, mark)
+            log.error(
+                "store.regressed",
+                store="redis",
+                highest_seen=floor,
+                found=mark,
+                reason="the Redis store lacks writes this gateway saw acknowledged: claims "
+                "and effect records may be lost; writes are refused until `fencegate "
+                "failover ack` (docs/operations.md, 'Redis failover')",
+            )
+        return True
 
     def _confirmed(self, acked: Any) -> bool:
         return isinstance(acked, int) and acked >= self._min_replicas
 
     def _wants_wait(self, queued: Sequence[_Queued]) -> bool:
         return self._min_replicas > 0 and any(q.writes for q in queued)
+
+    def _wants_mark(self, queued: Sequence[_Queued]) -> bool:
+        return self._write_mark is not None and any(q.writes for q in queued)
 
     async def _flush(self, batch: list[_Queued]) -> None:
         if self._open is batch:
@@ -512,21 +592,31 @@ class _AutoPipeline:
         self.flushes += 1
         self.calls += len(live)
         wait = self._wants_wait(live)
+        mark = self._wants_mark(live)
+        floor = self.highest_mark
         try:
             async with asyncio.timeout(self._timeout_s):
-                replies, acked = await self._send([queued.command for queued in live], wait)
+                replies, acked, marked = await self._send(
+                    [queued.command for queued in live], wait, mark
+                )
                 again = [
                     i
                     for i, reply in enumerate(replies)
                     if isinstance(reply, NoScriptError) and live[i].script is not None
                 ]
                 if again and (not wait or self._confirmed(acked)):
-                    replies, acked = await self._load_and_resend(live, replies, again, acked)
+                    replies, acked, resent_mark = await self._load_and_resend(
+                        live, replies, again, acked
+                    )
+                    marked = resent_mark if resent_mark is not None else marked
         except asyncio.CancelledError:  # the loop is shutting down
             self._fail(live, RedisConnectionError("the store call's pipeline was cancelled"))
             raise
         except Exception as exc:  # the round trip failed: nobody in the batch got an answer
             self._fail(live, exc)
+            return
+        if mark and self._mark_lost(floor, marked):
+            self._fail(live, regressed_error(self.regressed))
             return
         if wait and not self._confirmed(acked):
             self._fail(live, _shortfall(self._min_replicas, self._replica_timeout_ms, acked))
@@ -547,7 +637,7 @@ class _AutoPipeline:
 
     async def _load_and_resend(
         self, live: list[_Queued], replies: list[Any], again: list[int], acked: Any
-    ) -> tuple[list[Any], Any]:
+    ) -> tuple[list[Any], Any, Any]:
         """After NOSCRIPT (a SCRIPT FLUSH, a restart, a failover) Redis ran none of those
         calls: load each missing script and send them again, in one round trip (ending with
         its own WAIT when they may write: it may use another connection). Answers the replies
@@ -559,11 +649,14 @@ class _AutoPipeline:
             scripts[script.sha] = script
         loads = [("SCRIPT LOAD", script.script) for script in scripts.values()]
         wait = self._wants_wait([live[i] for i in again])
-        resent, acked_again = await self._send([*loads, *(live[i].command for i in again)], wait)
+        mark = self._wants_mark([live[i] for i in again])
+        resent, acked_again, marked = await self._send(
+            [*loads, *(live[i].command for i in again)], wait, mark
+        )
         replies = list(replies)
         for i, reply in zip(again, resent[len(loads) :], strict=True):
             replies[i] = reply
-        return replies, (acked_again if wait else acked)
+        return replies, (acked_again if wait else acked), marked
 
 
 class RedisStore(Store):
@@ -671,7 +764,13 @@ class RedisStore(Store):
             PIPELINE_BATCH_MAX,
             min_replicas=min_replicas,
             replica_timeout_ms=replica_timeout_ms,
+            write_mark=self._keys.write_mark(new_id()[:16]),
+            meta=self._keys.meta,
         )
+        #: While refusing: when the flag was last read to see whether it came down.
+        self._flag_checked_at = -1.0
+        #: Whether this gateway has raised the flag for what it found itself.
+        self._flag_raised = False
         #: The auto-pipeline of this store's calls; None when it is switched off.
         self.pipeline = batcher if wanted else None
         #: Without auto-pipelining, a write step with min_replicas > 0 goes through this one
@@ -724,7 +823,7 @@ class RedisStore(Store):
             writes = name not in _READ_ONLY_SCRIPTS
         command = ("EVALSHA", script.sha, len(keys_), *keys_, *args)
         if self.pipeline is None:
-            if writes and self.min_replicas:
+            if writes:  # with the write mark's INCR (and WAIT) on the same connection
                 return self._single.run(command, script, writes=True)
             return script(keys=keys_, args=args)
         return self.pipeline.submit(command, script, writes=writes)
@@ -736,10 +835,71 @@ class RedisStore(Store):
             return direct()
         return self.pipeline.submit(command)
 
+    @property
+    def regressed(self) -> bool:
+        return self._single.flag_up or self._single.regressed is not None
+
+    async def _refuse_while_regressed(self, *, look: bool = False) -> None:
+        """Fail closed after lost writes. A gateway that finds its own writes lost (its write
+        mark went back, ``_AutoPipeline``) raises the store-wide flag (``meta`` ``regressed``)
+        at once; every gateway learns it from the answer to its next write batch (the flag is
+        read after the writes, in the same pipeline) and then refuses writes
+        (``StoreRegressed``) until ``acknowledge_failover`` takes it down, which a refusing
+        gateway looks for at most once a second (``look``: now)."""
+        batcher = self._single
+        await self._raise_flag()
+        now = time.monotonic()
+        if (self.regressed and now >= self._flag_checked_at + 1.0) or look:
+            self._flag_checked_at = now
+            up: Any = await self._call(lambda: self._redis.hget(self._keys.meta, "regressed"))
+            was_refusing = self.regressed
+            batcher.flag_up = up is not None
+            if up is None and was_refusing:
+                log.warning("store.failover_acknowledged", store="redis")
+                if batcher.regressed is not None:  # go on from what the store holds now
+                    batcher.highest_mark, batcher.regressed = batcher.regressed[1], None
+                self._flag_raised = False
+        if self.regressed:
+            raise regressed_error(batcher.regressed)
+
+    async def _raise_flag(self) -> None:
+        """Tell every gateway (``meta`` ``regressed``) that this one found its writes lost,
+        once per finding, as soon as it is found."""
+        batcher = self._single
+        if batcher.regressed is not None and not self._flag_raised:
+            highest, found = batcher.regressed
+            flag = json.dumps({"highestSeen": highest, "found": found, "by": batcher.mark_key})
+            await self._call(lambda: self._redis.hset(self._keys.meta, "regressed", flag))
+            self._flag_raised = batcher.flag_up = True
+
+    async def acknowledge_failover(self) -> Scheduler:
+        """The operator's answer to lost writes: bump the scheduler epoch once (every claim
+        the store holds, all granted before, now fails STALE_EPOCH; a claim the old master
+        granted and lost is on no task record, so its holder is FENCED anyway), then take the
+        flag down; gateways that refused writes resume within a second."""
+        self._single.flag_up = False  # the flag is what this takes down: not a reason to stop
+        scheduler = await self.bump_epoch()
+
+        async def take_down() -> Any:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.hincrby(self._keys.meta, "acks", 1)
+            pipe.hdel(self._keys.meta, "regressed")
+            return await pipe.execute()
+
+        await self._call(take_down)
+        return scheduler
+
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
+        if name not in _READ_ONLY_SCRIPTS:
+            await self._refuse_while_regressed()
         started = time.monotonic()
         clock = self._clock_arg()
-        reply = await self._call(lambda: self._eval(name, keys_, [clock, *args]))
+        try:
+            reply = await self._call(lambda: self._eval(name, keys_, [clock, *args]))
+        except StoreRegressed:
+            with contextlib.suppress(StoreUnavailable):
+                await self._raise_flag()  # the others should stop now, not at their next look
+            raise
         self.observe(name, time.monotonic() - started)
         if not self._durability_checked:
             await self._check_durability()
@@ -798,6 +958,7 @@ class RedisStore(Store):
             await self._check_durability()
         if not self._format_checked:
             await self._check_format()
+        await self._refuse_while_regressed(look=True)  # /readyz: false while writes are refused
 
     async def _format(self) -> tuple[int | None, bool]:
         """(the format recorded under the prefix or None, whether anything was ever written

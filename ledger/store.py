@@ -177,6 +177,21 @@ class Store(abc.ABC):
         #: Called with (operation, seconds) after every answered store call; metrics hook it.
         self.observe: Callable[[str, float], None] = lambda op, seconds: None
 
+    @property
+    def regressed(self) -> bool:
+        """Has the store lost writes this gateway saw acknowledged (so writes are refused
+        until ``acknowledge_failover``)? Only a store that can fail over without its writes
+        (Redis) ever says so."""
+        return False
+
+    async def acknowledge_failover(self) -> Scheduler:
+        """An operator's acknowledgement of lost writes (``fencegate failover ack``): fence
+        every claim granted before and let writes go on. Stores that cannot lose acknowledged
+        writes this way have nothing to acknowledge."""
+        raise BadRequest(
+            f"the {self.kind} store does not detect lost writes: there is nothing to acknowledge"
+        )
+
     async def durability(self) -> list[str]:
         """What an answered transition could lose under the store's current settings."""
         return []
