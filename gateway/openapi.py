@@ -423,6 +423,10 @@ def _problems(
     by_status: dict[int, tuple[str, ...]] = dict(_COMMON)
     for status, codes in (extra or {}).items():
         by_status[status] = by_status.get(status, ()) + codes
+    if 404 in by_status and "NOT_FOUND" not in by_status[404]:
+        # A path parameter the router cannot match (a control character, say) is the
+        # router's own 404 before any handler runs.
+        by_status[404] += ("NOT_FOUND",)
     return {
         str(status): _problem_answer(status, by_status[status], proxied)
         for status in sorted(by_status)
