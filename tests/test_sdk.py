@@ -69,7 +69,8 @@ def gateway_config(store_url: str, key_prefix: str, downstream: Downstream) -> C
             {"name": "small", "url": downstream.url, "max_body_bytes": 1024},
             {"name": "bank", "url": downstream.url, "adapter": "manual", "require_approval": True},
         ],
-        proxy={"prepared_margin_ms": 500},
+        # A forward start limit of 1 s: a loaded CI machine answered a prepare 933 ms late.
+        proxy={"prepared_margin_ms": 2_000},
     )
 
 
