@@ -28,6 +28,9 @@ from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 
+#: About 25 s for the three stores: with the slow tests, which `.ci/run` runs after the rest.
+pytestmark = pytest.mark.slow
+
 RUN_S = 6.0
 WORKERS = 4
 SLOTS = ("a", "b")
