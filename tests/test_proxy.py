@@ -26,6 +26,9 @@ from tests.downstream import Downstream
 from tests.servers import free_port
 
 TIMEOUT_MS = 400
+# A call that outlives "brief"'s timeout: the timeout stories go through "brief"; every other
+# story goes through "api", whose 10 s timeout a loaded CI machine does not reach.
+TIMED_OUT = f"/proxy/brief/slow/{TIMEOUT_MS * 3}/pay"
 
 
 @pytest.fixture
@@ -34,12 +37,8 @@ def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Con
         store_url,
         key_prefix,
         downstreams=[  # type: ignore[arg-type]
-            {
-                "name": "api",
-                "url": downstream.url,
-                "timeout_ms": TIMEOUT_MS,
-                "replay_max_bytes": 1024,
-            },
+            {"name": "api", "url": downstream.url, "timeout_ms": 10_000, "replay_max_bytes": 1024},
+            {"name": "brief", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
             {"name": "dead", "url": f"http://127.0.0.1:{free_port()}", "timeout_ms": TIMEOUT_MS},
             {"name": "small", "url": downstream.url, "max_body_bytes": 2048},
         ],
@@ -197,12 +196,12 @@ async def test_timeout_makes_effect_unknown_and_blocks_blind_retry(
     api: Api, downstream: Downstream
 ) -> None:
     lease = await task_with_lease(api)
-    sent = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", body={"x": 1})
+    sent = await send(api, lease, TIMED_OUT, body={"x": 1})
     assert sent.status == 504 and sent.code == "DOWNSTREAM_TIMEOUT"
     assert sent.headers["Fence-Effect-State"] == "UNKNOWN"
-    again = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", body={"x": 1})
+    again = await send(api, lease, TIMED_OUT, body={"x": 1})
     assert again.status == 409 and again.code == "EFFECT_UNKNOWN"
-    other = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", body={"x": 2})
+    other = await send(api, lease, TIMED_OUT, body={"x": 2})
     assert other.status == 422 and other.code == "PAYLOAD_CONFLICT"
     assert len(downstream.calls()) == 1
     record = (await api.call("GET", f"/v1/effects/{sent.headers['Fence-Effect-Id']}")).body
@@ -410,17 +409,17 @@ async def test_lost_answer_takeover_cannot_repeat_or_change_the_effect(
     await api.put("t1")
     a = await api.claim("t1", "A", ttl_ms=2_000)
     x = {"to": "alice", "amount": 10}
-    lost = await send(api, a, f"/slow/{TIMEOUT_MS * 3}/pay", body=x)
+    lost = await send(api, a, TIMED_OUT, body=x)
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
     api.advance(2_000)  # A's lease lapses
     b = await api.claim("t1", "B")
-    y = await send(api, b, f"/slow/{TIMEOUT_MS * 3}/pay", body={"to": "alice", "amount": 11})
+    y = await send(api, b, TIMED_OUT, body={"to": "alice", "amount": 11})
     assert y.status == 422 and y.code == "PAYLOAD_CONFLICT"
-    again = await send(api, b, f"/slow/{TIMEOUT_MS * 3}/pay", body=x)
+    again = await send(api, b, TIMED_OUT, body=x)
     assert again.status == 409 and again.code == "EFFECT_UNKNOWN"
     await asyncio.sleep(TIMEOUT_MS * 3 / 1000)  # let the slow downstream finish the one call
     assert len(downstream.calls()) == 1
-    assert (await send(api, a, f"/slow/{TIMEOUT_MS * 3}/pay", body=x)).code == "FENCED"
+    assert (await send(api, a, TIMED_OUT, body=x)).code == "FENCED"
 
 
 async def test_fifty_identical_concurrent_calls_forward_once(
@@ -776,7 +775,7 @@ async def test_resolve_without_response_replays_what_was_recorded_or_says_none(
 ) -> None:
     lease = await task_with_lease(api)
     answered = await send(api, lease, "/status/500", body={"x": 1})
-    silent = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", slot="s2", body={"x": 1})
+    silent = await send(api, lease, TIMED_OUT, slot="s2", body={"x": 1})
     for sent in (answered, silent):
         eid = sent.headers["Fence-Effect-Id"]
         ok = await api.call(
@@ -786,7 +785,7 @@ async def test_resolve_without_response_replays_what_was_recorded_or_says_none(
     replay = await send(api, lease, "/status/500", body={"x": 1})
     assert replay.status == 500 and replay.headers["Fence-Replayed"] == "true"
     assert json.loads(replay.body)["calls"] == 1
-    none = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", slot="s2", body={"x": 1})
+    none = await send(api, lease, TIMED_OUT, slot="s2", body={"x": 1})
     assert none.status == 204 and none.headers["Fence-Replay-Body"] == "none"
     assert none.headers["Fence-Replayed"] == "true"
 
