@@ -96,11 +96,16 @@ def add_run_options(
     )
 
 
-def parse_stores(parser: argparse.ArgumentParser, raw: str, default: str) -> list[str]:
+def parse_stores(
+    parser: argparse.ArgumentParser,
+    raw: str,
+    default: str,
+    allowed: Sequence[str] = ALL_STORES,
+) -> list[str]:
     """The stores of ``--stores``, in the order given; each at most once."""
     stores = [s.strip() for s in raw.split(",") if s.strip()]
-    if not stores or any(s not in ALL_STORES for s in stores) or len(set(stores)) != len(stores):
-        parser.error(f"--stores: expected a comma-separated subset of {','.join(ALL_STORES)}")
+    if not stores or any(s not in allowed for s in stores) or len(set(stores)) != len(stores):
+        parser.error(f"--stores: expected a comma-separated subset of {','.join(allowed)}")
     return stores
 
 
@@ -110,7 +115,7 @@ def check_run_options(
     """Refuse a run that needs Redis without a redis-server, or PostgreSQL without its server
     binaries (or from outside the repository root, where ``tests.postgres_server`` is); make
     ``--gateway-src`` absolute (the gateway runs in a temporary directory)."""
-    if "redis" in stores and not args.redis_server:
+    if {"redis", "sentinel"} & set(stores) and not args.redis_server:
         parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
     if "postgres" in stores:
         try:

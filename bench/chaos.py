@@ -4,7 +4,7 @@ received with the ledger and with what the workers were told.
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.chaos --seconds 60 --seed 7                 # redis, postgres, sqlite
+    .venv/bin/python -m bench.chaos --seconds 60 --seed 7      # redis, sentinel, postgres, sqlite
     .venv/bin/python -m bench.chaos --seconds 600 --seed 1                # the 10-minute run
     .venv/bin/python -m bench.chaos --seconds 30 --stores sqlite --workers 4 --json chaos.json
 
@@ -12,8 +12,10 @@ Per store, one after another (``--seconds`` is split evenly between them), on lo
 a temporary directory:
 
 * the store: a private ``redis-server`` (``appendonly yes``, ``appendfsync always``) with TWO
-  ``fencegate serve`` processes on it; a private PostgreSQL cluster (``bench._procs``) with TWO
-  gateways; or a SQLite file with ONE gateway;
+  ``fencegate serve`` processes on it; Redis under Sentinel (``sentinel``: a master, two
+  replicas and three sentinels of ``tests.sentinel_servers``, the gateways on a
+  ``redis+sentinel://`` URL with ``redis_min_replicas = 2``) with TWO gateways; a private
+  PostgreSQL cluster (``bench._procs``) with TWO gateways; or a SQLite file with ONE gateway;
 * a downstream in this process (aiohttp) that logs every call it receives: ``Idempotency-Key``
   (the effectId), ``Fencing-Token``, the task, the arrival time (``time.time()``). A fault can
   make it slow (it answers after longer than the downstream's ``timeout_ms``: the gateway
@@ -34,14 +36,15 @@ a temporary directory:
   ``gateway_kill`` (kill -9 a gateway, restart it on the same config and port),
   ``gateway_stop`` (SIGSTOP a gateway for 1-4 s, then SIGCONT), ``store_stop`` (SIGSTOP
   redis-server, or every process of the PostgreSQL cluster, for 0.5-3 s), ``store_kill``
-  (Redis: kill -9, restart on the same AOF directory and port), ``downstream_slow``,
+  (Redis: kill -9, restart on the same AOF directory and port), ``sentinel_failover`` (kill -9
+  the master; the sentinels promote a replica; the old master starts again on its AOF and
+  becomes a replica of the new one), ``downstream_slow``,
   ``downstream_reset``, and ``worker_pause``: a worker claims a task with a bare lease, sends
   one effect, then stops past its lease; the task is offered to the other workers, and once
   one of them holds a newer claim the paused worker goes on with its stale lease. Its effect
   and its commit must be refused. The schedule first goes through every kind that applies to
   the store (shuffled), then draws at random. A kind is an entry of ``FAULTS`` (whether it
-  applies to a phase, and the coroutine that injects and heals it): a Sentinel failover
-  (issue 18) is one more entry whose ``applies`` looks for a Sentinel set-up in the phase.
+  applies to a phase, and the coroutine that injects and heals it).
 
 At the end of a store's phase every fault is healed (SIGCONT, restarts), the workers finish
 their tasks, and the checker waits until no forward can still be running (the downstream's
@@ -146,12 +149,23 @@ from fencegate import (
     Unavailable,
 )
 from fencegate.lease import Lease
+from tests.sentinel_servers import SentinelCluster
 
 __all__ = ["FAULTS", "main"]
 
-DEFAULT_STORES = "redis,postgres,sqlite"
+DEFAULT_STORES = "redis,sentinel,postgres,sqlite"
+#: What ``--stores`` takes: ``sentinel`` is Redis under Sentinel (issue 18).
+CHAOS_STORES = ("redis", "sentinel", "postgres", "sqlite")
 #: Gateways per store: the shared stores get two, SQLite (one file, one process) one.
-GATEWAYS = {"redis": 2, "postgres": 2, "sqlite": 1}
+GATEWAYS = {"redis": 2, "sentinel": 2, "postgres": 2, "sqlite": 1}
+#: ``[store] redis_min_replicas`` of the Sentinel phase: both replicas. With fewer, a
+#: failover can promote the replica that lacks the last answered writes (Sentinel's view of
+#: the offsets may be a second old), the gateways then fail closed until an operator's
+#: ``fencegate failover ack``, which a chaos run has no operator for. With both, a write is
+#: answered only once every replica holds it; while the old master is down (one replica left)
+#: writes answer 503 until it is back as a replica.
+SENTINEL_MIN_REPLICAS = 2
+SENTINEL_REPLICA_TIMEOUT_MS = 500
 DOWNSTREAM = "chaos"
 SLOTS = ("reserve", "charge", "notify")
 NODE = "main"
@@ -396,6 +410,8 @@ class Phase:
         self.gateways: list[Gateway] = []
         self.stopped_gateways: set[int] = set()
         self.store_server: StoreServer | None = None
+        #: The Sentinel set-up of a ``sentinel`` phase (master, two replicas, three sentinels).
+        self.sentinel: SentinelCluster | None = None
         self.clients: list[Client] = []
         self.epoch = 0
         self.prefix = f"chaos-{store}-{uuid.uuid4().hex[:6]}"
@@ -805,8 +821,28 @@ async def worker_pause(phase: Phase, rng: random.Random) -> None:
     await asyncio.sleep(0.5)
 
 
-#: Every kind of fault. A Sentinel failover is one more entry (applies: the phase runs Redis
-#: under Sentinel; inject: ``SENTINEL FAILOVER``, wait for the new master, let it heal).
+async def sentinel_failover(phase: Phase, rng: random.Random) -> None:
+    """kill -9 the master; the sentinels promote a replica; the old master is started again
+    on its own AOF after ``down`` and the sentinels make it a replica of the new one."""
+    cluster = phase.sentinel
+    assert cluster is not None
+    down = rng.uniform(0.5, 2.0)
+    node = cluster.master()
+    phase.fault(
+        "sentinel_failover",
+        f"kill -9 the Redis master (port {node.port}), restart it as a replica in {down:.1f}s",
+    )
+    started = time.monotonic()
+    old = await asyncio.to_thread(cluster.kill_master)
+    new = await asyncio.to_thread(cluster.wait_promoted, old)
+    phase.say(f"sentinels promoted port {new} after {time.monotonic() - started:.1f}s")
+    await asyncio.sleep(down)
+    await asyncio.to_thread(node.start)
+    await asyncio.to_thread(cluster.wait_replicas, 2)
+    phase.say(f"old master back as a replica; 2 replicas after {time.monotonic() - started:.1f}s")
+
+
+#: Every kind of fault.
 FAULTS: dict[str, Fault] = {
     "gateway_kill": Fault(lambda p: True, gateway_kill),
     "gateway_stop": Fault(lambda p: True, gateway_stop),
@@ -815,6 +851,7 @@ FAULTS: dict[str, Fault] = {
     "downstream_slow": Fault(lambda p: True, downstream_slow),
     "downstream_reset": Fault(lambda p: True, downstream_reset),
     "worker_pause": Fault(lambda p: p.n_workers > 1, worker_pause),
+    "sentinel_failover": Fault(lambda p: p.sentinel is not None, sentinel_failover),
 }
 
 
@@ -847,6 +884,10 @@ async def heal_all(phase: Phase) -> None:
         phase.store_server.heal()
         if not phase.store_server.proc.alive():
             await asyncio.to_thread(phase.store_server._respawn)
+    if phase.sentinel is not None:
+        for node in phase.sentinel.data:
+            if node.proc is None:  # killed by a failover fault that did not finish
+                await asyncio.to_thread(node.start)
     for gateway in phase.gateways:
         if gateway.proc.alive():
             gateway.proc.popen.send_signal(signal.SIGCONT)
@@ -1057,8 +1098,21 @@ async def run_phase(
             procs.append(pg)
             url = urls[0]
             phase.store_server = StoreServer("postgres", pg, url)
+        elif store == "sentinel":
+            phase.sentinel = SentinelCluster(work / "sentinel")
+            await asyncio.to_thread(phase.sentinel.start)
+            url = phase.sentinel.url
+            progress(f"sentinel: master {phase.sentinel.master_port()}, 2 replicas, 3 sentinels")
         else:
             url = f"sqlite:///{work / 'gw0' / 'fencegate.db'}"
+        store_lines = (
+            [
+                f"redis_min_replicas = {SENTINEL_MIN_REPLICAS}",
+                f"redis_replica_timeout_ms = {SENTINEL_REPLICA_TIMEOUT_MS}",
+            ]
+            if store == "sentinel"
+            else []
+        )
         for i in range(GATEWAYS[store]):
             proc, base = await asyncio.to_thread(
                 start_gateway,
@@ -1069,6 +1123,7 @@ async def run_phase(
                 source=args.gateway_src,
                 store_timeout_ms=STORE_TIMEOUT_MS,
                 extra_toml=_gateway_toml(phase.downstream.base),
+                store_lines=store_lines,
             )
             phase.gateways.append(Gateway(proc, base, args.gateway_src))
             progress(f"{store}: gateway {i} pid {proc.pid} at {base}")
@@ -1085,6 +1140,8 @@ async def run_phase(
                 procs.append(phase.store_server.proc)
         for proc in reversed(procs):
             proc.stop()
+        if phase.sentinel is not None:
+            await asyncio.to_thread(phase.sentinel.stop)
 
 
 async def drive(phase: Phase) -> dict[str, Any]:
@@ -1217,12 +1274,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, help="seed of the fault schedule (default: random)")
     parser.add_argument("--stores", default=DEFAULT_STORES,
-                        help=f"comma-separated subset of redis,postgres,sqlite, in the order "
-                        f"they run (default {DEFAULT_STORES})")  # fmt: skip
+                        help=f"comma-separated subset of {','.join(CHAOS_STORES)}, in the "
+                        f"order they run (default {DEFAULT_STORES})")  # fmt: skip
     parser.add_argument("--workers", type=int, default=8, help="SDK workers (default 8)")
     add_run_options(parser)
     args = parser.parse_args(argv)
-    args.store_list = parse_stores(parser, args.stores, DEFAULT_STORES)
+    args.store_list = parse_stores(parser, args.stores, DEFAULT_STORES, CHAOS_STORES)
     check_run_options(parser, args, args.store_list)
     if args.seconds <= 0 or args.workers < 1:
         parser.error("--seconds must be > 0 and --workers >= 1")

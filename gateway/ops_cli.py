@@ -277,6 +277,26 @@ def register(sub: SubParsers) -> None:
         "--config", metavar="FILE", help="the gateway's TOML config (its [store] is used)"
     )
     failover_ack.set_defaults(func=store_cli.failover_ack, operator_command=False)
+    failover_lost = failover_actions.add_parser(
+        "lost",
+        help="list what the gateways' logs say was answered and the store no longer holds",
+        description="Reads the gateways' JSON logs (--log, one per gateway) and the store of "
+        "--config, and lists the effect records, claims and commits the logs show answered "
+        "that the store lacks or holds at an earlier step. Exit 0 nothing lost, 3 lost records "
+        "listed, 1 store unreachable, 2 bad config or log (docs/operations.md, 'Redis "
+        "failover').",
+    )
+    failover_lost.add_argument(
+        "--config", metavar="FILE", help="the gateway's TOML config (its [store] is used)"
+    )
+    failover_lost.add_argument(
+        "--log",
+        metavar="FILE",
+        action="append",
+        required=True,
+        help="a gateway's log (its stderr: one JSON event per line); repeat for each gateway",
+    )
+    failover_lost.set_defaults(func=store_cli.failover_lost, operator_command=False)
 
     rollout = sub.add_parser("rollout", help="is it safe to switch worker pools?")
     rollout_actions = rollout.add_subparsers(dest="action", required=True, metavar="ACTION")

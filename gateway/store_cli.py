@@ -14,11 +14,23 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fencegate.gateway.config import ConfigError, load_config, public_url
 from fencegate.ledger.errors import StoreRegressed, StoreUnavailable
 
-__all__ = ["failover_ack", "migrate"]
+__all__ = ["failover_ack", "failover_lost", "migrate"]
+
+_T = TypeVar("_T")
+
+
+def _logs_to_stderr() -> None:
+    """The store's own warnings (durability, format) as JSON lines on stderr, so stdout is
+    the command's report alone."""
+    from fencegate.gateway.logs import configure_logging
+
+    configure_logging("warning")
 
 
 def migrate(args: argparse.Namespace) -> int:
@@ -26,6 +38,7 @@ def migrate(args: argparse.Namespace) -> int:
     config that cannot be used, 1 when the store cannot be reached or is newer."""
     from fencegate.gateway.app import build_store  # the server's imports, only when used
 
+    _logs_to_stderr()
     try:
         config = load_config(args.config)
     except (ConfigError, ValueError) as exc:
@@ -61,6 +74,7 @@ def failover_ack(args: argparse.Namespace) -> int:
     from fencegate.gateway.app import build_store  # the server's imports, only when used
     from fencegate.ledger.errors import BadRequest
 
+    _logs_to_stderr()
     try:
         config = load_config(args.config)
     except (ConfigError, ValueError) as exc:
@@ -93,3 +107,107 @@ def failover_ack(args: argparse.Namespace) -> int:
         "a second. Settle the UNKNOWN effects: fencegate effects list --state UNKNOWN"
     )
     return 0
+
+
+#: Store reads at once while checking the journal: bounded, so a long log does not open a
+#: connection per record.
+_LOST_READS = 32
+
+
+def failover_lost(args: argparse.Namespace) -> int:
+    """``fencegate failover lost``: what the gateways' logs say was answered that the store
+    no longer holds (gateway/failover_journal.py). Exit 0 nothing lost, 3 lost records found
+    (listed), 1 store unreachable, 2 a config or log file that cannot be used."""
+    from fencegate.gateway import failover_journal as fj
+    from fencegate.gateway.app import build_store
+    from fencegate.ledger.errors import EffectExpired, NoSuchEffect, NoSuchTask, TaskExpired
+    from fencegate.ledger.store import Store
+
+    _logs_to_stderr()
+    try:
+        config = load_config(args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"fencegate failover lost: config error: {exc}", file=sys.stderr)
+        return 2
+    where = public_url(config.store.url)
+    logs: list[tuple[str, list[str]]] = []
+    for path in args.log:
+        try:
+            with open(path, encoding="utf-8", errors="replace") as file:
+                logs.append((path, file.read().splitlines()))
+        except OSError as exc:
+            print(f"fencegate failover lost: --log {path}: {exc.strerror}", file=sys.stderr)
+            return 2
+    journal = fj.read_journal(logs)
+
+    async def effect(store: Store, logged: fj.LoggedEffect) -> fj.Finding | None:
+        try:
+            state: str | None = (await store.get_effect(logged.effect_id)).state
+        except EffectExpired:
+            state = "EXPIRED"
+        except NoSuchEffect:
+            state = None
+        return fj.effect_finding(logged, state)
+
+    async def task(store: Store, task_id: str) -> list[fj.Finding]:
+        claim, commit = journal.claims.get(task_id), journal.commits.get(task_id)
+        try:
+            record = await store.get_task(task_id)
+            generation: int | None = record.claim_generation
+            commit_id = record.commit.commit_id if record.commit else None
+        except TaskExpired:
+            generation, commit_id = -1, "EXPIRED"
+        except NoSuchTask:
+            generation, commit_id = None, None
+        found = [
+            fj.claim_finding(claim, generation) if claim else None,
+            fj.commit_finding(commit, commit_id, gone=generation is None) if commit else None,
+        ]
+        return [finding for finding in found if finding is not None]
+
+    async def run() -> list[fj.Finding]:
+        store = build_store(config)
+        with contextlib.suppress(StoreRegressed):  # reads go on; this is what it is for
+            await store.open()
+        try:
+            limit = asyncio.Semaphore(_LOST_READS)
+
+            async def bounded(check: Awaitable[_T]) -> _T:
+                async with limit:
+                    return await check
+
+            effects = await asyncio.gather(
+                *(bounded(effect(store, logged)) for logged in journal.effects.values())
+            )
+            tasks = await asyncio.gather(
+                *(bounded(task(store, t)) for t in sorted({*journal.claims, *journal.commits}))
+            )
+        finally:
+            await store.close()
+        return [f for f in effects if f is not None] + [f for found in tasks for f in found]
+
+    try:
+        findings = asyncio.run(run())
+    except (StoreUnavailable, OSError) as exc:
+        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
+        print(f"fencegate failover lost: {where}: {reason}", file=sys.stderr)
+        return 1
+    print(f"store: {where}")
+    print(
+        f"read {len(logs)} log(s): {journal.lines} lines ({journal.skipped} not events), "
+        f"{len(journal.effects)} effects, {len(journal.claims)} claimed tasks, "
+        f"{len(journal.commits)} commits"
+    )
+    by_kind = {
+        kind: [f for f in findings if f.kind == kind] for kind in ("effect", "claim", "commit")
+    }
+    print(
+        "lost: "
+        + ", ".join(
+            f"{len(found)} {kind}{'s' if len(found) != 1 else ''}"
+            for kind, found in by_kind.items()
+        )
+    )
+    for finding in findings:
+        print(finding.line())
+    return 3 if findings else 0

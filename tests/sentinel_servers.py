@@ -8,12 +8,21 @@ gateway with ``store.require_durable`` passes on whichever is promoted.
 
 The sentinels watch ``mymaster`` with quorum 2, ``down-after-milliseconds`` 1000 and
 ``failover-timeout`` 5000: after ``kill_master`` a replica is promoted in a few seconds.
+
+``SentinelCluster(directory, relay=True)`` puts a ``MasterRelay`` in front of the first master:
+everyone (replicas, sentinels, gateways) reaches it through the relay's port, and
+``cut_replication`` stops the master's replication stream there, so the replicas fall behind
+while the master goes on answering writes: a failover then loses them, as a slow or
+partitioned replica link makes it lose them in production.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +30,7 @@ import redis
 
 from tests.servers import _Child, free_port, wait_for_port
 
-__all__ = ["MASTER_NAME", "SentinelCluster"]
+__all__ = ["MASTER_NAME", "MasterRelay", "SentinelCluster"]
 
 MASTER_NAME = "mymaster"
 DOWN_AFTER_MS = 1_000
@@ -77,6 +86,88 @@ class _Node(_Child):
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+class MasterRelay:
+    """``127.0.0.1:port`` -> the master, on its own event loop in a thread (the cluster's
+    helpers are synchronous). A connection that sends ``PSYNC``/``SYNC`` is a replica's
+    replication link; once ``cut_replication`` is called, what the master sends on such links
+    is dropped (the replica's link stays up and silent, the master's answers to everyone else
+    pass). When the master dies, every connection through the relay is closed."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.cut = False
+        #: Bytes of replication stream dropped since the cut: the writes the replicas miss.
+        self.dropped = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def start(self) -> MasterRelay:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._accept, "127.0.0.1", 0), self._loop
+        ).result(timeout=10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def cut_replication(self) -> None:
+        self.cut = True
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        replication = [False]
+
+        async def upstream() -> None:
+            while chunk := await reader.read(65_536):
+                if b"\r\nPSYNC\r\n" in chunk or b"\r\nSYNC\r\n" in chunk:
+                    replication[0] = True
+                up_writer.write(chunk)
+                await up_writer.drain()
+
+        async def downstream() -> None:
+            while chunk := await up_reader.read(65_536):
+                if replication[0] and self.cut:
+                    self.dropped += len(chunk)
+                    continue
+                writer.write(chunk)
+                await writer.drain()
+
+        pipes = [asyncio.ensure_future(upstream()), asyncio.ensure_future(downstream())]
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pipe in pipes:
+                pipe.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+            for end in (writer, up_writer):
+                end.close()
+                with contextlib.suppress(OSError, asyncio.CancelledError):
+                    await end.wait_closed()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            server = self._server
+
+            async def close() -> None:
+                server.close()
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(close(), self._loop).result(timeout=5)
+            self._server = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
 _DATA = [
     'save ""',
     "appendonly yes",
@@ -90,10 +181,12 @@ _DATA = [
 class SentinelCluster:
     """The master (``data[0]`` at first), two replicas and three sentinels."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, relay: bool = False) -> None:
         self.directory = directory
         self.data: list[_Node] = []
         self.sentinels: list[_Node] = []
+        self.with_relay = relay
+        self.relay: MasterRelay | None = None
 
     @property
     def url(self) -> str:
@@ -103,13 +196,17 @@ class SentinelCluster:
     def start(self) -> SentinelCluster:
         master = _Node(self.directory, "master", list(_DATA), sentinel=False)
         self.data.append(master.start())
+        master_port = master.port
+        if self.with_relay:
+            self.relay = MasterRelay(master.port).start()
+            master_port = self.relay.port
         for n in (1, 2):
-            lines = [*_DATA, f"replicaof 127.0.0.1 {master.port}"]
+            lines = [*_DATA, f"replicaof 127.0.0.1 {master_port}"]
             self.data.append(_Node(self.directory, f"replica{n}", lines, sentinel=False).start())
         self._wait(lambda: self._replicas_online(master) == 2, "the replicas to sync")
         for n in (1, 2, 3):
             lines = [
-                f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master.port} 2",
+                f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2",
                 f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
                 f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}",
                 f"sentinel parallel-syncs {MASTER_NAME} 2",
@@ -133,14 +230,19 @@ class SentinelCluster:
         return None
 
     def master(self) -> _Node:
-        port = self.master_port()
+        return self._node_at(self.master_port())
+
+    def _node_at(self, port: int | None) -> _Node:
+        if self.relay is not None and port == self.relay.port:
+            return self.data[0]
         return next(node for node in self.data if node.port == port)
 
     def kill_master(self) -> int:
-        """SIGKILL the current master; its port."""
-        node = self.master()
-        node.kill()
-        return node.port
+        """SIGKILL the current master; its port (as the sentinels name it)."""
+        port = self.master_port()
+        self._node_at(port).kill()
+        assert port is not None
+        return port
 
     def wait_promoted(self, old_port: int, timeout: float = 30.0) -> int:
         """Until every sentinel names a new master that says it is one; its port."""
@@ -154,8 +256,7 @@ class SentinelCluster:
             if len(ports) != 1 or old_port in ports or None in ports:
                 return False
             (port,) = ports
-            node = next(n for n in self.data if n.port == port)
-            with node.client() as client:
+            with self._node_at(port).client() as client:
                 return bool(client.info("replication")["role"] == "master")
 
         self._wait(promoted, "a replica to be promoted", timeout)
@@ -202,3 +303,5 @@ class SentinelCluster:
     def stop(self) -> None:
         for node in [*self.sentinels, *self.data]:
             node.stop()
+        if self.relay is not None:
+            self.relay.stop()

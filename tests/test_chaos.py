@@ -1,5 +1,5 @@
-"""The one-minute chaos run (``bench/chaos.py``, issue 18) as a subprocess: Redis and
-PostgreSQL with two gateways each, SQLite with one, workers on the SDK, a seeded fault
+"""The one-minute chaos run (``bench/chaos.py``, issue 18) as a subprocess: Redis, Redis under
+Sentinel (a failover among the faults) and PostgreSQL with two gateways each, SQLite with one, workers on the SDK, a seeded fault
 schedule; the run must find no violation, inject at least four kinds of fault, and have
 operations on every store. That test is marked slow (excluded from the default run):
 ``.venv/bin/python -m pytest -m slow tests/test_chaos.py``. The checker's two rules that
@@ -29,7 +29,7 @@ from bench.chaos import (
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261201
 SECONDS = 60
-STORES = ("redis", "postgres", "sqlite")
+STORES = ("redis", "sentinel", "postgres", "sqlite")
 
 
 def _postgres_available() -> bool:

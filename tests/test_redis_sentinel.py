@@ -16,6 +16,8 @@ asserted: it depends on timing.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import types
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -27,6 +29,7 @@ import pytest
 
 from fencegate.gateway.config import ConfigError, load_config
 from fencegate.ledger import registry
+from fencegate.ledger.effects import effect_id
 from fencegate.ledger.errors import StoreUnavailable
 from fencegate.ledger.keys import Keys
 from fencegate.ledger.redis_store import (
@@ -408,3 +411,168 @@ async def test_failover_without_replica_acknowledgement_reports_what_was_lost(
         if reply.task_id not in found.tasks_with_loss
     ]
     assert not unexplained, unexplained
+
+
+# --- a failover that loses answered writes --------------------------------------------------
+
+
+@pytest.fixture
+def lossy_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
+    """The master behind a relay that can cut its replication stream (tests.sentinel_servers)."""
+    cluster = SentinelCluster(tmp_path / "sentinel", relay=True)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+async def _call(
+    session: aiohttp.ClientSession,
+    gateway: GatewayProcess,
+    method: str,
+    path: str,
+    body: object = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
+    """One call; a 503 for a connection the failover cut ("did not answer") is asked again,
+    as a client would: it is not the refusal these tests look for."""
+    for _ in range(50):
+        async with session.request(method, gateway.url + path, json=body, headers=headers) as resp:
+            answer = (resp.status, await resp.json(content_type=None))
+        if answer[0] != 503 or "did not answer" not in str(answer[1]):
+            return answer
+        await asyncio.sleep(0.1)
+    return answer
+
+
+def _fence(lease: dict[str, Any], slot: str) -> dict[str, str]:
+    return {
+        "Fence-Task": lease["taskId"],
+        "Fence-Attempt": lease["attemptId"],
+        "Fence-Generation": str(lease["claimGeneration"]),
+        "Fence-Epoch": str(lease["schedulerEpoch"]),
+        "Fence-Cancel": str(lease["cancelGeneration"]),
+        "Fence-Slot": slot,
+    }
+
+
+async def _claim(
+    session: aiohttp.ClientSession, gateway: GatewayProcess, task_id: str, epoch: int = 1
+) -> dict[str, Any]:
+    body = {"owner": "w", "ttlMs": 60_000, "schedulerEpoch": epoch}
+    status, lease = await _call(session, gateway, "POST", f"/v1/tasks/{task_id}/claim", body)
+    assert status == 200, lease
+    return lease  # type: ignore[no-any-return]
+
+
+async def _pay(
+    session: aiohttp.ClientSession, gateway: GatewayProcess, lease: dict[str, Any], slot: str
+) -> tuple[int, Any]:
+    return await _call(
+        session, gateway, "POST", "/proxy/api/ok/pay", {"slot": slot}, _fence(lease, slot)
+    )
+
+
+def _fencegate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fencegate.gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.slow  # about 10 s: the cluster, two gateway processes, a failover
+async def test_a_failover_that_lost_answered_writes_stops_the_gateways_until_acknowledged(
+    lossy_cluster: SentinelCluster,
+    gateways: Gateways,
+    downstream: Downstream,
+    session: aiohttp.ClientSession,
+) -> None:
+    """``redis_min_replicas = 0``: the master answers writes its replicas never get (the
+    relay drops its replication stream), then dies. The promoted replica lacks them. The
+    gateways find their write marks gone back and refuse claims and effects until
+    ``fencegate failover ack``; ``fencegate failover lost`` lists from their logs the effect
+    records and claims the store lost; after the acknowledgement every pre-failover claim is
+    fenced, the lost one included, and nothing is forwarded under any of them."""
+    gw1, gw2 = await asyncio.gather(
+        *(
+            asyncio.to_thread(start_gateway, gateways, name, lossy_cluster.url, downstream, 0)
+            for name in ("gw1", "gw2")
+        )
+    )
+    for gateway in (gw1, gw2):
+        await wait_ready(session, gateway)
+    put = {"inputDigest": "in-1"}
+    assert (await _call(session, gw1, "PUT", "/v1/tasks/t1", put))[0] == 201
+    assert (await _call(session, gw2, "PUT", "/v1/tasks/t2", put))[0] == 201
+    lease1 = await _claim(session, gw1, "t1")
+    assert (await _pay(session, gw1, lease1, "s1"))[0] == 200
+    with lossy_cluster.data[0].client() as master:
+        assert master.execute_command("WAIT", 2, 5_000) == 2  # all of that is replicated
+
+    assert lossy_cluster.relay is not None
+    lossy_cluster.relay.cut_replication()
+    # Answered by the master, never replicated: lost by the failover.
+    assert (await _pay(session, gw1, lease1, "s2"))[0] == 200
+    lease2 = await _claim(session, gw2, "t2")
+    assert (await _pay(session, gw2, lease2, "s1"))[0] == 200
+    assert (await _call(session, gw1, "PUT", "/v1/tasks/t3", put))[0] == 201
+    with lossy_cluster.data[0].client() as master:
+        assert master.execute_command("WAIT", 1, 300) == 0
+    assert lossy_cluster.relay.dropped > 0
+    sent_before = len(downstream.received)
+    assert sent_before == 3
+
+    old = await asyncio.to_thread(lossy_cluster.kill_master)
+    await asyncio.to_thread(lossy_cluster.wait_promoted, old)
+
+    # Both gateways refuse writes: gw1 finds its own mark gone back, gw2 too (it wrote t2's
+    # claim and effect), and either would learn it from the store-wide flag.
+    status, refused = await _pay(session, gw1, lease1, "s3")
+    assert status == 503 and "lost writes" in refused["detail"], refused
+    assert "fencegate failover ack" in refused["detail"]
+    claim = {"owner": "x", "ttlMs": 60_000, "schedulerEpoch": 1}
+    status, refused = await _call(session, gw2, "POST", "/v1/tasks/t1/claim", claim)
+    assert status == 503 and "lost writes" in refused["detail"], refused
+    for gateway in (gw1, gw2):
+        assert (await _call(session, gateway, "GET", "/readyz"))[0] == 503
+    assert len(downstream.received) == sent_before  # nothing forwarded meanwhile
+    # Reads go on, and show the loss: t3 was never created, t2 never claimed.
+    assert (await _call(session, gw2, "GET", "/v1/tasks/t3"))[0] == 404
+    assert (await _call(session, gw2, "GET", "/v1/tasks/t2"))[1]["claimGeneration"] == 0
+
+    # What the store cannot list, the gateways' logs can.
+    lost_effects = {effect_id("t1", 1, "main", "s2"), effect_id("t2", 1, "main", "s1")}
+    logs = [arg for gateway in (gw1, gw2) for arg in ("--log", str(gateway.log_path))]
+    found = await asyncio.to_thread(
+        _fencegate, "failover", "lost", "--config", str(gw1.config_path), *logs
+    )
+    assert found.returncode == 3, found.stdout + found.stderr
+    print(f"\nfencegate failover lost:\n{found.stdout}")
+    assert "lost: 2 effects, 1 claim, 0 commits" in found.stdout, found.stdout
+    for eid in lost_effects:
+        assert f"effect {eid} (task " in found.stdout and "no record" in found.stdout
+    assert effect_id("t1", 1, "main", "s1") not in found.stdout  # replicated: not lost
+    assert "claim t2 (task t2): logged generation 1" in found.stdout
+
+    acked = await asyncio.to_thread(_fencegate, "failover", "ack", "--config", str(gw1.config_path))
+    assert acked.returncode == 0, acked.stderr
+    assert "scheduler epoch is now 2" in acked.stdout
+    for gateway in (gw1, gw2):
+        deadline = time.monotonic() + 10
+        while (await _call(session, gateway, "GET", "/readyz"))[0] != 200:
+            assert time.monotonic() < deadline, f"{gateway.url} still refuses after the ack"
+            await asyncio.sleep(0.1)
+
+    # Every claim granted before the acknowledgement is fenced: the one the new master holds
+    # (STALE_EPOCH) and the one it lost (its attempt is on no record). Nothing is forwarded.
+    for gateway, lease, slot in ((gw1, lease1, "s3"), (gw2, lease2, "s2"), (gw1, lease2, "s1")):
+        status, refused = await _pay(session, gateway, lease, slot)
+        assert status == 409 and refused["code"] in ("STALE_EPOCH", "FENCED"), refused
+    assert len(downstream.received) == sent_before
+    fresh = await _claim(session, gw2, "t1", epoch=2)
+    assert fresh["claimGeneration"] == lease1["claimGeneration"] + 1
+    status, paid = await _pay(session, gw2, fresh, "s3")
+    assert status == 200, paid
+    assert len(downstream.received) == sent_before + 1
