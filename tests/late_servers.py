@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,16 @@ class LateServers:
         """Wait until ``order_creates`` reaches ``creates``."""
         async with asyncio.timeout(timeout_s):
             while self.order_creates < creates:
+                await asyncio.sleep(0.01)
+
+    async def written(self, writes: int, timeout_s: float = 5.0) -> None:
+        """Wait until ``doc_writes`` reaches ``writes``: on a loaded machine the gateway's
+        timeout can fire before the request it sent is handled here."""
+        await self.until(lambda: self.doc_writes >= writes, timeout_s)
+
+    async def until(self, ready: Callable[[], bool], timeout_s: float = 5.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not ready():
                 await asyncio.sleep(0.01)
 
     # --- the APIs -----------------------------------------------------------------------------

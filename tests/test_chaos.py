@@ -1,10 +1,10 @@
 """The one-minute chaos run (``bench/chaos.py``, issue 18) as a subprocess: Redis, Redis under
-Sentinel (a failover among the faults) and PostgreSQL with two gateways each, SQLite with one, workers on the SDK, a seeded fault
-schedule; the run must find no violation, inject at least four kinds of fault, and have
-operations on every store. That test is marked slow (excluded from the default run):
-``.venv/bin/python -m pytest -m slow tests/test_chaos.py``. The checker's two rules that
-need no gateway (duplicates, stale fence) are checked here on made-up logs, in the default
-run.
+Sentinel (a failover among the faults) and PostgreSQL with two gateways each, SQLite with
+one, workers on the SDK, a seeded fault schedule; the run must find no violation, inject at
+least four kinds of fault, and have operations on every store. That test is marked slow
+(excluded from the default run): ``.venv/bin/python -m pytest -m slow tests/test_chaos.py``.
+The checker's two rules that need no gateway (duplicates, stale fence) are checked here on
+made-up logs, in the default run.
 """
 
 from __future__ import annotations

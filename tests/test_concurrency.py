@@ -219,7 +219,9 @@ async def test_twenty_workers_drain_one_queue_through_two_gateways(
                 claims[claim["taskId"]].append(claim)
                 mine += 1
                 if mine % 7 == 0:
-                    await asyncio.sleep((ttl + 300) / 1000)
+                    # Past the lease by a whole TTL: time for another worker to take the task
+                    # over even on a loaded machine (the test needs takeovers to happen).
+                    await asyncio.sleep(2 * ttl / 1000)
                 commit = {
                     "attemptId": claim["attemptId"],
                     "claimGeneration": claim["claimGeneration"],

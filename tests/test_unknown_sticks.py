@@ -106,6 +106,7 @@ async def lost_charge(api: Api, late: LateServers, target: str) -> tuple[Lease, 
     lost = await call(api, a, "POST", target, body=CHARGE)
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
     effect_id = lost.headers["Fence-Effect-Id"]
+    await late.until(lambda: bool(late.executed))  # the timeout may fire before it arrives
     assert late.executed == [effect_id]
     await late.settled()
     late.answer_delay_ms = 0
@@ -292,8 +293,9 @@ async def test_conditional_without_a_precondition_is_never_resent(
     late.answer_delay_ms = LATE_MS
     lost = await call(api, a, method, "docs/docs/d", data=b"v2")
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
-    assert late.doc_writes == 1
+    await late.written(1)
     await late.settled()
+    assert late.doc_writes == 1
     late.answer_delay_ms = 0
     b = await take_over(api, a)
     retry = await call(api, b, method, "docs/docs/d", data=b"v2")
@@ -316,8 +318,10 @@ async def test_conditional_with_a_precondition_is_resent_and_its_412_commits(
     a = await api.claim("t1", "A")
     late.answer_delay_ms = LATE_MS
     lost = await call(api, a, "PATCH", "docs/docs/d", data=b"v2", headers=headers)
-    assert lost.status == 504 and late.doc_writes == 1
+    assert lost.status == 504
+    await late.written(1)
     await late.settled()
+    assert late.doc_writes == 1
     late.answer_delay_ms = 0
     b = await take_over(api, a)
     retry = await call(api, b, "PATCH", "docs/docs/d", data=b"v2", headers=headers)
