@@ -477,6 +477,9 @@ class _AutoPipeline:
         #: How many acknowledgements (``meta`` ``acks``) the store had counted at this
         #: gateway's last good write batch (None before the first).
         self.acks_seen: int | None = None
+        #: ``acks`` when this gateway began refusing (found its loss, or read the flag): only
+        #: an acknowledgement (``acks`` grown past it) ends the refusal, not the flag missing.
+        self.acks_at_refusal = 0
         #: The highest mark a reply of this store has shown.
         self.highest_mark = 0
         #: (the highest mark seen before a batch was sent, the lower one its INCR answered)
@@ -540,11 +543,13 @@ class _AutoPipeline:
         if mark:
             meta, marked = replies.pop(), replies.pop()
             if isinstance(meta, list) and len(meta) == 2:
+                if meta[0] is not None and not self.flag_up:
+                    self.acks_at_refusal = int(meta[1] or 0)
                 self.flag_up = meta[0] is not None
                 marked = (marked, int(meta[1] or 0))
         return replies, acked, marked
 
-    def _mark_lost(self, floor: int, marked: Any) -> bool:
+    def _mark_lost(self, floor: int, marked: Any) -> tuple[bool, int | None]:
         """Did this batch's INCR answer at or below ``floor``, the highest mark seen before
         the batch was sent? Only this gateway writes its mark, and every mark it saw before
         sending was applied before this INCR ran: a reply at or below it means the server
@@ -552,17 +557,18 @@ class _AutoPipeline:
         that had not received them, a restore). A restart that loses nothing (AOF, fsync
         always) keeps the mark, so it never trips this. A loss that an operator's
         acknowledgement made after this gateway's last good write already covers (``acks``
-        grew since) is not raised again: that acknowledgement fenced every claim before it."""
+        grew since) is not raised again: that acknowledgement fenced every claim before it.
+        Also the highest mark to keep if the batch is answered (None: keep the one held)."""
         if not isinstance(marked, tuple) or not isinstance(marked[0], int):
-            return False  # the INCR itself failed: the batch's own errors say so
+            return False, None  # the INCR itself failed: the batch's own errors say so
         mark, acks = marked
         covered = self.acks_seen is not None and acks > self.acks_seen
         self.acks_seen = acks
         if mark > floor or covered:
-            self.highest_mark = mark if covered else max(self.highest_mark, mark)
-            return False
+            return False, mark if covered else max(self.highest_mark, mark)
         if self.regressed is None:
             self.regressed = (floor, mark)
+            self.acks_at_refusal = acks
             log.error(
                 "store.regressed",
                 store="redis",
@@ -572,7 +578,7 @@ class _AutoPipeline:
                 "and effect records may be lost; writes are refused until `fencegate "
                 "failover ack` (docs/operations.md, 'Redis failover')",
             )
-        return True
+        return True, None
 
     def _confirmed(self, acked: Any) -> bool:
         return isinstance(acked, int) and acked >= self._min_replicas
@@ -615,12 +621,17 @@ class _AutoPipeline:
         except Exception as exc:  # the round trip failed: nobody in the batch got an answer
             self._fail(live, exc)
             return
-        if mark and self._mark_lost(floor, marked):
+        lost, highest = self._mark_lost(floor, marked) if mark else (False, None)
+        if lost:
             self._fail(live, regressed_error(self.regressed))
             return
         if wait and not self._confirmed(acked):
+            # Not answered, so not acknowledged: its mark does not count as seen (a failover
+            # may lose the batch, and that loses nothing anyone was told of).
             self._fail(live, _shortfall(self._min_replicas, self._replica_timeout_ms, acked))
             return
+        if highest is not None:
+            self.highest_mark = highest
         for queued, reply in zip(live, replies, strict=True):
             if queued.future.done():
                 continue  # its caller gave up while the batch was in flight
@@ -851,24 +862,38 @@ class RedisStore(Store):
         now = time.monotonic()
         if (self.regressed and now >= self._flag_checked_at + 1.0) or look:
             self._flag_checked_at = now
-            up: Any = await self._call(lambda: self._redis.hget(self._keys.meta, "regressed"))
-            was_refusing = self.regressed
-            batcher.flag_up = up is not None
-            if up is None and was_refusing:
+            up, acks = await self._call(
+                lambda: self._redis.hmget(self._keys.meta, ["regressed", "acks"])
+            )
+            acked = int(acks or 0) > batcher.acks_at_refusal
+            if self.regressed and acked:
                 log.warning("store.failover_acknowledged", store="redis")
                 if batcher.regressed is not None:  # go on from what the store holds now
                     batcher.highest_mark, batcher.regressed = batcher.regressed[1], None
+                batcher.flag_up = self._flag_raised = False
+            elif self.regressed and up is None:
+                # The flag is gone and nobody acknowledged: a resync or another failover
+                # lost it. The loss is still there: raise it again.
                 self._flag_raised = False
+                await self._raise_flag(relayed=batcher.regressed is None)
+            else:
+                batcher.flag_up = up is not None
+                if batcher.flag_up:
+                    batcher.acks_at_refusal = int(acks or 0)
         if self.regressed:
             raise regressed_error(batcher.regressed)
 
-    async def _raise_flag(self) -> None:
+    async def _raise_flag(self, *, relayed: bool = False) -> None:
         """Tell every gateway (``meta`` ``regressed``) that this one found its writes lost,
-        once per finding, as soon as it is found."""
+        once per finding, as soon as it is found (``relayed``: again, for a flag that went
+        missing without an acknowledgement, by a gateway that had learned it from the flag)."""
         batcher = self._single
-        if batcher.regressed is not None and not self._flag_raised:
-            highest, found = batcher.regressed
-            flag = json.dumps({"highestSeen": highest, "found": found, "by": batcher.mark_key})
+        if (batcher.regressed is not None or relayed) and not self._flag_raised:
+            highest, found = batcher.regressed or (None, None)
+            flag = json.dumps(
+                {"highestSeen": highest, "found": found, "by": batcher.mark_key}
+                | ({"relayed": True} if relayed else {})
+            )
             await self._call(lambda: self._redis.hset(self._keys.meta, "regressed", flag))
             self._flag_raised = batcher.flag_up = True
 

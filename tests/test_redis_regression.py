@@ -181,3 +181,71 @@ async def test_an_acknowledgement_covers_a_loss_found_after_it(
 
 async def _ready(api: Api) -> bool:
     return (await api.call("GET", "/readyz")).status == 200
+
+
+async def test_writes_no_replica_confirmed_never_count_as_acknowledged(
+    server: RedisServer, key_prefix: str, tmp_path: Path
+) -> None:
+    """With ``redis_min_replicas``, a batch that ``WAIT`` did not confirm is answered 503: its
+    write mark is no acknowledged write, so losing it (a failover to a replica it never
+    reached; here an older AOF) must not be taken for lost writes and stop the fleet."""
+    from fencegate.gateway.app import build_store
+
+    config = make_config(
+        server.url,
+        key_prefix,
+        reconciler={"enabled": False},
+        store={"redis_min_replicas": 1, "redis_replica_timeout_ms": 50},
+    )
+    app = create_app(config, store=build_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        api = Api(client)
+        assert (await api.call("GET", "/v1/tasks/none")).status == 404
+        snapshot = tmp_path / "aof-before"
+        shutil.copytree(server.directory / "appendonlydir", snapshot)
+        for n in range(3):  # no replica: applied on the master, never answered
+            refused = await api.put(f"t{n}")
+            assert refused.status == 503 and "not confirmed by 1" in refused.body["detail"]
+        restart(server, snapshot)
+        again = await after_restart(api, "PUT", "/v1/tasks/t9", {"inputDigest": "x"})
+        assert again.status == 503
+        assert "not confirmed by 1" in again.body["detail"], again.body
+        assert (await api.call("GET", "/readyz")).status == 200
+
+
+async def test_a_flag_gone_without_an_acknowledgement_stops_nobody_from_refusing(
+    server: RedisServer, gateways: tuple[Api, Api], key_prefix: str, tmp_path: Path
+) -> None:
+    """Only ``fencegate failover ack`` ends the refusal. A flag that disappears without one
+    (a resync or a second failover lost it) is raised again, and the gateways go on refusing."""
+    import redis as redis_sync
+
+    a, b = gateways
+    assert (await a.put("t1")).status == 201
+    snapshot = tmp_path / "aof-before"
+    shutil.copytree(server.directory / "appendonlydir", snapshot)
+    for n in range(3):
+        assert (await a.put(f"t2-{n}")).status == 201
+    restart(server, snapshot)
+    assert (await first_answer(a, "PUT", "/v1/tasks/t3", {"inputDigest": "x"})) == 503
+    assert (await after_restart(b, "GET", "/readyz")).status == 503
+    meta = f"{key_prefix}:meta"
+    with redis_sync.Redis(port=server.port, decode_responses=True) as direct:
+        assert direct.hget(meta, "regressed") is not None
+        direct.hdel(meta, "regressed")
+        await asyncio.sleep(1.2)  # a refusing gateway looks for the flag once a second
+        for api in (a, b):
+            refused = await api.call("PUT", "/v1/tasks/t4", {"inputDigest": "x"})
+            assert refused.status == 503 and "lost writes" in refused.body["detail"]
+            assert (await api.call("GET", "/readyz")).status == 503
+        assert direct.hget(meta, "regressed") is not None  # raised again
+    operator = build_test_store(make_config(server.url, key_prefix))
+    with contextlib.suppress(StoreRegressed):
+        await operator.open()
+    try:
+        await operator.acknowledge_failover()
+    finally:
+        await operator.close()
+    await until(lambda: _ready(a))
+    await until(lambda: _ready(b))
+    assert (await b.put("t5")).status == 201
