@@ -166,6 +166,10 @@ GATEWAYS = {"redis": 2, "sentinel": 2, "postgres": 2, "sqlite": 1}
 #: writes answer 503 until it is back as a replica.
 SENTINEL_MIN_REPLICAS = 2
 SENTINEL_REPLICA_TIMEOUT_MS = 500
+#: The sentinels' ``down-after-milliseconds``: with 1000 on this loaded 2-core machine a
+#: freshly promoted master that stalled a second was failed over again (two failovers per
+#: fault); 3000 makes each fault one failover.
+SENTINEL_DOWN_AFTER_MS = 3000
 DOWNSTREAM = "chaos"
 SLOTS = ("reserve", "charge", "notify")
 NODE = "main"
@@ -1099,7 +1103,9 @@ async def run_phase(
             url = urls[0]
             phase.store_server = StoreServer("postgres", pg, url)
         elif store == "sentinel":
-            phase.sentinel = SentinelCluster(work / "sentinel")
+            phase.sentinel = SentinelCluster(
+                work / "sentinel", down_after_ms=SENTINEL_DOWN_AFTER_MS
+            )
             await asyncio.to_thread(phase.sentinel.start)
             url = phase.sentinel.url
             progress(f"sentinel: master {phase.sentinel.master_port()}, 2 replicas, 3 sentinels")

@@ -181,8 +181,13 @@ _DATA = [
 class SentinelCluster:
     """The master (``data[0]`` at first), two replicas and three sentinels."""
 
-    def __init__(self, directory: Path, *, relay: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, relay: bool = False, down_after_ms: int = DOWN_AFTER_MS
+    ) -> None:
         self.directory = directory
+        #: A loaded machine can leave a master unanswering this long: the chaos run asks
+        #: for more, or a freshly promoted master is judged down and failed over again.
+        self.down_after_ms = down_after_ms
         self.data: list[_Node] = []
         self.sentinels: list[_Node] = []
         self.with_relay = relay
@@ -207,7 +212,7 @@ class SentinelCluster:
         for n in (1, 2, 3):
             lines = [
                 f"sentinel monitor {MASTER_NAME} 127.0.0.1 {master_port} 2",
-                f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
+                f"sentinel down-after-milliseconds {MASTER_NAME} {self.down_after_ms}",
                 f"sentinel failover-timeout {MASTER_NAME} {FAILOVER_TIMEOUT_MS}",
                 f"sentinel parallel-syncs {MASTER_NAME} 2",
             ]
