@@ -477,15 +477,19 @@ class Client:
 
     async def bump_epoch(self) -> Epoch:
         """Fence every claim made under the current epoch."""
-        _, answer = await self.call("POST", "/v1/epoch/bump")
+        _, answer = await self.call("POST", "/v1/epoch/bump", headers=self._operator_headers(None))
         return Epoch.from_json(answer)
 
     async def pause_claims(self) -> Epoch:
-        _, answer = await self.call("POST", "/v1/claims/pause")
+        _, answer = await self.call(
+            "POST", "/v1/claims/pause", headers=self._operator_headers(None)
+        )
         return Epoch.from_json(answer)
 
     async def resume_claims(self) -> Epoch:
-        _, answer = await self.call("POST", "/v1/claims/resume")
+        _, answer = await self.call(
+            "POST", "/v1/claims/resume", headers=self._operator_headers(None)
+        )
         return Epoch.from_json(answer)
 
     # --- workers ------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from fencegate.adapters.mcp import McpToolCache
 from fencegate.gateway import coordination, events, ledger_api, openapi, operations, retention
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
+from fencegate.gateway.console import CONSOLE, new_console
+from fencegate.gateway.console import views as console_views
 from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
 from fencegate.gateway.mcp import mcp_handler
@@ -98,10 +100,13 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock."""
     middlewares: list[Middleware] = [error_middleware]
     middlewares.append(request_guard)  # Host, Origin, media type, body bounds
+    the_console = new_console(config)
     if config.auth is not None:
-        middlewares.append(auth_middleware(config.auth))
+        # The console's cookie stands in for the bearer credential on /console/*.
+        middlewares.append(auth_middleware(config.auth, sessions=the_console.sessions))
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[CONSOLE] = the_console
     app[STORE] = store if store is not None else build_store(config)
     app[METRICS] = Metrics()
     store_seconds = app[METRICS].store_seconds
@@ -170,6 +175,7 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app[MCP_TOOLS] = McpToolCache()
     for method in ("GET", "POST", "DELETE"):
         app.router.add_route(method, "/mcp/{downstream}", mcp_handler)
+    console_views.setup(app)
     # Refusals made before the proxy handler (the request guard's 413...) carry Fence-* too.
     app.on_response_prepare.append(proxy_answer_headers)
     return app

@@ -22,6 +22,10 @@ route: 403 ``FORBIDDEN``. A route missing from ``ROLE_MATRIX`` is 403 for everyo
 default; ``tests/test_auth.py`` fails when a registered route is missing from it). Requests
 that match no route go on to their 404/405 once authenticated.
 
+On ``/console/*`` the operator console's signed session cookie stands in for the bearer
+credential (``SessionAuth``, ``gateway/console/session.py``): the same matrix, scopes and
+limits, re-checked against the principals in force on every request.
+
 The principal is left on the request (``fencegate.gateway.principals.principal_of``) for the
 rules that bind actions to it. docs/security.md renders the matrix.
 """
@@ -35,7 +39,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Final, Protocol
 
 import structlog
 from aiohttp import hdrs, web
@@ -59,6 +63,7 @@ __all__ = [
     "ROLE_MATRIX",
     "AuthState",
     "Authenticator",
+    "SessionAuth",
     "allowed_roles",
     "auth_middleware",
     "auth_state",
@@ -132,6 +137,24 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("GET", "/mcp/{downstream}"): _only(_WORKER),
         ("POST", "/mcp/{downstream}"): _only(_WORKER),
         ("DELETE", "/mcp/{downstream}"): _only(_WORKER),
+        # the operator console (gateway/console, docs/console.md): its session cookie is the
+        # credential. Pages for the ledger's readers, actions for the roles of the JSON
+        # routes they call; the login form, logout and the console's own CSS/JS are open.
+        ("GET", "/console"): _READERS,
+        ("GET", "/console/login"): _only(ANYONE),
+        ("POST", "/console/login"): _only(ANYONE),
+        ("POST", "/console/logout"): _only(ANYONE),
+        ("GET", "/console/static/{name}"): _only(ANYONE),
+        ("GET", "/console/effects/{effect_id}"): _READERS,
+        ("POST", "/console/effects/{effect_id}/resolve"): _only(_OPERATOR),
+        ("POST", "/console/effects/{effect_id}/approve"): _only(_OPERATOR),
+        ("POST", "/console/effects/{effect_id}/reconcile"): _only(_OPERATOR),
+        ("GET", "/console/tasks"): _READERS,
+        ("GET", "/console/fleet"): _READERS,
+        ("GET", "/console/fleet/series"): _READERS,
+        ("POST", "/console/fleet/bump"): _only(_OPERATOR),
+        ("POST", "/console/fleet/pause"): _only(_OPERATOR),
+        ("POST", "/console/fleet/resume"): _only(_OPERATOR),
     }
 )
 
@@ -221,7 +244,11 @@ class Authenticator:
     def principal(self, token: str) -> Principal | None:
         """The principal whose token this is. Every digest is compared (constant time, no
         early exit), so the answer's timing says nothing about which one matched."""
-        digest = hashlib.sha256(token.encode()).digest()
+        return self.by_digest(hashlib.sha256(token.encode()).digest())
+
+    def by_digest(self, digest: bytes) -> Principal | None:
+        """The principal whose token has this SHA-256 (a console session carries it, so a
+        revoked token ends the session at once); compared like ``principal``."""
         found: Principal | None = None
         for expected, principal in self._principals:
             if hmac.compare_digest(digest, expected):
@@ -361,13 +388,30 @@ def _scope_target(request: web.Request, key: tuple[str, str]) -> tuple[str | Non
     return None, request.match_info.get("task_id")
 
 
+class SessionAuth(Protocol):
+    """A browser session that stands in for the bearer credential on the routes it covers
+    (the console's cookie, ``gateway/console``). It is judged by the same role matrix,
+    scopes and limits; only where the principal comes from, and how a refusal looks (a
+    login page rather than problem+json), differ."""
+
+    def covers(self, path: str) -> bool: ...
+
+    def principal(self, request: web.Request, authenticator: Authenticator) -> Principal:
+        """The session's principal, re-checked against ``authenticator`` now; raise
+        ``Unauthenticated`` when there is none or it no longer holds."""
+        ...
+
+    def refusal(self, request: web.Request, error: FencegateError) -> web.StreamResponse: ...
+
+
 class _AuthMiddleware:
     """The ``[auth]`` middleware; its ``state`` is what ``serve`` reloads on SIGHUP."""
 
     __middleware_version__ = 1  # a new-style aiohttp middleware, as @web.middleware marks it
 
-    def __init__(self, state: AuthState) -> None:
+    def __init__(self, state: AuthState, sessions: SessionAuth | None = None) -> None:
         self.state = state
+        self.sessions = sessions
 
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = route_key(request.match_info.route)
@@ -375,11 +419,26 @@ class _AuthMiddleware:
         allowed = allowed_roles(key) if key is not None else _EVERY_ROLE
         if ANYONE in allowed:
             return await handler(request)
+        sessions = self.sessions
+        if sessions is not None and not sessions.covers(request.path):
+            sessions = None
+
+        def refuse(error: FencegateError, retry_after: int | None = None) -> web.StreamResponse:
+            if sessions is None:
+                return _refusal(error, path, retry_after)
+            response = sessions.refusal(request, error)
+            if retry_after is not None:
+                response.headers["Retry-After"] = str(retry_after)
+            return response
+
         try:
-            principal = _authenticate(self.state.authenticator, request, path)
+            if sessions is not None and "Fence-Authorization" not in request.headers:
+                principal = sessions.principal(request, self.state.authenticator)
+            else:
+                principal = _authenticate(self.state.authenticator, request, path)
         except Unauthenticated as exc:
             log.info("auth.unauthenticated", method=request.method, path=path, reason=exc.detail)
-            return _refusal(exc, path)
+            return refuse(exc)
         if not principal.roles & allowed:
             log.info(
                 "auth.forbidden",
@@ -389,10 +448,9 @@ class _AuthMiddleware:
                 path=path,
             )
             need = ", ".join(sorted(allowed)) or "no role (not in the role matrix)"
-            return _refusal(
+            return refuse(
                 Forbidden(f"{request.method} {path} needs one of: {need}; "
-                          f"{principal.name!r} has {', '.join(sorted(principal.roles))}"),
-                path,
+                          f"{principal.name!r} has {', '.join(sorted(principal.roles))}")
             )  # fmt: skip
         if key is not None:
             downstream, task_id = _scope_target(request, key)
@@ -405,31 +463,29 @@ class _AuthMiddleware:
                     path=path,
                     reason=reason,
                 )
-                return _refusal(Forbidden(f"{principal.name!r}: {reason}"), path)
+                return refuse(Forbidden(f"{principal.name!r}: {reason}"))
         meter = self.state.meter(principal)
         if meter.bucket is not None:
             wait = meter.bucket.take()
             if wait > 0:
                 seconds = retry_after_seconds(wait)
                 log.info("auth.rate_limited", principal=principal.name, path=path, limit="rate")
-                return _refusal(
+                return refuse(
                     RateLimited(
                         f"{principal.name!r} is over rate_per_second = {meter.bucket.rate} "
                         f"(burst {meter.bucket.burst})",
                         retryAfterMs=math.ceil(wait * 1000),
                     ),
-                    path,
                     retry_after=seconds,
                 )
         if not meter.open.enter():
             log.info("auth.rate_limited", principal=principal.name, path=path, limit="open")
-            return _refusal(
+            return refuse(
                 RateLimited(
                     f"{principal.name!r} has max_open_requests = {meter.open.limit} "
                     "requests in flight",
                     retryAfterMs=1000,
                 ),
-                path,
                 retry_after=1,
             )
         request[PRINCIPAL_KEY] = principal
@@ -439,10 +495,13 @@ class _AuthMiddleware:
             meter.open.leave()
 
 
-def auth_middleware(auth: AuthConfig, clock: Clock = time.monotonic) -> Middleware:
+def auth_middleware(
+    auth: AuthConfig, clock: Clock = time.monotonic, sessions: SessionAuth | None = None
+) -> Middleware:
     """The middleware for ``[auth]``: authenticate, check the role matrix and the principal's
-    scope, apply its limits, set the principal. ``auth_state(app)`` finds its state."""
-    return _AuthMiddleware(AuthState(auth, clock))
+    scope, apply its limits, set the principal. ``auth_state(app)`` finds its state.
+    ``sessions``: where a browser session stands in for the bearer credential (the console)."""
+    return _AuthMiddleware(AuthState(auth, clock), sessions)
 
 
 def auth_state(app: web.Application) -> AuthState | None:

@@ -92,6 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     import structlog
 
     from fencegate.gateway.config import with_listen, with_workers
+    from fencegate.gateway.console.session import secret_problem
     from fencegate.gateway.logs import configure_logging
     from fencegate.gateway.workers import check_platform
 
@@ -107,6 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
         unsupported = check_platform(config.server.workers)
         if unsupported is not None:
             raise ConfigError(unsupported)
+        console_secret = secret_problem(os.environ)
+        if console_secret is not None:
+            raise ConfigError(console_secret)
         loop_name, loop_factory = _event_loop(config.server.event_loop)
         ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:

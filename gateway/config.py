@@ -23,6 +23,7 @@ __all__ = [
     "AuthReloadError",
     "Config",
     "ConfigError",
+    "ConsoleConfig",
     "DownstreamConfig",
     "EventsConfig",
     "LeasesConfig",
@@ -404,6 +405,16 @@ class RetentionConfig(_Section):
     batch: Annotated[int, Field(ge=1, le=10_000)] = 200
 
 
+class ConsoleConfig(_Section):
+    """The operator console at ``/console`` (gateway/console, docs/console.md). The cookie's
+    signing key is never here: it comes from ``FENCEGATE_CONSOLE_SECRET`` (the file holds no
+    secrets), or is random per process."""
+
+    #: How long a console login lasts (its signed cookie expires then; the principal's token
+    #: is still checked on every request). 1 minute to 7 days.
+    session_ttl_ms: Annotated[int, Field(ge=_MINUTE_MS, le=7 * _DAY_MS)] = 8 * 60 * _MINUTE_MS
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -777,6 +788,7 @@ class Config(_Section):
     events: EventsConfig = EventsConfig()
     retention: RetentionConfig = RetentionConfig()
     logging: LoggingConfig = LoggingConfig()
+    console: ConsoleConfig = ConsoleConfig()
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
     #: None: no authentication (docs/security.md).
     auth: AuthConfig | None = None

@@ -29,7 +29,7 @@ from fencegate.gateway.api_models import (
     check_task_id,
     parse_body,
 )
-from fencegate.gateway.principals import principal_of, scope_refusal
+from fencegate.gateway.principals import acting_operator, principal_of, scope_refusal
 from fencegate.gateway.state import CONFIG, EVENTS, METRICS, STORE
 from fencegate.ledger.errors import (
     BadRequest,
@@ -39,7 +39,7 @@ from fencegate.ledger.errors import (
     StoreUnavailable,
 )
 from fencegate.ledger.queries import TaskFilter
-from fencegate.ledger.store import decode_task_cursor, encode_task_cursor
+from fencegate.ledger.store import Store, decode_task_cursor, encode_task_cursor
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -52,7 +52,13 @@ from fencegate.ledger.tasks import (
     task_to_json,
 )
 
-__all__ = ["FENCED_COST_CODES", "MAX_TASK_PAGE", "routes"]
+__all__ = [
+    "FENCED_COST_CODES",
+    "MAX_TASK_PAGE",
+    "bump_epoch_now",
+    "routes",
+    "set_claims_paused",
+]
 
 log = structlog.get_logger("fencegate.coordination")
 #: One stable event name per put outcome, spelled out so tests/test_log_events.py can read them.
@@ -578,20 +584,35 @@ async def get_epoch(request: web.Request) -> web.Response:
 
 @routes.post("/v1/epoch/bump")
 async def bump_epoch(request: web.Request) -> web.Response:
-    scheduler = await request.app[STORE].bump_epoch()
-    log.warning("epoch.bumped", epoch=scheduler.epoch)
+    scheduler = await bump_epoch_now(request.app[STORE], acting_operator(request))
     return web.json_response(_scheduler_json(scheduler))
 
 
 @routes.post("/v1/claims/pause")
 async def pause_claims(request: web.Request) -> web.Response:
-    scheduler = await request.app[STORE].set_claims_paused(True)
-    log.warning("claims.paused", epoch=scheduler.epoch)
+    scheduler = await set_claims_paused(request.app[STORE], True, acting_operator(request))
     return web.json_response(_scheduler_json(scheduler))
 
 
 @routes.post("/v1/claims/resume")
 async def resume_claims(request: web.Request) -> web.Response:
-    scheduler = await request.app[STORE].set_claims_paused(False)
-    log.warning("claims.resumed", epoch=scheduler.epoch)
+    scheduler = await set_claims_paused(request.app[STORE], False, acting_operator(request))
     return web.json_response(_scheduler_json(scheduler))
+
+
+async def bump_epoch_now(store: Store, by: str) -> Scheduler:
+    """Fence every claim of the current epoch: the JSON API's and the console's one path.
+    ``by``: who asked (the principal, or the ``Fence-Operator`` label without ``[auth]``)."""
+    scheduler = await store.bump_epoch()
+    log.warning("epoch.bumped", epoch=scheduler.epoch, by=by)
+    return scheduler
+
+
+async def set_claims_paused(store: Store, paused: bool, by: str) -> Scheduler:
+    """Pause or resume claims everywhere: the JSON API's and the console's one path."""
+    scheduler = await store.set_claims_paused(paused)
+    if paused:
+        log.warning("claims.paused", epoch=scheduler.epoch, by=by)
+    else:
+        log.warning("claims.resumed", epoch=scheduler.epoch, by=by)
+    return scheduler

@@ -19,20 +19,28 @@ from pydantic import Field, StrictInt, StrictStr
 from fencegate.adapters import ManualAdapter
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.auth import sees_stored_bodies
-from fencegate.gateway.principals import principal_of
+from fencegate.gateway.principals import Principal, acting_operator, principal_of
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, STORE
 from fencegate.ledger import effects, responses
 from fencegate.ledger.effects import Effect, EffectState, effect_to_json
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
-__all__ = ["routes"]
+__all__ = [
+    "ApproveBody",
+    "ResolveBody",
+    "approve_as",
+    "check_effect_id",
+    "reconcile_as",
+    "resolve_as",
+    "routes",
+    "shown_record",
+]
 
 log = structlog.get_logger("fencegate.ledger")
 routes = web.RouteTableDef()
 
 _EFFECT_ID = re.compile(r"[0-9a-f]{64}")
-_OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
 MAX_PAGE = 500
 #: ``str.isdigit`` also takes "²" and other digits ``int`` refuses: ASCII only.
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
@@ -65,35 +73,32 @@ class ResolveBody(ApiBody):
 _WITHHELD = ("bodyBase64", "bodyDigest")
 
 
-def _shown(request: web.Request, effect: Effect) -> dict[str, Any]:
+def shown_record(principal: Principal | None, effect: Effect) -> dict[str, Any]:
     """The record as this reader may see it: observers get the stored answer without its
-    body (``bodyWithheld: true``); operators, and everyone without ``[auth]``, all of it."""
+    body (``bodyWithheld: true``); operators, and everyone without ``[auth]``, all of it.
+    The JSON API and the console both show records through this, so they withhold alike."""
     record = effect_to_json(effect)
     response = record.get("response")
-    if isinstance(response, dict) and not sees_stored_bodies(principal_of(request)):
+    if isinstance(response, dict) and not sees_stored_bodies(principal):
         for name in _WITHHELD:
             response.pop(name, None)
         response["bodyWithheld"] = True
     return record
 
 
-def _effect_id(request: web.Request) -> str:
-    effect_id = request.match_info["effect_id"]
+def _shown(request: web.Request, effect: Effect) -> dict[str, Any]:
+    return shown_record(principal_of(request), effect)
+
+
+def check_effect_id(effect_id: str) -> str:
+    """``effect_id`` if it is one (64 lowercase hex), else ``NoSuchEffect``."""
     if not _EFFECT_ID.fullmatch(effect_id):
         raise NoSuchEffect("an effectId is 64 lowercase hex characters")
     return effect_id
 
 
-def _operator(request: web.Request) -> str:
-    """Who acts: the credential's principal when there is one (``Fence-Operator`` is then
-    ignored), else the free-text ``Fence-Operator`` label."""
-    principal = principal_of(request)
-    if principal is not None:
-        return principal.name
-    name = request.headers.get("Fence-Operator", "anonymous").strip()
-    if not _OPERATOR.fullmatch(name):
-        raise BadRequest("Fence-Operator: 1 to 200 letters, digits, spaces or . _ : @ / -")
-    return name
+def _effect_id(request: web.Request) -> str:
+    return check_effect_id(request.match_info["effect_id"])
 
 
 @routes.get("/v1/effects")
@@ -135,8 +140,19 @@ async def show_effect(request: web.Request) -> web.Response:
 @routes.post("/v1/effects/{effect_id}/resolve")
 async def resolve_effect(request: web.Request) -> web.Response:
     effect_id = _effect_id(request)
-    operator = _operator(request)
+    operator = acting_operator(request)
     body = parse_body(await request.read(), ResolveBody)
+    effect, done = await resolve_as(request.app, effect_id, operator, body)
+    answer = {**effect_to_json(effect), "unchanged": done.unchanged,
+              "warnings": list(done.warnings)}  # fmt: skip
+    return web.json_response(answer)
+
+
+async def resolve_as(
+    app: web.Application, effect_id: str, operator: str, body: ResolveBody
+) -> tuple[Effect, effects.Resolution]:
+    """Settle an effect as ``operator``: the one path of the JSON API and the console, so
+    both validate, log and record the action trail alike."""
     response_json = None
     if body.response is not None:
         given = body.response
@@ -153,7 +169,7 @@ async def resolve_effect(request: web.Request) -> web.Response:
         return decided[-1].effect
 
     try:
-        effect = await request.app[STORE].update_effect(effect_id, settle)
+        effect = await app[STORE].update_effect(effect_id, settle)
     except Exception as exc:
         log.info("operator.resolve_rejected", effect_id=effect_id, operator=operator,
                  reason=str(exc))  # fmt: skip
@@ -173,34 +189,49 @@ async def resolve_effect(request: web.Request) -> web.Response:
         log.info("operator.resolve_unchanged", **fields)
     else:
         log.warning("operator.resolve", **fields)
-    answer = {**effect_to_json(effect), "unchanged": done.unchanged,
-              "warnings": list(done.warnings)}  # fmt: skip
-    return web.json_response(answer)
+    return effect, done
 
 
 @routes.post("/v1/effects/{effect_id}/reconcile")
 async def reconcile_effect(request: web.Request) -> web.Response:
     effect_id = _effect_id(request)
-    operator = _operator(request)
+    operator = acting_operator(request)
     raw = await request.read()
     if raw.strip() not in (b"", b"{}"):
         raise BadRequest("reconcile takes no body (or an empty JSON object)")
-    effect = await reconcile(request.app, effect_id, f"operator:{operator}")
+    effect = await reconcile_as(request.app, effect_id, operator)
     return web.json_response(effect_to_json(effect))
+
+
+async def reconcile_as(app: web.Application, effect_id: str, operator: str) -> Effect:
+    """Probe an effect now, on ``operator``'s behalf (the JSON API's and the console's)."""
+    return await reconcile(app, effect_id, f"operator:{operator}")
 
 
 @routes.post("/v1/effects/{effect_id}/approve")
 async def approve_effect(request: web.Request) -> web.Response:
     effect_id = _effect_id(request)
-    operator = _operator(request)
+    operator = acting_operator(request)
     raw = await request.read()
     body = parse_body(raw, ApproveBody) if raw.strip() else ApproveBody()
-    store = request.app[STORE]
+    effect = await approve_as(request.app, effect_id, operator, principal_of(request), body)
+    return web.json_response(effect_to_json(effect))
+
+
+async def approve_as(
+    app: web.Application,
+    effect_id: str,
+    operator: str,
+    principal: Principal | None,
+    body: ApproveBody,
+) -> Effect:
+    """Approve an effect's payload as ``operator`` (``principal``: who may not approve their
+    own request): the one path of the JSON API and the console."""
+    store = app[STORE]
     current = await store.get_effect(effect_id)
-    adapter = request.app[ADAPTERS].get(current.downstream)
+    adapter = app[ADAPTERS].get(current.downstream)
     if not isinstance(adapter, ManualAdapter) or not adapter.require_approval:
         raise BadRequest(f"downstream {current.downstream!r} does not require approval")
-    principal = principal_of(request)
     approver = principal.name if principal is not None else None
     try:
         effect = await store.update_effect(
@@ -229,4 +260,4 @@ async def approve_effect(request: web.Request) -> web.Response:
         expires_at=effect.approval_expires_at,
         note=body.note,
     )
-    return web.json_response(effect_to_json(effect))
+    return effect

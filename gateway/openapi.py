@@ -890,6 +890,52 @@ def _proxy_path() -> dict[str, Any]:
     return {"/proxy/{tail}": operations}
 
 
+def _console_paths() -> dict[str, Any]:
+    """The operator console (docs/console.md): HTML pages and form posts for browsers, not
+    part of the JSON API. Listed so the document names every route; the console's own
+    session cookie is its credential (or ``Fence-Authorization``)."""
+    from fencegate.gateway.console import ROUTES
+
+    html = {"text/html": {"schema": {"type": "string"}}}
+    form = {
+        "required": False,
+        "content": {"application/x-www-form-urlencoded": {"schema": {"type": "object"}}},
+    }
+    paths: dict[str, Any] = {}
+    for method, path, summary in ROUTES:
+        params: list[Any] = []
+        if "{effect_id}" in path:
+            params.append(_EFFECT_ID)
+        if "{name}" in path:
+            params.append({"name": "name", "in": "path", "required": True,
+                           "schema": {"type": "string"}})  # fmt: skip
+        answers: dict[str, Any] = {
+            "200": {"description": "an HTML page (JSON for the chart samples)", "content": html},
+            "303": {"description": "to the login page (no session), or on after a login"},
+            "400": {"description": "an HTML page: the input was refused", "content": html},
+            "401": {"description": "an HTML page: no session", "content": html},
+            "403": {"description": "an HTML page: the role, the CSRF token or the origin",
+                    "content": html},
+            "404": {"description": "an HTML page: no such record", "content": html},
+        }  # fmt: skip
+        op_id = "console" + "".join(
+            part.strip("{}").replace("_", " ").title().replace(" ", "")
+            for part in path.split("/")[2:]
+        )
+        op: dict[str, Any] = {
+            "operationId": f"{op_id or 'consoleQueue'}{method.title()}",
+            "summary": summary,
+            "tags": ["console"],
+        }
+        if params:
+            op["parameters"] = params
+        if method == "POST":
+            op["requestBody"] = form
+        op["responses"] = answers
+        paths.setdefault(path, {})[method.lower()] = op
+    return paths
+
+
 def _mcp_path() -> dict[str, Any]:
     """The MCP gateway (docs/PROTOCOL.md, "MCP"): the bodies are MCP's JSON-RPC messages, and
     its refusals are JSON-RPC errors, not problem+json (authentication's 401/403 aside)."""
@@ -956,6 +1002,7 @@ def document() -> dict[str, Any]:
         **_ledger_paths(),
         **_proxy_path(),
         **_mcp_path(),
+        **_console_paths(),
     }
     return {
         "openapi": "3.1.0",
@@ -976,6 +1023,7 @@ def document() -> dict[str, Any]:
             {"name": "operations"},
             {"name": "proxy"},
             {"name": "mcp"},
+            {"name": "console"},
         ],
         "paths": paths,
         "components": {

@@ -7,28 +7,33 @@ worker pools. This answers exactly that question, from the store's own indexes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from fencegate.gateway.state import STORE
+from fencegate.ledger.store import Store
 
-__all__ = ["routes"]
+__all__ = ["rollout_json", "routes"]
 
 routes = web.RouteTableDef()
 
 
 @routes.get("/v1/rollout")
 async def rollout_status(request: web.Request) -> web.Response:
-    store = request.app[STORE]
+    return web.json_response(await rollout_json(request.app[STORE]))
+
+
+async def rollout_json(store: Store) -> dict[str, Any]:
+    """The rollout checklist (the JSON API's answer, and the console's Fleet page)."""
     gauges = await store.gauges()
     scheduler = await store.get_scheduler()
-    return web.json_response(
-        {
-            "schedulerEpoch": scheduler.epoch,
-            "claimsPaused": scheduler.claims_paused,
-            "activeLeases": gauges.active_leases,
-            "preparedEffects": gauges.prepared_effects,
-            "unknownEffects": gauges.unknown_effects,
-            "awaitingApproval": gauges.awaiting_approval,
-            "safeToSwitchPools": gauges.settled,
-        }
-    )
+    return {
+        "schedulerEpoch": scheduler.epoch,
+        "claimsPaused": scheduler.claims_paused,
+        "activeLeases": gauges.active_leases,
+        "preparedEffects": gauges.prepared_effects,
+        "unknownEffects": gauges.unknown_effects,
+        "awaitingApproval": gauges.awaiting_approval,
+        "safeToSwitchPools": gauges.settled,
+    }

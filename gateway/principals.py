@@ -7,14 +7,24 @@ every rule that binds an action to a principal is off (docs/security.md).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from fencegate.gateway.limits import NO_LIMITS, Limits
+from fencegate.ledger.errors import BadRequest
 
-__all__ = ["PRINCIPAL_KEY", "Principal", "Scope", "principal_of", "scope_refusal"]
+__all__ = [
+    "PRINCIPAL_KEY",
+    "Principal",
+    "Scope",
+    "acting_operator",
+    "operator_label",
+    "principal_of",
+    "scope_refusal",
+]
 
 #: Where the middleware leaves the principal on the request: a ``web.RequestKey`` where
 #: aiohttp has them (3.14: a plain string key warns), else the string.
@@ -71,3 +81,24 @@ def principal_of(request: web.Request) -> Principal | None:
     """The request's authenticated principal, or None when authentication is off."""
     value = request.get(PRINCIPAL_KEY)
     return value if isinstance(value, Principal) else None
+
+
+_OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
+
+
+def operator_label(name: str, field: str = "Fence-Operator") -> str:
+    """A free-text operator label (without ``[auth]`` the only name an action carries),
+    bounded and plain so it cannot forge a log line or a trail entry."""
+    name = name.strip()
+    if not _OPERATOR.fullmatch(name):
+        raise BadRequest(f"{field}: 1 to 200 letters, digits, spaces or . _ : @ / -")
+    return name
+
+
+def acting_operator(request: web.Request) -> str:
+    """Who acts: the credential's principal when there is one (``Fence-Operator`` is then
+    ignored), else the free-text ``Fence-Operator`` label."""
+    principal = principal_of(request)
+    if principal is not None:
+        return principal.name
+    return operator_label(request.headers.get("Fence-Operator", "anonymous"))

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import secrets
 import select
 import signal
 import socket
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
+from fencegate.gateway.console.session import SECRET_ENV
 from fencegate.gateway.request_guard import GuardedSite
 
 if TYPE_CHECKING:
@@ -155,6 +157,10 @@ class Supervisor:
         self._parent = os.getpid()
 
     def run(self) -> int:
+        # One console cookie key for every worker, restarted ones included: without
+        # FENCEGATE_CONSOLE_SECRET each process would draw its own, and a console login would
+        # hold only on the worker the kernel happened to pick (docs/console.md).
+        os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
         signal.pthread_sigmask(signal.SIG_BLOCK, _SUPERVISED)
         try:
             return self._supervise()

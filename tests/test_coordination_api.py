@@ -12,6 +12,7 @@ from importlib import metadata
 from typing import Any
 
 import pytest
+import structlog.testing
 from aiohttp.test_utils import TestClient
 
 from fencegate.ledger.clock import iso_utc
@@ -500,3 +501,24 @@ async def test_lease_and_runtime_ends_are_also_in_iso(api: Api) -> None:
 async def test_healthz_names_the_version(api: Api) -> None:
     health = await api.call("GET", "/healthz")
     assert health.body == {"status": "ok", "version": metadata.version("fencegate")}
+
+
+async def test_who_bumped_the_epoch_or_paused_claims_is_logged(api: Api) -> None:
+    """Without ``[auth]`` the ``Fence-Operator`` label names who did it (with ``[auth]``, the
+    principal's name), as on the ledger's operator actions."""
+    headers = {"Fence-Operator": "alice"}
+    with structlog.testing.capture_logs() as logs:
+        for path in ("/v1/epoch/bump", "/v1/claims/pause", "/v1/claims/resume"):
+            async with api.client.post(path, headers=headers) as resp:
+                assert resp.status == 200
+        async with api.client.post("/v1/epoch/bump") as resp:
+            assert resp.status == 200
+        async with api.client.post("/v1/epoch/bump", headers={"Fence-Operator": "<b>x"}) as resp:
+            assert resp.status == 400  # only plain labels are recorded
+    said = [(e["event"], e.get("by")) for e in logs if "by" in e]
+    assert said == [
+        ("epoch.bumped", "alice"),
+        ("claims.paused", "alice"),
+        ("claims.resumed", "alice"),
+        ("epoch.bumped", "anonymous"),
+    ]

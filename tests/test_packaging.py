@@ -63,6 +63,13 @@ def test_the_wheel_holds_every_layer_and_its_data(wheel: zipfile.ZipFile) -> Non
         "fencegate/ledger/lua/prepare.lua",
         "fencegate/ledger/lua/common.lua",
         "fencegate/adapters/base.py",
+        # The console works offline: its templates and assets ship in the package.
+        "fencegate/gateway/console/views.py",
+        "fencegate/gateway/console/templates/base.html",
+        "fencegate/gateway/console/templates/queue.html",
+        "fencegate/gateway/console/static/console.css",
+        "fencegate/gateway/console/static/console.js",
+        "fencegate/gateway/console/static/favicon.svg",
     ):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))

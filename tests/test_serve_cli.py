@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -90,6 +91,22 @@ def test_check_of_a_bad_config_exits_2_naming_the_key(
     assert key in done.stderr, done.stderr
     assert "ok" not in done.stdout and "Traceback" not in done.stderr
     assert not (tmp_path / "fg.db").exists()  # refused before the store was opened
+
+
+def test_a_console_secret_too_short_to_sign_with_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A guessable FENCEGATE_CONSOLE_SECRET would let anyone holding a console cookie (an
+    observer's) find the key offline and sign an operator's session."""
+    path = tmp_path / "fencegate.toml"
+    path.write_text(f'[store]\nurl = "sqlite:///{tmp_path / "fg.db"}"\n')
+    for check in (("--check",), ()):
+        done = subprocess.run(
+            [sys.executable, "-m", "fencegate.gateway.cli", "serve", *check, "--config", str(path)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "FENCEGATE_CONSOLE_SECRET": "password"},
+        )  # fmt: skip
+        assert done.returncode == 2, done
+        assert "FENCEGATE_CONSOLE_SECRET: at least 32 characters" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_check_exits_1_when_the_redis_store_cannot_be_reached(tmp_path: Path) -> None:

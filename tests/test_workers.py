@@ -358,3 +358,41 @@ def test_check_accepts_workers_and_says_how_many(tmp_path: Path, redis_server: R
     assert "workers: 3" in done.stdout.splitlines(), done.stdout
     done = serve("--config", str(path), "--workers", "0", "--check", cwd=tmp_path)
     assert done.returncode == 2 and "server.workers" in done.stderr, done.stderr
+
+
+async def test_a_console_login_holds_on_every_worker_without_a_configured_key(
+    tmp_path: Path, redis_server: RedisServer, key_prefix: str, started: list[GatewayProcess]
+) -> None:
+    """No FENCEGATE_CONSOLE_SECRET: the supervisor draws one key for all its workers, so the
+    cookie one worker signed is a session on the other."""
+    config = write_config(
+        tmp_path / "g", redis_server.url, key_prefix=key_prefix, auth=_operator("op", TOKEN_A)
+    )
+    gateway = start(started, config)
+    connector = aiohttp.TCPConnector(force_close=True)  # each request: a new connection
+    async with aiohttp.ClientSession(connector=connector) as session:
+        login = {"token": TOKEN_A}
+        async with session.post(
+            gateway.url + "/console/login",
+            data=login,
+            headers={"Origin": gateway.url},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303, await resp.text()
+            cookie = resp.cookies["fencegate_console"].value
+        session.cookie_jar.clear()
+        for _ in range(12):
+            async with session.get(
+                gateway.url + "/console",
+                headers={"Cookie": f"fencegate_console={cookie}"},
+                allow_redirects=False,
+            ) as resp:
+                assert resp.status == 200, (await resp.text())[:300]
+    assert workers_that_served(gateway.log_events(), "/console") == {0, 1}
+
+
+def _operator(name: str, token: str) -> str:
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    return (
+        f'\n[[auth.principals]]\nname = "{name}"\nroles = ["operator"]\ntoken_sha256 = "{digest}"\n'
+    )

@@ -1,0 +1,707 @@
+"""The console's pages and actions.
+
+Every action is a POST of a form that carries the session's CSRF token, from a page of this
+gateway (``Origin``, else ``Referer``, must be one of its origins). Without ``confirm=yes``
+an action answers a confirmation page that repeats the form; with it, it calls the JSON API's
+own function and shows what happened. Input is checked with the JSON API's models and
+limits (``parse_body``), so the console accepts exactly what the API accepts. A refusal is an
+HTML page with the problem's status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+import hashlib
+import hmac
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Any, Final
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import jinja2
+import structlog
+from aiohttp import web
+
+from fencegate.adapters import ManualAdapter, ProbeAdapter
+from fencegate.gateway.api_models import check_task_id, parse_body
+from fencegate.gateway.auth import auth_state
+from fencegate.gateway.console import CONSOLE, ROUTES
+from fencegate.gateway.console.session import (
+    COOKIE,
+    PREFIX,
+    SESSION_KEY,
+    Session,
+    login_redirect,
+)
+from fencegate.gateway.coordination import bump_epoch_now, set_claims_paused
+from fencegate.gateway.ledger_api import (
+    ApproveBody,
+    ResolveBody,
+    approve_as,
+    check_effect_id,
+    reconcile_as,
+    resolve_as,
+    shown_record,
+)
+from fencegate.gateway.operations import rollout_json
+from fencegate.gateway.principals import (
+    Principal,
+    operator_label,
+    principal_of,
+    scope_refusal,
+)
+from fencegate.gateway.request_guard import origin_allowed
+from fencegate.gateway.state import ADAPTERS, CONFIG, METRICS, STORE
+from fencegate.ledger.effects import Effect, EffectState, is_awaiting_approval
+from fencegate.ledger.errors import (
+    BadRequest,
+    FencegateError,
+    Forbidden,
+    Unauthenticated,
+)
+from fencegate.ledger.store import Store
+from fencegate.ledger.tasks import task_to_json
+
+__all__ = ["refusal", "setup", "template_environment"]
+
+log = structlog.get_logger("fencegate.console")
+
+_OPERATOR: Final = "operator"
+_READERS: Final = frozenset({"operator", "observer"})
+#: Most records one queue page scans per state, and shows.
+_SCAN_PAGES, _PAGE, _SHOWN = 4, 500, 200
+_MAX_FORM_FIELDS = 20
+_MAX_TOKEN = 4096
+_NEXT = re.compile(r"/console(?:/[A-Za-z0-9._~/%:@-]*)?(?:\?[A-Za-z0-9._~/%:@&=+-]*)?")
+_STATIC: Final = {
+    "console.css": "text/css",
+    "console.js": "text/javascript",
+    "favicon.svg": "image/svg+xml",
+}
+#: The console's Content-Security-Policy: its own script and stylesheet, nothing inline,
+#: nothing from elsewhere, never framed.
+CSP: Final = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Viewer:
+    """Who is looking, and what the page may offer them."""
+
+    name: str
+    roles: tuple[str, ...]
+    #: None without ``[auth]`` (every caller may do everything, as on the JSON API).
+    principal: Principal | None
+    can_act: bool
+    session: Session | None
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def _ts(ms: object) -> str:
+    if not isinstance(ms, int):
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _duration(ms: object) -> str:
+    if not isinstance(ms, int):
+        return "-"
+    seconds = max(0, ms) // 1000
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    if seconds < 172800:
+        return f"{seconds // 3600} h"
+    return f"{seconds // 86400} d"
+
+
+def template_environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("fencegate.gateway.console", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["ts"] = _ts
+    env.filters["duration"] = _duration
+    return env
+
+
+def _render(
+    request: web.Request, template: str, viewer: Viewer | None, status: int = 200, **context: Any
+) -> web.Response:
+    env = request.app[CONSOLE].templates
+    csrf = viewer.session.csrf if viewer is not None and viewer.session is not None else ""
+    text = env.get_template(template).render(viewer=viewer, csrf=csrf, **context)
+    return web.Response(text=text, status=status, content_type="text/html", charset="utf-8")
+
+
+def _error_page(request: web.Request, viewer: Viewer | None, error: FencegateError) -> web.Response:
+    return _render(
+        request, "error.html", viewer, status=error.status, code=error.code, detail=error.detail
+    )
+
+
+def refusal(request: web.Request, error: FencegateError) -> web.StreamResponse:
+    """How the ``[auth]`` middleware refuses a console request: a page that needs a session
+    goes to the login page; anything else is an HTML error page with the problem's status."""
+    if isinstance(error, Unauthenticated) and request.method in ("GET", "HEAD"):
+        return login_redirect(request, ended=COOKIE in request.cookies)
+    response = _error_page(request, None, error)
+    if isinstance(error, Unauthenticated):
+        response.del_cookie(COOKIE, path=PREFIX)
+    return response
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every console answer, refusals included: the CSP, no framing, no sniffing, no caching
+    of pages (static assets may be cached briefly)."""
+    if not (request.path == PREFIX or request.path.startswith(PREFIX + "/")):
+        return
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers["Referrer-Policy"] = "same-origin"
+    if not request.path.startswith(PREFIX + "/static/"):
+        response.headers["Cache-Control"] = "no-store"
+
+
+# --- who is looking, and may they act ---------------------------------------------------------
+
+
+def _viewer(request: web.Request) -> Viewer | None:
+    """The viewer, or None when there is no usable session. With ``[auth]`` the middleware has
+    already checked the session (or a ``Fence-Authorization`` header) against the principals
+    in force; without it the cookie alone says who the operator is (a label, as
+    ``Fence-Operator`` is on the JSON API)."""
+    session = request.get(SESSION_KEY)
+    if not isinstance(session, Session):
+        session = None
+    if request.app[CONFIG].auth is not None:
+        principal = principal_of(request)
+        if principal is None:
+            return None
+        roles = tuple(sorted(principal.roles))
+        return Viewer(principal.name, roles, principal, principal.has(_OPERATOR), session)
+    session = request.app[CONSOLE].codec.read(request.cookies.get(COOKIE))
+    if session is None or session.token_sha256 is not None:
+        return None
+    return Viewer(session.name, session.roles, None, True, session)
+
+
+def _local_port(request: web.Request) -> int | None:
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2 and isinstance(sockname[1], int):
+        return sockname[1]
+    return None
+
+
+def _origin_refusal(request: web.Request) -> FencegateError | None:
+    """Why this POST is not from one of the gateway's own pages (None: it is). ``Origin``
+    when the browser sends it (the request guard has already refused a foreign one), else
+    the origin of ``Referer``. Neither: 400 (every browser sends ``Origin`` with a POST; a
+    client that sends neither is not a console page), a foreign one: 403."""
+    server = request.app[CONFIG].server
+    origin = request.headers.get("Origin")
+    if origin is None:
+        referer = request.headers.get("Referer")
+        if not referer:
+            return BadRequest("a console form is sent with Origin or Referer")
+        try:
+            parts = urlsplit(referer)
+        except ValueError:  # an unclosed "[", a netloc that NFKC changes...
+            return Forbidden("the form was not sent from one of this gateway's pages")
+        origin = f"{parts.scheme}://{parts.netloc}"
+    if not origin_allowed(server, origin, _local_port(request)):
+        return Forbidden("the form was not sent from one of this gateway's pages")
+    return None
+
+
+async def _form(request: web.Request) -> dict[str, str]:
+    if request.content_type != "application/x-www-form-urlencoded":
+        raise BadRequest("a console form is sent as application/x-www-form-urlencoded")
+    raw = await request.read()
+    try:
+        pairs = parse_qsl(
+            raw.decode("utf-8"),
+            keep_blank_values=True,
+            strict_parsing=False,
+            max_num_fields=_MAX_FORM_FIELDS,
+        )
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"the form cannot be read: {exc}") from None
+    form: dict[str, str] = {}
+    for name, value in pairs:
+        if name in form:
+            raise BadRequest(f"the form sends {name!r} twice")
+        form[name] = value
+    return form
+
+
+Page = Callable[[web.Request, Viewer], Awaitable[web.StreamResponse]]
+Action = Callable[[web.Request, Viewer, dict[str, str]], Awaitable[web.StreamResponse]]
+
+
+def _page(handler: Page) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def serve(request: web.Request) -> web.StreamResponse:
+        viewer = _viewer(request)
+        if viewer is None:
+            return login_redirect(request, ended=COOKIE in request.cookies)
+        try:
+            return await handler(request, viewer)
+        except FencegateError as exc:
+            return _error_page(request, viewer, exc)
+
+    return serve
+
+
+def _action(handler: Action) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An operator's action: a session, the operator role, a same-origin form with the
+    session's CSRF token; then the handler, whose refusals become error pages."""
+
+    async def act(request: web.Request) -> web.StreamResponse:
+        viewer = _viewer(request)
+        if viewer is None:
+            return _error_page(request, None, Unauthenticated("no console session: log in"))
+        try:
+            if not viewer.can_act:
+                raise Forbidden(f"{viewer.name!r} may look but not act (operator role needed)")
+            refused = _origin_refusal(request)
+            if refused is None:
+                form = await _form(request)
+                given = form.pop("csrf", "")
+                if viewer.session is None:
+                    # A Fence-Authorization header reached a console action: not a browser
+                    # (nothing to forge), but the console acts only for a logged-in session.
+                    raise BadRequest("console actions need a console session; scripts use /v1/")
+                if not hmac.compare_digest(given.encode(), viewer.session.csrf.encode()):
+                    refused = Forbidden("the form's CSRF token is missing or not this session's")
+            if refused is not None:
+                log.info("console.csrf_refused", principal=viewer.name, path=request.path,
+                         reason=refused.detail)  # fmt: skip
+                raise refused
+            return await handler(request, viewer, form)
+        except FencegateError as exc:
+            return _error_page(request, viewer, exc)
+
+    return act
+
+
+# --- login ----------------------------------------------------------------------------------
+
+
+def _next(value: str | None) -> str:
+    """Where a login goes on to: a console path of this gateway only (never off-site, never
+    out of ``/console`` by ``..``, nor by ``%2e%2e``, which browsers read as ``..``)."""
+    if value and _NEXT.fullmatch(value):
+        plain = unquote(value)
+        if "//" not in plain and ".." not in plain:
+            return value
+    return PREFIX
+
+
+async def login_page(request: web.Request) -> web.StreamResponse:
+    return _render(
+        request,
+        "login.html",
+        None,
+        next=_next(request.query.get("next")),
+        ended=request.query.get("ended") == "1",
+        with_auth=request.app[CONFIG].auth is not None,
+        error=None,
+    )
+
+
+async def login(request: web.Request) -> web.StreamResponse:
+    """Check the pasted token against the principals in force and set the session cookie."""
+    with_auth = request.app[CONFIG].auth is not None
+
+    def again(status: int, error: str, target: str = PREFIX) -> web.Response:
+        return _render(request, "login.html", None, status=status, next=target, ended=False,
+                       with_auth=with_auth, error=error)  # fmt: skip
+
+    refused = _origin_refusal(request)
+    if refused is not None:
+        log.info("console.csrf_refused", principal=None, path=request.path,
+                 reason=refused.detail)  # fmt: skip
+        return again(refused.status, refused.detail)
+    try:
+        form = await _form(request)
+    except BadRequest as exc:
+        return again(400, exc.detail)
+    target = _next(form.get("next"))
+    codec = request.app[CONSOLE].codec
+    state = auth_state(request.app)
+    if with_auth and state is not None:
+        token = form.get("token", "").strip()
+        if not token or len(token) > _MAX_TOKEN or any(c.isspace() for c in token):
+            principal = None
+        else:
+            principal = state.authenticator.principal(token)
+        if principal is None:
+            log.info("auth.unauthenticated", method=request.method, path=request.path,
+                     reason="console login: the token matches no principal")  # fmt: skip
+            return again(401, "That token matches no principal.", target)
+        if not principal.roles & _READERS:
+            log.info("auth.forbidden", principal=principal.name, roles=sorted(principal.roles),
+                     method=request.method, path=request.path)  # fmt: skip
+            return again(403, "The console is for operators and observers.", target)
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        value, session = codec.issue(principal.name, digest, tuple(principal.roles))
+    else:
+        try:
+            name = operator_label(form.get("name", "") or "anonymous", "name")
+        except BadRequest as exc:
+            return again(400, exc.detail, target)
+        value, session = codec.issue(name, None, (_OPERATOR,))
+    log.info("console.login", principal=session.name, roles=list(session.roles),
+             expires_at=session.expires_at)  # fmt: skip
+    response = web.Response(status=303, headers={"Location": target})
+    response.set_cookie(
+        COOKIE,
+        value,
+        max_age=codec.ttl_ms // 1000,
+        path=PREFIX,
+        httponly=True,
+        samesite="Strict",
+        secure=request.secure,
+    )
+    return response
+
+
+async def logout(request: web.Request) -> web.StreamResponse:
+    refused = _origin_refusal(request)
+    if refused is not None:
+        return _error_page(request, None, refused)
+    response = web.Response(status=303, headers={"Location": f"{PREFIX}/login"})
+    response.del_cookie(COOKIE, path=PREFIX)
+    return response
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    content_type = _STATIC.get(name)
+    if content_type is None:
+        return _error_page(request, None, _NotFound(f"no console asset {name!r}"))
+    data = resources.files(__package__).joinpath("static", name).read_bytes()
+    return web.Response(
+        body=data,
+        content_type=content_type,
+        charset="utf-8",
+        headers={"Cache-Control": "max-age=300"},
+    )
+
+
+class _NotFound(FencegateError):
+    code = "NOT_FOUND"
+    status = 404
+    title = "Not found"
+
+
+# --- Needs attention --------------------------------------------------------------------------
+
+
+async def _scan(
+    store: Store, state: EffectState, keep: Callable[[Effect], bool]
+) -> tuple[list[Effect], bool]:
+    """Effects in ``state`` that ``keep`` takes, oldest first, bounded; True when there may
+    be more than shown."""
+    found: list[Effect] = []
+    cursor: str | None = None
+    for _ in range(_SCAN_PAGES):
+        page, cursor = await store.list_effects(
+            state=state, task_id=None, downstream=None, limit=_PAGE, cursor=cursor
+        )
+        found.extend(e for e in page if keep(e))
+        if cursor is None or len(found) >= _SHOWN:
+            return found[:_SHOWN], cursor is not None or len(found) > _SHOWN
+    return found[:_SHOWN], True
+
+
+def _last_seen(record: dict[str, Any]) -> str:
+    """What the reconciler (or the forward) last saw, in a few words."""
+    probes = [a for a in record["actions"] if a.get("action") == "reconcile"]
+    if probes:
+        last = probes[-1]
+        return f"probe: {last.get('verdict', '?')} ({_ts(last.get('at'))})"
+    attempts = record["attempts"]
+    if attempts:
+        last_attempt = attempts[-1]
+        outcome = last_attempt.get("outcome") or "running"
+        return f"forward: {outcome}: {last_attempt.get('reason') or '-'}"
+    return "no forward yet"
+
+
+@_page
+async def queue(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    store = request.app[STORE]
+    now = await store.now_ms()
+    unknown, more_unknown = await _scan(store, EffectState.UNKNOWN, lambda e: True)
+    awaiting, more_awaiting = await _scan(store, EffectState.NOT_APPLIED, is_awaiting_approval)
+    gauges = await store.gauges()
+    rows = []
+    for effect, why in sorted(
+        [(e, "UNKNOWN") for e in unknown] + [(e, "awaiting approval") for e in awaiting],
+        key=lambda pair: (pair[0].created_at, pair[0].effect_id),
+    ):
+        record = shown_record(viewer.principal, effect)
+        rows.append(
+            {
+                "effect": record,
+                "why": why,
+                "age_ms": now - effect.created_at,
+                "last_seen": _last_seen(record),
+            }
+        )
+    return _render(
+        request,
+        "queue.html",
+        viewer,
+        rows=rows,
+        unknown_count=gauges.unknown_effects,
+        awaiting_count=gauges.awaiting_approval,
+        more=more_unknown or more_awaiting,
+        now=now,
+    )
+
+
+# --- one effect --------------------------------------------------------------------------------
+
+
+def _body_text(response: dict[str, Any] | None) -> str | None:
+    if not response or not isinstance(response.get("bodyBase64"), str):
+        return None
+    try:
+        raw = base64.b64decode(response["bodyBase64"], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    try:
+        # Not final: the 64 KiB cut may split a character, which is not a sign of binary.
+        return codecs.getincrementaldecoder("utf-8")().decode(raw[: 64 * 1024], final=False)
+    except UnicodeDecodeError:
+        return f"(binary, {len(raw)} bytes)"
+
+
+async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) -> dict[str, Any]:
+    record = shown_record(viewer.principal, effect)
+    adapter = request.app[ADAPTERS].get(effect.downstream)
+    approval_ttl_ms = (
+        adapter.approval_ttl_ms
+        if isinstance(adapter, ManualAdapter) and adapter.require_approval
+        else None
+    )
+    return {
+        "effect": record,
+        "body_text": _body_text(record.get("response")),
+        "probes": [a for a in record["actions"] if a.get("action") == "reconcile"],
+        "trail": record["actions"],
+        "awaiting": is_awaiting_approval(effect) and approval_ttl_ms is not None,
+        "approval_ttl_ms": approval_ttl_ms,
+        "can_probe": isinstance(adapter, ProbeAdapter) and adapter.probe is not None,
+        "is_unknown": effect.state is EffectState.UNKNOWN,
+        "now": await request.app[STORE].now_ms(),
+    }
+
+
+@_page
+async def effect_page(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    effect_id = check_effect_id(request.match_info["effect_id"])
+    effect = await request.app[STORE].get_effect(effect_id)
+    context = await _effect_context(request, viewer, effect)
+    return _render(request, "effect.html", viewer, **context)
+
+
+def _confirm(
+    request: web.Request, viewer: Viewer, title: str, what: str, fields: dict[str, str], back: str
+) -> web.Response:
+    return _render(request, "confirm.html", viewer, title=title, what=what, fields=fields,
+                   action=request.path, back=back)  # fmt: skip
+
+
+def _done(
+    request: web.Request, viewer: Viewer, title: str, lines: list[str], back: str
+) -> web.Response:
+    return _render(request, "result.html", viewer, title=title, lines=lines, back=back)
+
+
+@_action
+async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
+    effect_id = check_effect_id(request.match_info["effect_id"])
+    fields = {"outcome": form.get("outcome", ""), "note": form.get("note", "")}
+    # The JSON API's model and limits: a note is required, 1 to 2000 characters.
+    body = parse_body(json.dumps(fields).encode(), ResolveBody)
+    back = f"{PREFIX}/effects/{effect_id}"
+    if form.get("confirm") != "yes":
+        effect = await request.app[STORE].get_effect(effect_id)
+        meaning = (
+            "the call did not happen: the agent's retry will be forwarded again"
+            if body.outcome == "NOT_APPLIED"
+            else "the call happened: duplicates get an empty answer, never a second send"
+        )
+        what = (f"Resolve effect {effect_id[:12]}... (task {effect.task_id}, "
+                f"{effect.downstream} {effect.method} {effect.path}) as {body.outcome}: "
+                f"{meaning}.")  # fmt: skip
+        return _confirm(request, viewer, "Resolve this effect?", what, fields, back)
+    effect, done = await resolve_as(request.app, effect_id, viewer.name, body)
+    lines = [f"Effect is now {effect.state.value}.", f"Recorded by {viewer.name}: {body.note}"]
+    if done.unchanged:
+        lines.append("It was already resolved this way: nothing new was recorded.")
+    lines.extend(done.warnings)
+    return _done(request, viewer, f"Resolved {body.outcome}", lines, back)
+
+
+@_action
+async def approve(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
+    effect_id = check_effect_id(request.match_info["effect_id"])
+    digest = form.get("payloadDigest", "")
+    if not digest:
+        raise BadRequest("payloadDigest: the console approves an exact digest")
+    fields = {"payloadDigest": digest, "note": form.get("note", "")}
+    body = parse_body(json.dumps(fields).encode(), ApproveBody)
+    back = f"{PREFIX}/effects/{effect_id}"
+    if form.get("confirm") != "yes":
+        effect = await request.app[STORE].get_effect(effect_id)
+        adapter = request.app[ADAPTERS].get(effect.downstream)
+        ttl = adapter.approval_ttl_ms if isinstance(adapter, ManualAdapter) else None
+        what = (f"Approve payload {digest} of effect {effect_id[:12]}... (task "
+                f"{effect.task_id}, {effect.downstream} {effect.method} {effect.path}). "
+                f"The agent's next call with exactly this payload is sent once; the approval "
+                f"expires {_duration(ttl)} after you confirm.")  # fmt: skip
+        return _confirm(request, viewer, "Approve this send?", what, fields, back)
+    effect = await approve_as(request.app, effect_id, viewer.name, viewer.principal, body)
+    lines = [
+        f"Approved payload {effect.approval_digest} as {viewer.name}.",
+        f"The approval expires at {_ts(effect.approval_expires_at)}.",
+    ]
+    return _done(request, viewer, "Approved", lines, back)
+
+
+@_action
+async def reconcile_now(
+    request: web.Request, viewer: Viewer, form: dict[str, str]
+) -> web.StreamResponse:
+    effect_id = check_effect_id(request.match_info["effect_id"])
+    back = f"{PREFIX}/effects/{effect_id}"
+    if form.get("confirm") != "yes":
+        what = (f"Ask the downstream now whether effect {effect_id[:12]}... happened "
+                "(its probe). A clear answer settles the effect.")  # fmt: skip
+        return _confirm(request, viewer, "Probe now?", what, {}, back)
+    effect = await reconcile_as(request.app, effect_id, viewer.name)
+    record = shown_record(viewer.principal, effect)
+    return _done(request, viewer, "Probed", [f"Effect is {effect.state.value}.",
+                 _last_seen(record)], back)  # fmt: skip
+
+
+# --- tasks ---------------------------------------------------------------------------------------
+
+
+@_page
+async def tasks(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    raw_id = request.query.get("id", "").strip()
+    if not raw_id:
+        return _render(request, "tasks.html", viewer, query="", task=None, effects=[], now=0)
+    task_id = check_task_id(raw_id)
+    if viewer.principal is not None:
+        # The JSON API's scope rule for GET /v1/tasks/{id}.
+        reason = scope_refusal(viewer.principal.scope, downstream=None, task_id=task_id)
+        if reason is not None:
+            raise Forbidden(f"{viewer.name!r}: {reason}")
+    store = request.app[STORE]
+    task = await store.get_task(task_id)
+    found, _ = await store.list_effects(
+        state=None, task_id=task_id, downstream=None, limit=100, cursor=None
+    )
+    return _render(
+        request,
+        "tasks.html",
+        viewer,
+        query=task_id,
+        task=task_to_json(task),
+        effects=[shown_record(viewer.principal, e) for e in found],
+        now=await store.now_ms(),
+    )
+
+
+# --- fleet -------------------------------------------------------------------------------------
+
+
+@_page
+async def fleet(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    rollout = await rollout_json(request.app[STORE])
+    return _render(request, "fleet.html", viewer, rollout=rollout,
+                   shared_key=request.app[CONSOLE].key_from_env)  # fmt: skip
+
+
+@_page
+async def series(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    samples = await request.app[CONSOLE].series.sample(request.app[METRICS], request.app[STORE])
+    return web.json_response({"samples": samples})
+
+
+@_action
+async def bump(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
+    store = request.app[STORE]
+    current = await store.get_scheduler()
+    if form.get("typed", "").strip() != str(current.epoch):
+        raise BadRequest(
+            f"type the current epoch ({current.epoch}) to bump it; nothing was changed"
+        )
+    scheduler = await bump_epoch_now(store, viewer.name)
+    lines = [f"The scheduler epoch is now {scheduler.epoch}: every older claim is fenced."]
+    return _done(request, viewer, "Epoch bumped", lines, f"{PREFIX}/fleet")
+
+
+def _claims(paused: bool) -> Action:
+    async def switch(
+        request: web.Request, viewer: Viewer, form: dict[str, str]
+    ) -> web.StreamResponse:
+        back = f"{PREFIX}/fleet"
+        verb = "Pause" if paused else "Resume"
+        if form.get("confirm") != "yes":
+            what = ("No new claims anywhere until resumed; leases held now run on."
+                    if paused else "Workers may claim tasks again.")  # fmt: skip
+            return _confirm(request, viewer, f"{verb} claims?", what, {}, back)
+        scheduler = await set_claims_paused(request.app[STORE], paused, viewer.name)
+        state = "paused" if scheduler.claims_paused else "open"
+        return _done(request, viewer, f"Claims {state}",
+                     [f"Claims are {state} (epoch {scheduler.epoch})."], back)  # fmt: skip
+
+    return switch
+
+
+def setup(app: web.Application) -> None:
+    """Register every route of ``ROUTES`` and the console's response headers."""
+    handlers: dict[tuple[str, str], Callable[[web.Request], Awaitable[web.StreamResponse]]] = {
+        ("GET", "/console"): queue,
+        ("GET", "/console/login"): login_page,
+        ("POST", "/console/login"): login,
+        ("POST", "/console/logout"): logout,
+        ("GET", "/console/static/{name}"): static,
+        ("GET", "/console/effects/{effect_id}"): effect_page,
+        ("POST", "/console/effects/{effect_id}/resolve"): resolve,
+        ("POST", "/console/effects/{effect_id}/approve"): approve,
+        ("POST", "/console/effects/{effect_id}/reconcile"): reconcile_now,
+        ("GET", "/console/tasks"): tasks,
+        ("GET", "/console/fleet"): fleet,
+        ("GET", "/console/fleet/series"): series,
+        ("POST", "/console/fleet/bump"): bump,
+        ("POST", "/console/fleet/pause"): _action(_claims(True)),
+        ("POST", "/console/fleet/resume"): _action(_claims(False)),
+    }
+    assert set(handlers) == {(method, path) for method, path, _ in ROUTES}
+    for method, path, _ in ROUTES:
+        app.router.add_route(method, path, handlers[(method, path)])
+    app.on_response_prepare.append(_security_headers)

@@ -1,0 +1,217 @@
+"""The operator console in a real browser: Debian's Chromium driven by Playwright, against a
+real ``fencegate serve`` (``bench.console_screenshot.ConsoleStage``: SQLite, ``[auth]``, a
+payments downstream whose first answer outlives the gateway's timeout, a mail downstream
+that requires approval).
+
+One browser for the module; each test gets its own browser context (its own cookies) and
+saves a screenshot of every page it visits under its ``tmp_path``. Without Chromium the
+module fails when ``CI=true`` (CI installs it: ``.ci/run``) and is skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bench.console_screenshot import CHROMIUM, ConsoleStage, console_stage
+
+if not (Path(CHROMIUM).exists() or shutil.which("chromium")):
+    if os.environ.get("CI") == "true":
+        raise RuntimeError(f"no Chromium at {CHROMIUM}: CI must install it (.ci/run)")
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+from playwright.async_api import Browser, Page, async_playwright
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stage(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[ConsoleStage]:
+    async with console_stage(tmp_path_factory.mktemp("console")) as running:
+        yield running
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as p:
+        launched = await p.chromium.launch(executable_path=CHROMIUM)
+        yield launched
+        await launched.close()
+
+
+class Visit:
+    """One browser context: its page, and a numbered screenshot of every page it shows."""
+
+    def __init__(self, page: Page, shots: Path) -> None:
+        self.page = page
+        self.shots = shots
+        self.count = 0
+        self.csp_violations: list[str] = []
+        page.on("console", self._console)
+
+    def _console(self, message: Any) -> None:
+        if "Content Security Policy" in message.text or message.type == "error":
+            self.csp_violations.append(message.text)
+
+    async def shot(self, name: str) -> None:
+        self.count += 1
+        await self.page.screenshot(path=str(self.shots / f"{self.count:02d}-{name}.png"),
+                                   full_page=True)  # fmt: skip
+
+    async def login(self, stage: ConsoleStage, who: str, start: str = "/console") -> None:
+        await self.page.goto(stage.base + start)
+        assert "/console/login" in self.page.url
+        await self.shot("login")
+        await self.page.fill("#token", stage.tokens[who])
+        await self.page.click("button[type=submit]")
+        await self.page.wait_for_url(lambda url: "/console/login" not in url)
+
+
+async def _visit(browser: Browser, tmp_path: Path, **options: Any) -> Visit:
+    context = await browser.new_context(**options)
+    shots = tmp_path / "screenshots"
+    shots.mkdir(exist_ok=True)
+    return Visit(await context.new_page(), shots)
+
+
+async def test_an_operator_resolves_an_unknown_effect_and_the_retry_goes_through(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, fence = await stage.unknown_payment("browser/pay-1", "/pay/b1")
+    # Until an operator settles it, the agent's retry is refused: nothing is sent again.
+    status, _, body = await stage.pay(fence, "/pay/b1")
+    assert status == 409 and body["code"] == "EFFECT_UNKNOWN"
+    assert stage.downstream.calls["/pay/b1"] == 1
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "alice")
+    assert "unknown" in await page.title()
+    await visit.shot("queue")
+    await page.click(f"a[href='/console/effects/{effect_id}']")
+    await page.wait_for_selector("#resolve-form")
+    await visit.shot("effect")
+    await page.check("input[name=outcome][value=NOT_APPLIED]")
+    await page.fill("#note", "bank statement shows no charge for invoice b1")
+    await page.click("#resolve")
+    await page.wait_for_selector("#confirm")
+    assert "NOT_APPLIED" in await page.inner_text("main")
+    await visit.shot("confirm")
+    await page.click("#confirm")
+    await page.wait_for_selector(".result")
+    assert "Resolved NOT_APPLIED" in await page.inner_text("main")
+    await visit.shot("result")
+    await page.goto(f"{stage.base}/console/effects/{effect_id}")
+    trail = await page.inner_text("main")
+    assert "alice" in trail and "bank statement shows no charge" in trail
+    await visit.shot("effect-after")
+    # The agent's retry now goes through: a second call at the downstream, answered.
+    status, headers, _ = await stage.pay(fence, "/pay/b1")
+    assert status == 200 and headers["Fence-Effect-State"] == "COMMITTED"
+    assert stage.downstream.calls["/pay/b1"] == 2
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_an_operator_approves_an_email_and_it_is_sent_exactly_once(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, fence = await stage.pending_email("browser/mail-1")
+    _, _, record = await stage.call("GET", f"/v1/effects/{effect_id}", "alice")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "alice", f"/console/effects/{effect_id}")
+    await page.wait_for_selector("#approve-form")
+    assert record["payloadDigest"] in await page.inner_text("#approve-form")
+    await visit.shot("effect")
+    await page.fill("#approve-note", "refund confirmed with the customer")
+    await page.click("#approve")
+    await page.wait_for_selector("#confirm")
+    text = await page.inner_text("main")
+    assert record["payloadDigest"] in text and "expires 10 min after you confirm" in text
+    await visit.shot("confirm")
+    await page.click("#confirm")
+    await page.wait_for_selector(".result")
+    assert "The approval expires at" in await page.inner_text(".result")
+    await visit.shot("result")
+    assert stage.downstream.calls["/send"] == 0
+    first = await stage.email(fence)
+    again = await stage.email(fence)
+    assert first[0] == 200 and first[1]["Fence-Effect-State"] == "COMMITTED"
+    assert again[0] == 200 and again[1]["Fence-Replayed"] == "true"
+    assert stage.downstream.calls["/send"] == 1
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_an_observer_sees_no_action_and_a_forged_post_is_refused(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, _ = await stage.unknown_payment("browser/pay-2", "/pay/b2")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "olive", f"/console/effects/{effect_id}")
+    await page.wait_for_selector("h1")
+    await visit.shot("effect")
+    assert await page.query_selector("#actions") is None
+    assert await page.query_selector("#resolve") is None
+    assert "read-only" in await page.inner_text("header")
+    await page.goto(f"{stage.base}/console/fleet")
+    assert await page.query_selector("#bump") is None
+    await visit.shot("fleet")
+    # A forged POST from the observer's own session, with its CSRF token and same origin.
+    status = await page.evaluate(
+        """async (path) => {
+            const csrf = document.querySelector("input[name=csrf]").value;
+            const body = new URLSearchParams({csrf, outcome: "NOT_APPLIED", note: "forged",
+                                              confirm: "yes"});
+            const answer = await fetch(path, {method: "POST", body});
+            return answer.status;
+        }""",
+        f"/console/effects/{effect_id}/resolve",
+    )
+    assert status == 403
+    _, _, record = await stage.call("GET", f"/v1/effects/{effect_id}", "alice")
+    assert record["state"] == "UNKNOWN" and record["actions"] == []
+
+
+async def test_a_page_without_a_session_goes_to_login_and_a_revoked_token_ends_one(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await page.goto(f"{stage.base}/console/fleet")
+    assert "/console/login?next=%2Fconsole%2Ffleet" in page.url
+    await visit.shot("login")
+    await page.fill("#token", stage.tokens["carol"])
+    await page.click("button[type=submit]")
+    await page.wait_for_url(f"{stage.base}/console/fleet")
+    await page.wait_for_selector("svg.chart[data-series=activeLeases] path", state="attached")
+    await visit.shot("fleet")
+    await stage.revoke("carol")
+    await page.goto(f"{stage.base}/console/tasks")
+    assert "/console/login" in page.url
+    assert "Your session ended" in await page.inner_text("main")
+    await visit.shot("ended")
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_the_queue_and_an_effect_fit_a_phone(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, _ = await stage.unknown_payment("browser/pay-3", "/pay/b3")
+    visit = await _visit(browser, tmp_path, viewport={"width": 390, "height": 844},
+                         is_mobile=True, has_touch=True)  # fmt: skip
+    page = visit.page
+    await visit.login(stage, "alice")
+    for path in ("/console", f"/console/effects/{effect_id}", "/console/fleet"):
+        await page.goto(stage.base + path)
+        await visit.shot(path.strip("/").replace("/", "-")[:30])
+        overflow = await page.evaluate(
+            "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
+        assert overflow <= 0, (path, overflow)
+    assert not visit.csp_violations, visit.csp_violations
