@@ -670,6 +670,10 @@ class _AutoPipeline:
         return replies, (acked_again if wait else acked), marked
 
 
+#: The most ids of the awaiting-approval set ``awaiting_approval`` reads.
+_AWAITING_READ = 5_000
+
+
 class RedisStore(Store):
     #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
     #: instead of following Redis's ``TIME``, in the scripts and in Python alike, so a test
@@ -1654,6 +1658,23 @@ class RedisStore(Store):
                 break
         seen = {e.effect_id for e in found}
         return found + [e for e in wanted[:limit] if e.effect_id not in seen]
+
+    async def awaiting_approval(self, limit: int) -> list[Effect]:
+        # The awaiting set (kept by effect_lib.lua's index_effect) is unordered: read it in
+        # bounded SSCAN steps, then order the records. It holds what waits for a person, so
+        # it stays small; past _AWAITING_READ ids the oldest of those read are shown.
+        ids: list[str] = []
+        cursor: Any = 0
+        while True:
+            cursor, page = await self._call(
+                functools.partial(self._redis.sscan, self._keys.awaiting, cursor, count=500)
+            )
+            ids.extend(str(i) for i in page)
+            if int(cursor) == 0 or len(ids) >= _AWAITING_READ:
+                break
+        found = [e for e in await self._records(ids) if effects.is_awaiting_approval(e)]
+        found.sort(key=lambda e: (e.created_at, e.effect_id))
+        return found[:limit]
 
     async def _records(self, effect_ids: list[str]) -> list[Effect]:
         """The current records of these effects (those that still exist)."""

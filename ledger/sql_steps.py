@@ -865,6 +865,17 @@ def unsettled_effects(
     return _effects_from(rows, now)
 
 
+def awaiting_approval(d: Dialect, limit: int) -> Step[list[Effect]]:
+    """Mirrors ``ledger.effects.is_awaiting_approval``, oldest first."""
+    now = yield NOW
+    rows = yield Sql(
+        f"SELECT fields FROM effects WHERE {d.awaiting()} ORDER BY created_at, effect_id LIMIT ?",
+        (limit,),
+        "all",
+    )
+    return _effects_from(rows, now)
+
+
 def find_forward(d: Dialect, task_id: str, forward_id: str) -> Step[str | None]:
     rows = yield Sql("SELECT fields FROM effects WHERE task_id = ?", (task_id,), "all")
     records = (effects.effect_from_fields(json.loads(raw)) for (raw,) in rows)

@@ -276,6 +276,11 @@ class SqlStore(Store):
             "unsettled_effects",
         )
 
+    async def awaiting_approval(self, limit: int) -> list[Effect]:
+        return await self._steps(
+            lambda: sql_steps.awaiting_approval(self.dialect, limit), "awaiting_approval"
+        )
+
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         return await self._steps(
             lambda: sql_steps.find_forward(self.dialect, task_id, forward_id), "find_forward"

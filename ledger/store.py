@@ -363,6 +363,13 @@ class Store(abc.ABC):
         effects wait for an operator."""
 
     @abc.abstractmethod
+    async def awaiting_approval(self, limit: int) -> list[Effect]:
+        """Up to ``limit`` effects waiting for an operator's approval
+        (``effects.is_awaiting_approval``), oldest first, from the store's own index: the
+        operator's queue, which a scan of every NOT_APPLIED record cannot keep complete once
+        retention holds many of them."""
+
+    @abc.abstractmethod
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
         """The effectId whose last forward is ``forward_id``, if the store has it."""
 

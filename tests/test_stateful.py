@@ -854,6 +854,13 @@ class LeaseMachine(RuleBasedStateMachine):
         assert sorted(e.effect_id for e in unsettled) == sorted(e.effect_id for e in expected)
         for stored in unsettled:
             self.same_effect(effects.effective(self.model_effects[stored.effect_id], now), stored)
+        # The operator's approval queue (SQL condition, Redis set): oldest first.
+        waiting = self.run(self.store.awaiting_approval(1000))
+        expected_waiting = sorted(
+            (e for e in records if effects.is_awaiting_approval(effects.effective(e, now))),
+            key=lambda e: (e.created_at, e.effect_id),
+        )
+        assert [e.effect_id for e in waiting] == [e.effect_id for e in expected_waiting]
 
     @invariant()
     def listing_by_state_agrees(self) -> None:

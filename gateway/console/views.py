@@ -414,18 +414,15 @@ class _NotFound(FencegateError):
 # --- Needs attention --------------------------------------------------------------------------
 
 
-async def _scan(
-    store: Store, state: EffectState, keep: Callable[[Effect], bool]
-) -> tuple[list[Effect], bool]:
-    """Effects in ``state`` that ``keep`` takes, oldest first, bounded; True when there may
-    be more than shown."""
+async def _scan(store: Store, state: EffectState) -> tuple[list[Effect], bool]:
+    """Effects in ``state``, oldest first, bounded; True when there may be more than shown."""
     found: list[Effect] = []
     cursor: str | None = None
     for _ in range(_SCAN_PAGES):
         page, cursor = await store.list_effects(
             state=state, task_id=None, downstream=None, limit=_PAGE, cursor=cursor
         )
-        found.extend(e for e in page if keep(e))
+        found.extend(page)
         if cursor is None or len(found) >= _SHOWN:
             return found[:_SHOWN], cursor is not None or len(found) > _SHOWN
     return found[:_SHOWN], True
@@ -449,8 +446,9 @@ def _last_seen(record: dict[str, Any]) -> str:
 async def queue(request: web.Request, viewer: Viewer) -> web.StreamResponse:
     store = request.app[STORE]
     now = await store.now_ms()
-    unknown, more_unknown = await _scan(store, EffectState.UNKNOWN, lambda e: True)
-    awaiting, more_awaiting = await _scan(store, EffectState.NOT_APPLIED, is_awaiting_approval)
+    unknown, more_unknown = await _scan(store, EffectState.UNKNOWN)
+    awaiting = await store.awaiting_approval(_SHOWN + 1)
+    awaiting, more_awaiting = awaiting[:_SHOWN], len(awaiting) > _SHOWN
     gauges = await store.gauges()
     rows = []
     for effect, why in sorted(
