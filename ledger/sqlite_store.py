@@ -305,9 +305,31 @@ class SQLiteStore(SqlStore):
     # --- plumbing ---------------------------------------------------------------------------
 
     def _connect(self) -> None:
+        """Open the file, retrying "database is locked" until ``timeout_ms``: while another
+        process holds the file (a gateway beside this one, or one restarting after kill -9),
+        SQLite answers some of the opening steps busy at once, without waiting its busy
+        timeout (seen in CI: a restart refused 48 ms after it began)."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                self._connect_once()
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _connect_once(self) -> None:
         conn = sqlite3.connect(
             self.path, timeout=self._timeout_s, isolation_level=None, check_same_thread=False
         )
+        try:
+            self._open_on(conn)
+        except BaseException:
+            conn.close()
+            raise
+
+    def _open_on(self, conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         self.schema_found = _schema_version(conn)
@@ -320,8 +342,8 @@ class SQLiteStore(SqlStore):
             ClockMark(int(row[0]), row[1], int(row[2]), int(row[3]), int(row[4])) if row else None
         )
         self._store_clock = StoreClock(mark, self._clock_sources)
-        self._conn = conn
         self._save_clock(conn)
+        self._conn = conn
 
     def _create_or_upgrade(self, conn: sqlite3.Connection) -> None:
         """Create the schema (a new file) or upgrade an older one, as one transaction (one

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
+import pytest
 
 from fencegate.ledger.errors import StoreUnavailable
 from fencegate.ledger.redis_store import RedisStore
@@ -583,3 +584,38 @@ async def test_gateway_started_before_its_redis_checks_durability_once_redis_is_
         "served claims on an appendonly=no Redis without a store.durability_warning; "
         f"logged events: {sorted(map(str, names))}"
     )
+
+
+async def test_an_sqlite_open_answered_locked_at_once_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another process holds the file, SQLite can answer an opening step "database is
+    locked" without waiting its busy timeout (CI saw a gateway restarted after kill -9, beside
+    a second gateway on the same file, refused 48 ms after it began). The store tries again
+    until its ``timeout_ms``; past that it is unavailable, as before."""
+    from fencegate.ledger.sqlite_store import SQLiteStore
+
+    real = SQLiteStore._connect_once
+    refusals = [2]
+
+    def locked_at_first(self: SQLiteStore) -> None:
+        if refusals[0] > 0:
+            refusals[0] -= 1
+            raise sqlite3.OperationalError("database is locked")
+        real(self)
+
+    monkeypatch.setattr(SQLiteStore, "_connect_once", locked_at_first)
+    store = SQLiteStore(str(tmp_path / "fg.db"), POLICY, timeout_ms=2_000)
+    await store.open()
+    try:
+        assert refusals == [0]
+        await store.put_task("t1", "in", None)
+    finally:
+        await store.close()
+
+    refusals[0] = 1_000_000
+    stuck = SQLiteStore(str(tmp_path / "fg.db"), POLICY, timeout_ms=300)
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="database is locked"):
+        await stuck.open()
+    assert time.monotonic() - started < 2.0
