@@ -283,6 +283,15 @@ class _Sent:
         self.commit = False
 
 
+async def _keep_as_it_is(conn: asyncpg.Connection[asyncpg.Record]) -> None:
+    """What a connection needs on its way back to the pool beyond asyncpg's own clean-up (a
+    ROLLBACK, only if a transaction is open): nothing. The store keeps no session state (no
+    LISTEN, advisory lock, cursor or SET), and a connection that failed mid-step is terminated
+    before it is released (``_with_connection``). asyncpg's default reset is a round trip
+    (``UNLISTEN``, ``RESET ALL``...) that, with the server frozen, timed out in a task nobody
+    awaited: "Task exception was never retrieved" in the gateway's log."""
+
+
 class PostgresStore(SqlStore):
     dialect = _POSTGRES
 
@@ -324,6 +333,7 @@ class PostgresStore(SqlStore):
             max_size=self._max_connections,
             timeout=self._timeout_s,  # connecting
             command_timeout=self._timeout_s,
+            reset=_keep_as_it_is,
             # Bounded server-side too: a lock wait or a statement never outlives the caller.
             server_settings={
                 "application_name": "fencegate",

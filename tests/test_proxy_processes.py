@@ -449,6 +449,13 @@ async def test_unanswering_store_refuses_proxied_calls_and_forwards_nothing(
         assert ledger["state"] == "COMMITTED"
         assert [a["outcome"] for a in ledger["attempts"]][-1] == "COMMITTED"
         assert all(a["outcome"] == "NOT_APPLIED" for a in ledger["attempts"][:-1])
+    # The outage is the store's, answered as 503s: nothing in the gateway went unhandled (an
+    # asyncpg release once timed out in a task nobody awaited: "Task exception was never
+    # retrieved").
+    unhandled = [
+        e for e in gateway.log_events() if e.get("event") == "python.log" and e["level"] == "error"
+    ]
+    assert not unhandled, unhandled
 
 
 # --- 3. identical duplicates racing through gateway processes ----------------------------------
