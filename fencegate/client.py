@@ -629,10 +629,18 @@ class Client:
         downstream: str | None = None,
         page_size: int = 100,
         limit: int | None = None,
+        awaiting_approval: bool = False,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Matching effect records in creation order, a page (``page_size``) at a time,
-        following ``nextCursor``; at most ``limit`` of them (None: to the end)."""
-        query = {"state": state, "taskId": task_id, "downstream": downstream}
+        following ``nextCursor``; at most ``limit`` of them (None: to the end).
+        ``awaiting_approval``: the effects waiting for an operator's approval instead, oldest
+        first, one page (no other filter goes with it)."""
+        query = {
+            "state": state,
+            "taskId": task_id,
+            "downstream": downstream,
+            "awaitingApproval": "true" if awaiting_approval else None,
+        }
         params = {k: v for k, v in query.items() if v is not None}
         left = limit
         cursor: str | None = None

@@ -104,9 +104,12 @@ def _effect_id(request: web.Request) -> str:
 @routes.get("/v1/effects")
 async def list_effects(request: web.Request) -> web.Response:
     query = request.query
-    unknown = set(query) - {"state", "taskId", "downstream", "limit", "cursor"}
+    unknown = set(query) - {"state", "taskId", "downstream", "limit", "cursor", "awaitingApproval"}
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
+    awaiting = query.get("awaitingApproval")
+    if awaiting not in (None, "true", "false"):
+        raise BadRequest("awaitingApproval: true or false")
     state = query.get("state")
     if state is not None and state not in EffectState.__members__:
         raise BadRequest(f"state: one of {', '.join(EffectState.__members__)}")
@@ -119,6 +122,15 @@ async def list_effects(request: web.Request) -> web.Response:
     cursor = query.get("cursor") or None
     if cursor is not None and len(cursor) > 200:
         raise BadRequest("cursor: not a cursor this gateway issued")
+    if awaiting == "true":
+        # From the store's own index, oldest first, one page: what waits for a person.
+        others = sorted({"state", "taskId", "downstream", "cursor"} & set(query))
+        if others:
+            raise BadRequest(f"awaitingApproval=true takes only limit, not {', '.join(others)}")
+        waiting = await request.app[STORE].awaiting_approval(int(raw_limit))
+        return web.json_response(
+            {"effects": [_shown(request, e) for e in waiting], "nextCursor": None}
+        )
     found, next_cursor = await request.app[STORE].list_effects(
         state=EffectState(state) if state else None,
         task_id=task_id,

@@ -712,6 +712,13 @@ def _ledger_paths() -> dict[str, Any]:
             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 100},
         },
         {"name": "cursor", "in": "query", "schema": {"type": "string", "maxLength": 200}},
+        {
+            "name": "awaitingApproval",
+            "in": "query",
+            "description": "true: the effects waiting for an operator's approval, oldest first, "
+            "one page from the store's index (only limit may go with it)",
+            "schema": {"type": "boolean", "default": False},
+        },
     ]
     one = {"parameters": [_EFFECT_ID]}
     acting = [_OPERATOR_HEADER]

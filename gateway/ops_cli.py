@@ -162,6 +162,12 @@ def register(sub: SubParsers) -> None:
     actions = effects.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = _leaf(actions, "list", "list ledger records", common, commands.effects_list)
     listing.add_argument("--state", type=str.upper, choices=_STATES)
+    listing.add_argument(
+        "--awaiting-approval",
+        action="store_true",
+        help="the effects waiting for an operator's approval, oldest first (alone, or with "
+        "--limit)",
+    )
     listing.add_argument("--task", metavar="TASK_ID")
     listing.add_argument("--downstream", metavar="NAME")
     listing.add_argument(

@@ -382,6 +382,8 @@ async def _effect_id(client: OperatorClient, text: str) -> str:
 
 
 async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
+    if args.awaiting_approval and (args.state or args.task or args.downstream):
+        raise CliError("--awaiting-approval goes alone (or with --limit)", EXIT_USAGE)
     # One record more than asked tells whether the list was cut short.
     found = client.iter_effects(
         state=args.state or None,
@@ -389,6 +391,7 @@ async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
         downstream=args.downstream or None,
         page_size=_PAGE,
         limit=args.limit + 1,
+        awaiting_approval=args.awaiting_approval,
     )
     records = [record async for record in found]
     more = len(records) > args.limit

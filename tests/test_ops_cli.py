@@ -283,6 +283,11 @@ async def test_approve_lets_a_waiting_effect_go_once(env: Env) -> None:
     lease = await env.lease()
     status, eid = await env.send(lease, "guarded", "/ok/wire")
     assert status == 409  # APPROVAL_REQUIRED
+    await unknown_effect(env, "t2")  # another record, not waiting for anyone
+    waiting = await env.cli("effects", "list", "--awaiting-approval", "--json")
+    assert [e["effectId"] for e in waiting.json()] == [eid]
+    mixed = await env.cli("effects", "list", "--awaiting-approval", "--state", "UNKNOWN")
+    assert mixed.code == 2 and "--awaiting-approval goes alone" in mixed.err
     digest = (await env.cli("effects", "show", eid, "--json")).json()["payloadDigest"]
 
     stale = await env.cli("effects", "approve", eid, "--payload-digest", "f" * 64)
