@@ -992,6 +992,21 @@ def _mcp_path() -> dict[str, Any]:
     return {"/mcp/{downstream}": operations}
 
 
+def _router_not_found(paths: dict[str, Any]) -> None:
+    """Every operation under a path with a parameter may answer the router's own 404
+    (``NOT_FOUND``: a value it cannot match, a control character say) before any handler
+    runs, whatever the handler itself answers."""
+    for path, item in paths.items():
+        if "{" not in path:
+            continue
+        for method, operation in item.items():
+            if method == "parameters" or not isinstance(operation, dict):
+                continue
+            responses = operation.setdefault("responses", {})
+            if "404" not in responses:
+                responses["404"] = _problem_answer(404, ("NOT_FOUND",), proxied=False)
+
+
 @cache
 def document() -> dict[str, Any]:
     """The whole OpenAPI 3.1 document (the same object on every call: do not mutate it)."""
@@ -1011,6 +1026,7 @@ def document() -> dict[str, Any]:
         **_mcp_path(),
         **_console_paths(),
     }
+    _router_not_found(paths)
     return {
         "openapi": "3.1.0",
         "info": {
