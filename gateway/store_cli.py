@@ -17,7 +17,7 @@ import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from fencegate.gateway.config import ConfigError, load_config, public_url
+from fencegate.gateway.config import Config, ConfigError, load_config, public_url
 from fencegate.ledger.errors import StoreRegressed, StoreUnavailable
 
 __all__ = ["failover_ack", "failover_lost", "migrate"]
@@ -25,12 +25,18 @@ __all__ = ["failover_ack", "failover_lost", "migrate"]
 _T = TypeVar("_T")
 
 
-def _logs_to_stderr() -> None:
-    """The store's own warnings (durability, format) as JSON lines on stderr, so stdout is
-    the command's report alone."""
+def _config(command: str, args: argparse.Namespace) -> Config | None:
+    """The config of ``--config``, or None after saying on stderr why it cannot be used.
+    Also sends the store's own warnings (durability, format) to stderr as JSON lines, so
+    stdout is the command's report alone."""
     from fencegate.gateway.logs import configure_logging
 
     configure_logging("warning")
+    try:
+        return load_config(args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"{command}: config error: {exc}", file=sys.stderr)
+        return None
 
 
 def migrate(args: argparse.Namespace) -> int:
@@ -38,11 +44,8 @@ def migrate(args: argparse.Namespace) -> int:
     config that cannot be used, 1 when the store cannot be reached or is newer."""
     from fencegate.gateway.app import build_store  # the server's imports, only when used
 
-    _logs_to_stderr()
-    try:
-        config = load_config(args.config)
-    except (ConfigError, ValueError) as exc:
-        print(f"fencegate store migrate: config error: {exc}", file=sys.stderr)
+    config = _config("fencegate store migrate", args)
+    if config is None:
         return 2
     where = public_url(config.store.url)
 
@@ -74,11 +77,8 @@ def failover_ack(args: argparse.Namespace) -> int:
     from fencegate.gateway.app import build_store  # the server's imports, only when used
     from fencegate.ledger.errors import BadRequest
 
-    _logs_to_stderr()
-    try:
-        config = load_config(args.config)
-    except (ConfigError, ValueError) as exc:
-        print(f"fencegate failover ack: config error: {exc}", file=sys.stderr)
+    config = _config("fencegate failover ack", args)
+    if config is None:
         return 2
     where = public_url(config.store.url)
 
@@ -123,11 +123,8 @@ def failover_lost(args: argparse.Namespace) -> int:
     from fencegate.ledger.errors import EffectExpired, NoSuchEffect, NoSuchTask, TaskExpired
     from fencegate.ledger.store import Store
 
-    _logs_to_stderr()
-    try:
-        config = load_config(args.config)
-    except (ConfigError, ValueError) as exc:
-        print(f"fencegate failover lost: config error: {exc}", file=sys.stderr)
+    config = _config("fencegate failover lost", args)
+    if config is None:
         return 2
     where = public_url(config.store.url)
     logs: list[tuple[str, list[str]]] = []

@@ -239,3 +239,23 @@ def test_a_log_that_cannot_be_read_is_named(tmp_path: Path, args: list[str], mes
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [["store", "migrate"], ["failover", "ack"], ["failover", "lost", "--log", "x"]]
+)
+def test_a_config_that_cannot_be_used_is_named_by_every_store_command(
+    tmp_path: Path, command: list[str]
+) -> None:
+    config = tmp_path / "fencegate.toml"
+    config.write_text("[store]\nbogus = 1\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "fencegate.gateway.cli", *command, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    name = " ".join(command[:2])
+    assert f"fencegate {name}: config error: " in done.stderr and "store.bogus" in done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
