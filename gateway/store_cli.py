@@ -1,5 +1,7 @@
-"""``fencegate store migrate``: bring a store written by an older fencegate to this version's
-format, straight against the store of a config file (no gateway needed).
+"""The commands that work straight against the store of a config file (no gateway needed):
+``fencegate store migrate``, ``fencegate failover ack`` and ``fencegate failover lost``.
+
+``store migrate`` brings a store written by an older fencegate to this version's format.
 
 Every store records its format (SQL: the schema-version row; Redis: ``{prefix}:meta``
 ``format``). A newer format than this code knows is refused (exit 1, naming both); an older
@@ -14,11 +16,14 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from fencegate.gateway.config import Config, ConfigError, load_config, public_url
 from fencegate.ledger.errors import StoreRegressed, StoreUnavailable
+
+if TYPE_CHECKING:
+    from fencegate.ledger.store import Store
 
 __all__ = ["failover_ack", "failover_lost", "migrate"]
 
@@ -39,29 +44,43 @@ def _config(command: str, args: argparse.Namespace) -> Config | None:
         return None
 
 
+def _on_store(command: str, config: Config, use: Callable[[Store], Awaitable[_T]]) -> _T | None:
+    """``use`` on the store of ``config``, straight (no gateway), closed after; None after
+    saying on stderr why the store could not be reached. The store is opened even when it
+    reports lost writes (``StoreRegressed``): these commands are what an operator runs then,
+    and a write the flag refuses still fails in ``use``."""
+    from fencegate.gateway.app import build_store  # the server's imports, only when used
+
+    async def run() -> _T:
+        store = build_store(config)
+        with contextlib.suppress(StoreRegressed):
+            await store.open()
+        try:
+            return await use(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(run())
+    except (StoreUnavailable, OSError) as exc:
+        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
+        print(f"{command}: {public_url(config.store.url)}: {reason}", file=sys.stderr)
+        return None
+
+
 def migrate(args: argparse.Namespace) -> int:
     """Exit 0 when the store is in the current format (migrated now or already), 2 for a
     config that cannot be used, 1 when the store cannot be reached or is newer."""
-    from fencegate.gateway.app import build_store  # the server's imports, only when used
-
     config = _config("fencegate store migrate", args)
     if config is None:
         return 2
     where = public_url(config.store.url)
 
-    async def run() -> list[str]:
-        store = build_store(config)
-        await store.open()
-        try:
-            return list((await store.migrate()).lines())
-        finally:
-            await store.close()
+    async def migrated(store: Store) -> list[str]:
+        return list((await store.migrate()).lines())
 
-    try:
-        lines = asyncio.run(run())
-    except (StoreUnavailable, OSError) as exc:
-        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
-        print(f"fencegate store migrate: {where}: {reason}", file=sys.stderr)
+    lines = _on_store("fencegate store migrate", config, migrated)
+    if lines is None:
         return 1
     print(f"store: {where}")
     for line in lines:
@@ -74,7 +93,6 @@ def failover_ack(args: argparse.Namespace) -> int:
     fence every claim granted before (one epoch bump) and let the gateways write again. Exit 0
     done, 1 store unreachable, 2 a config that cannot be used or a store with nothing to
     acknowledge."""
-    from fencegate.gateway.app import build_store  # the server's imports, only when used
     from fencegate.ledger.errors import BadRequest
 
     config = _config("fencegate failover ack", args)
@@ -82,23 +100,15 @@ def failover_ack(args: argparse.Namespace) -> int:
         return 2
     where = public_url(config.store.url)
 
-    async def run() -> int:
-        store = build_store(config)
-        with contextlib.suppress(StoreRegressed):  # what this command is for
-            await store.open()
-        try:
-            return (await store.acknowledge_failover()).epoch
-        finally:
-            await store.close()
+    async def acknowledged(store: Store) -> int:
+        return (await store.acknowledge_failover()).epoch
 
     try:
-        epoch = asyncio.run(run())
+        epoch = _on_store("fencegate failover ack", config, acknowledged)
     except BadRequest as exc:
         print(f"fencegate failover ack: {where}: {exc.detail}", file=sys.stderr)
         return 2
-    except (StoreUnavailable, OSError) as exc:
-        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
-        print(f"fencegate failover ack: {where}: {reason}", file=sys.stderr)
+    if epoch is None:
         return 1
     print(f"store: {where}")
     print(
@@ -119,9 +129,7 @@ def failover_lost(args: argparse.Namespace) -> int:
     no longer holds (gateway/failover_journal.py). Exit 0 nothing lost, 3 lost records found
     (listed), 1 store unreachable, 2 a config or log file that cannot be used."""
     from fencegate.gateway import failover_journal as fj
-    from fencegate.gateway.app import build_store
     from fencegate.ledger.errors import EffectExpired, NoSuchEffect, NoSuchTask, TaskExpired
-    from fencegate.ledger.store import Store
 
     config = _config("fencegate failover lost", args)
     if config is None:
@@ -162,32 +170,23 @@ def failover_lost(args: argparse.Namespace) -> int:
         ]
         return [finding for finding in found if finding is not None]
 
-    async def run() -> list[fj.Finding]:
-        store = build_store(config)
-        with contextlib.suppress(StoreRegressed):  # reads go on; this is what it is for
-            await store.open()
-        try:
-            limit = asyncio.Semaphore(_LOST_READS)
+    async def lost(store: Store) -> list[fj.Finding]:
+        limit = asyncio.Semaphore(_LOST_READS)
 
-            async def bounded(check: Awaitable[_T]) -> _T:
-                async with limit:
-                    return await check
+        async def bounded(check: Awaitable[_T]) -> _T:
+            async with limit:
+                return await check
 
-            effects = await asyncio.gather(
-                *(bounded(effect(store, logged)) for logged in journal.effects.values())
-            )
-            tasks = await asyncio.gather(
-                *(bounded(task(store, t)) for t in sorted({*journal.claims, *journal.commits}))
-            )
-        finally:
-            await store.close()
+        effects = await asyncio.gather(
+            *(bounded(effect(store, logged)) for logged in journal.effects.values())
+        )
+        tasks = await asyncio.gather(
+            *(bounded(task(store, t)) for t in sorted({*journal.claims, *journal.commits}))
+        )
         return [f for f in effects if f is not None] + [f for found in tasks for f in found]
 
-    try:
-        findings = asyncio.run(run())
-    except (StoreUnavailable, OSError) as exc:
-        reason = exc.detail if isinstance(exc, StoreUnavailable) else str(exc)
-        print(f"fencegate failover lost: {where}: {reason}", file=sys.stderr)
+    findings = _on_store("fencegate failover lost", config, lost)
+    if findings is None:
         return 1
     print(f"store: {where}")
     print(
