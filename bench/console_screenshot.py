@@ -37,6 +37,7 @@ from aiohttp import web
 
 from bench._procs import HOST, Proc, free_port, spawn, wait_for_port, wait_ready
 from fencegate.gateway.auth import token_sha256
+from tests.api import claim_fence
 
 __all__ = ["CHROMIUM", "ConsoleStage", "console_stage", "main"]
 
@@ -121,14 +122,7 @@ class ConsoleStage:
             {"owner": "agent-1", "ttlMs": 60_000, "schedulerEpoch": 1},
         )  # fmt: skip
         assert status == 200, claim
-        return {
-            "Fence-Task": task_id,
-            "Fence-Attempt": claim["attemptId"],
-            "Fence-Generation": str(claim["claimGeneration"]),
-            "Fence-Epoch": str(claim["schedulerEpoch"]),
-            "Fence-Cancel": str(claim["cancelGeneration"]),
-            "Fence-Slot": "step-1",
-        }
+        return claim_fence(claim, "step-1")
 
     async def pay(
         self, fence: dict[str, str], path: str = "/pay/invoice-7"

@@ -13,6 +13,19 @@ from fencegate.ledger.store import Store
 __all__ = ["Answer", "Api", "Lease"]
 
 
+def claim_fence(claim: dict[str, Any], slot: str) -> dict[str, str]:
+    """The ``Fence-*`` headers of a claim's JSON answer, for tests that talk raw HTTP to
+    gateway processes (``fencegate.Lease.fence_headers`` is the SDK's)."""
+    return {
+        "Fence-Task": claim["taskId"],
+        "Fence-Attempt": claim["attemptId"],
+        "Fence-Generation": str(claim["claimGeneration"]),
+        "Fence-Epoch": str(claim["schedulerEpoch"]),
+        "Fence-Cancel": str(claim["cancelGeneration"]),
+        "Fence-Slot": slot,
+    }
+
+
 @dataclass
 class Answer:
     status: int

@@ -28,6 +28,7 @@ from fencegate.gateway.console import CONSOLE, new_console
 from fencegate.gateway.console.session import COOKIE, SECRET_ENV, SessionCodec
 from fencegate.gateway.console.views import CSP
 from fencegate.gateway.state import STORE
+from tests.api import claim_fence
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 
@@ -153,14 +154,7 @@ class Env:
             {"owner": "w", "ttlMs": 30_000, "schedulerEpoch": 1},
         )  # fmt: skip
         assert status == 200, claim
-        return {
-            "Fence-Task": task_id,
-            "Fence-Attempt": claim["attemptId"],
-            "Fence-Generation": str(claim["claimGeneration"]),
-            "Fence-Epoch": str(claim["schedulerEpoch"]),
-            "Fence-Cancel": str(claim["cancelGeneration"]),
-            "Fence-Slot": "s1",
-        }
+        return claim_fence(claim, "s1")
 
     async def unknown_effect(self, task_id: str = "t-unknown") -> tuple[str, dict[str, str]]:
         """A forward that outlives the downstream timeout: UNKNOWN."""

@@ -30,6 +30,7 @@ from fencegate.gateway.failover_journal import (
     read_journal,
 )
 from fencegate.ledger.effects import effect_id
+from tests.api import claim_fence
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, Gateways, write_gateway_config
 
@@ -176,14 +177,7 @@ async def test_the_command_lists_what_a_restored_older_store_lost(
         assert status == 200, lease
 
         async def pay(slot: str) -> int:
-            headers = {
-                "Fence-Task": "t1",
-                "Fence-Attempt": lease["attemptId"],
-                "Fence-Generation": str(lease["claimGeneration"]),
-                "Fence-Epoch": str(lease["schedulerEpoch"]),
-                "Fence-Cancel": str(lease["cancelGeneration"]),
-                "Fence-Slot": slot,
-            }
+            headers = claim_fence(lease, slot)
             return (await _call(session, gateway, "POST", "/proxy/api/pay", {}, headers))[0]
 
         assert await pay("s1") == 200

@@ -39,6 +39,7 @@ from fencegate.ledger.redis_store import (
     parse_sentinel_url,
 )
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy
+from tests.api import claim_fence
 from tests.downstream import Downstream
 from tests.sentinel_servers import SentinelCluster
 from tests.servers import GatewayProcess, Gateways, RedisServer, write_gateway_config
@@ -445,17 +446,6 @@ async def _call(
     return answer
 
 
-def _fence(lease: dict[str, Any], slot: str) -> dict[str, str]:
-    return {
-        "Fence-Task": lease["taskId"],
-        "Fence-Attempt": lease["attemptId"],
-        "Fence-Generation": str(lease["claimGeneration"]),
-        "Fence-Epoch": str(lease["schedulerEpoch"]),
-        "Fence-Cancel": str(lease["cancelGeneration"]),
-        "Fence-Slot": slot,
-    }
-
-
 async def _claim(
     session: aiohttp.ClientSession, gateway: GatewayProcess, task_id: str, epoch: int = 1
 ) -> dict[str, Any]:
@@ -469,7 +459,7 @@ async def _pay(
     session: aiohttp.ClientSession, gateway: GatewayProcess, lease: dict[str, Any], slot: str
 ) -> tuple[int, Any]:
     return await _call(
-        session, gateway, "POST", "/proxy/api/ok/pay", {"slot": slot}, _fence(lease, slot)
+        session, gateway, "POST", "/proxy/api/ok/pay", {"slot": slot}, claim_fence(lease, slot)
     )
 
 
