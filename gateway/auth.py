@@ -404,6 +404,22 @@ class SessionAuth(Protocol):
     def refusal(self, request: web.Request, error: FencegateError) -> web.StreamResponse: ...
 
 
+def _refused(
+    request: web.Request,
+    path: str,
+    sessions: SessionAuth | None,
+    error: FencegateError,
+    retry_after: int | None = None,
+) -> web.StreamResponse:
+    """A refusal as problem+json, or as the session's page on the routes it covers."""
+    if sessions is None:
+        return _refusal(error, path, retry_after)
+    response = sessions.refusal(request, error)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
 class _AuthMiddleware:
     """The ``[auth]`` middleware; its ``state`` is what ``serve`` reloads on SIGHUP."""
 
@@ -423,14 +439,6 @@ class _AuthMiddleware:
         if sessions is not None and not sessions.covers(request.path):
             sessions = None
 
-        def refuse(error: FencegateError, retry_after: int | None = None) -> web.StreamResponse:
-            if sessions is None:
-                return _refusal(error, path, retry_after)
-            response = sessions.refusal(request, error)
-            if retry_after is not None:
-                response.headers["Retry-After"] = str(retry_after)
-            return response
-
         try:
             if sessions is not None and "Fence-Authorization" not in request.headers:
                 principal = sessions.principal(request, self.state.authenticator)
@@ -438,7 +446,7 @@ class _AuthMiddleware:
                 principal = _authenticate(self.state.authenticator, request, path)
         except Unauthenticated as exc:
             log.info("auth.unauthenticated", method=request.method, path=path, reason=exc.detail)
-            return refuse(exc)
+            return _refused(request, path, sessions, exc)
         if not principal.roles & allowed:
             log.info(
                 "auth.forbidden",
@@ -448,7 +456,8 @@ class _AuthMiddleware:
                 path=path,
             )
             need = ", ".join(sorted(allowed)) or "no role (not in the role matrix)"
-            return refuse(
+            return _refused(
+                request, path, sessions,
                 Forbidden(f"{request.method} {path} needs one of: {need}; "
                           f"{principal.name!r} has {', '.join(sorted(principal.roles))}")
             )  # fmt: skip
@@ -463,14 +472,17 @@ class _AuthMiddleware:
                     path=path,
                     reason=reason,
                 )
-                return refuse(Forbidden(f"{principal.name!r}: {reason}"))
+                return _refused(request, path, sessions, Forbidden(f"{principal.name!r}: {reason}"))
         meter = self.state.meter(principal)
         if meter.bucket is not None:
             wait = meter.bucket.take()
             if wait > 0:
                 seconds = retry_after_seconds(wait)
                 log.info("auth.rate_limited", principal=principal.name, path=path, limit="rate")
-                return refuse(
+                return _refused(
+                    request,
+                    path,
+                    sessions,
                     RateLimited(
                         f"{principal.name!r} is over rate_per_second = {meter.bucket.rate} "
                         f"(burst {meter.bucket.burst})",
@@ -480,7 +492,10 @@ class _AuthMiddleware:
                 )
         if not meter.open.enter():
             log.info("auth.rate_limited", principal=principal.name, path=path, limit="open")
-            return refuse(
+            return _refused(
+                request,
+                path,
+                sessions,
                 RateLimited(
                     f"{principal.name!r} has max_open_requests = {meter.open.limit} "
                     "requests in flight",
