@@ -652,7 +652,8 @@ def check_holder(
         scheduler_epoch != scheduler.epoch or task.claim_epoch != scheduler.epoch
     ):
         raise StaleEpoch(
-            f"claim made under schedulerEpoch {task.claim_epoch}, current is {scheduler.epoch}"
+            f"schedulerEpoch {scheduler_epoch} sent, claim made under {task.claim_epoch}, "
+            f"current is {scheduler.epoch}"
         )
     if task.state is TaskState.CANCELLED or cancel_generation != task.cancel_generation:
         raise Cancelled(

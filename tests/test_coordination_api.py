@@ -273,7 +273,11 @@ async def test_epoch_bump_fences_every_older_claim(api: Api) -> None:
     lease = await api.claim("t1", ttl_ms=30_000)
     bumped = await api.call("POST", "/v1/epoch/bump")
     assert bumped.status == 200 and bumped.body["schedulerEpoch"] == lease.scheduler_epoch + 1
-    assert (await api.renew(lease)).code == "STALE_EPOCH"
+    stale = await api.renew(lease)
+    assert stale.code == "STALE_EPOCH"
+    # The detail says what was sent, what the claim was made under and what is current
+    # (the same words on every store).
+    assert stale.body["detail"] == "schedulerEpoch 1 sent, claim made under 1, current is 2"
     assert (await api.renew(lease, schedulerEpoch=lease.scheduler_epoch + 1)).code == "STALE_EPOCH"
     assert (await api.commit(lease)).code == "STALE_EPOCH"
     assert (await api.commit(lease, schedulerEpoch=lease.scheduler_epoch + 1)).code == "STALE_EPOCH"

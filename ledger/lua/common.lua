@@ -131,8 +131,8 @@ local function check_holder(t, attempt_id, generation, owner, cancel_gen, check_
   local other = check_principal(t, principal)
   if other then return other end
   if check_epoch and (req_epoch ~= epoch or num(t.claim_epoch) ~= epoch) then
-    return err('STALE_EPOCH', 'claim made under schedulerEpoch ' .. tostring(t.claim_epoch)
-      .. ', current is ' .. s(epoch))
+    return err('STALE_EPOCH', 'schedulerEpoch ' .. s(req_epoch) .. ' sent, claim made under '
+      .. tostring(t.claim_epoch) .. ', current is ' .. s(epoch))
   end
   if t.state == 'CANCELLED' or cancel_gen ~= tonumber(t.cancel_generation) then
     local cancelled = ''
