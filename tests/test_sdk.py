@@ -601,17 +601,20 @@ async def test_lease_is_lost_when_no_renewal_gets_through(
     config = gateway_config(store_url, key_prefix, downstream)
     async with running_gateway(config) as (url, _, server), Client(url) as client:
         await client.put_task("t1", "in-1")
+        stopped_at_ms = 0.0
         with pytest.raises(LeaseLost) as lost:
             async with client.claim("t1", owner="w1", ttl_ms=400) as lease:
                 await asyncio.sleep(0.15)
                 await server.close()  # the gateway is gone: every renewal fails
-                await asyncio.sleep(30)
-        lost_at_ms = time.time() * 1000
+                try:
+                    await asyncio.sleep(30)
+                finally:  # the body is stopped here (not after the lease's own clean-up)
+                    stopped_at_ms = time.time() * 1000
     assert lost.value.cause is None
     assert "ran out" in lost.value.reason
     # The body stopped before the store would let anyone else in (the store's clock is this
     # host's wall clock, on both stores), and not long before.
-    assert lease.lease_expires_at - 200 <= lost_at_ms <= lease.lease_expires_at
+    assert lease.lease_expires_at - 200 <= stopped_at_ms <= lease.lease_expires_at
 
 
 async def test_body_without_commit_hands_the_task_back(env: Env) -> None:
