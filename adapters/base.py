@@ -48,8 +48,13 @@ class EffectShape:
     method: str
     path: str
     payload_digest: str
-    #: The request's values of ``digest_headers`` (what a re-send may depend on).
+    #: The request's values of ``digest_headers`` that reach the downstream (what a re-send
+    #: may depend on; the digest covers all that were sent).
     preconditions: tuple[tuple[str, str], ...] = ()
+    #: What an operator's approval names (``ledger.effects.approval_digest``: the payload
+    #: digest and the effect-changing headers that reach the downstream); None: the payload
+    #: digest itself (no such header, or a kind whose headers change nothing: ``mcp``).
+    approval_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,17 @@ class Adapter(Protocol):
     @property
     def digest_headers(self) -> tuple[str, ...]:
         """Request headers that are part of the payload (e.g. preconditions)."""
+        ...
+
+    def approval_ttl(self, path: str) -> int | None:
+        """How long an operator's approval of an effect at ``path`` stays usable; None when
+        it takes none (``manual`` with ``require_approval``; an MCP tool configured so)."""
+        ...
+
+    def settle_ms_for(self, path: str) -> int:
+        """How long after the gateway stopped waiting for a forward of an effect at ``path``
+        the downstream may still apply it (``settle_ms``: its queue, its retries). Until
+        then neither a probe's "absent" nor an operator's NOT_APPLIED is believed."""
         ...
 
     def classify(self, status: int, effect: Effect) -> tuple[EffectState, str]:

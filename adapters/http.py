@@ -23,7 +23,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fencegate.adapters.base import Answer, EffectShape, Outgoing
-from fencegate.ledger.effects import Effect, EffectState, payload_digest
+from fencegate.adapters.preconditions import reaching
+from fencegate.ledger.effects import (
+    DEFAULT_SETTLE_MS,
+    Effect,
+    EffectState,
+    approval_digest,
+    payload_digest,
+)
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import canonical_body
 
@@ -43,6 +50,8 @@ class HttpAdapter:
     credentials: Mapping[str, str] = field(default_factory=dict)
     #: Status -> outcome, from the downstream's ``outcomes`` table.
     overrides: Mapping[int, EffectState] = field(default_factory=dict)
+    #: The downstream's ``settle_ms`` (``settle_ms_for``).
+    settle_ms: int = DEFAULT_SETTLE_MS
 
     @property
     def kind(self) -> str:
@@ -58,6 +67,16 @@ class HttpAdapter:
     @property
     def digest_headers(self) -> tuple[str, ...]:
         return ()
+
+    def approval_ttl(self, path: str) -> int | None:
+        """How long an operator's approval of an effect at ``path`` stays usable; None when
+        this downstream's effects take no approval (the approve endpoint refuses them)."""
+        return None
+
+    def settle_ms_for(self, path: str) -> int:
+        """How long a forward may still land after the gateway stopped waiting for it: the
+        downstream's ``settle_ms``, whatever the path."""
+        return self.settle_ms
 
     def default_outcome(self, status: int, effect: Effect) -> tuple[EffectState, str]:
         if status in UNKNOWN_STATUSES:
@@ -81,7 +100,11 @@ class HttpAdapter:
 
     def effect_of(self, request: Outgoing) -> EffectShape:
         """The request itself: method, path and query, the canonical body, and the values of
-        ``digest_headers`` (preconditions are part of what a request does)."""
+        ``digest_headers`` (preconditions are part of what a request does). The digest covers
+        them as the agent sent them (unchanged since they were introduced); the shape's
+        ``preconditions`` are those that reach the downstream (``preconditions.reaching``:
+        not stripped as hop-by-hop by the agent's ``Connection``, not set by the gateway),
+        the only ones a re-send may count on."""
         if request.slot is None:
             raise BadRequest("Fence-Slot: header is required")
         path = request.path or "/"
@@ -100,7 +123,11 @@ class HttpAdapter:
             canonical_body(request.body, request.header("Content-Type")),
             preconditions,
         )
-        return EffectShape(request.slot, request.method, path, digest, tuple(preconditions or ()))
+        gateway_set = self.outbound_headers("", "")
+        sent = reaching(preconditions or (), request.headers, gateway_set)
+        # What an approval covers: the payload and the effect-changing headers that go out.
+        approval = approval_digest(digest, reaching(request.headers, request.headers, gateway_set))
+        return EffectShape(request.slot, request.method, path, digest, sent, approval)
 
     def outbound_body(self, body: bytes, effect_id: str, fencing_token: str) -> bytes:
         return body  # the identity goes in headers (``outbound_headers``)

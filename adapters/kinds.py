@@ -7,8 +7,10 @@
 * ``probe``: UNKNOWN effects are settled by asking the downstream (``ProbeAdapter.verdict``);
   see ``gateway/reconcile.py``.
 * ``conditional``: the request's preconditions (``If-Match``, ``If-None-Match``) are part of
-  the payload, so re-sending the same payload after UNKNOWN cannot apply it twice (only
-  requests that carry one are ever re-sent; without one it is a plain ``http`` effect); a 412 to a
+  the payload, so re-sending the same payload after UNKNOWN cannot apply it twice, provided
+  the precondition fails once the request was applied: only requests whose strong
+  ``If-Match`` or ``If-None-Match: *`` reaches the downstream are ever re-sent
+  (``adapters/preconditions.py``); any other is a plain ``http`` effect. A 412 to a
   forward that follows an UNKNOWN attempt means the earlier attempt landed, and is recorded as
   COMMITTED. A 412 to a first forward is the downstream's real answer (also COMMITTED, and
   replayed). See docs/adapters.md for exactly which 412s mean what.
@@ -22,9 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from fencegate.adapters.http import HttpAdapter
+from fencegate.adapters.paths import escapes_base
+from fencegate.adapters.preconditions import makes_resend_safe
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
 
 __all__ = [
@@ -66,7 +70,6 @@ class ProbeSpec:
     timeout_ms: int
     interval_ms: int
     max_interval_ms: int
-    settle_ms: int = 60_000
 
 
 class UnsafeProbePath(ValueError):
@@ -84,7 +87,7 @@ def expand_probe_path(template: str, values: dict[str, str | int]) -> str:
     encoded = {name: quote(str(value), safe="") for name, value in values.items()}
     path = template.format(**encoded)
     for segment in path.split("?", 1)[0].split("#", 1)[0].split("/"):
-        if unquote(segment) in (".", ".."):
+        if escapes_base(segment):  # the proxy's rule (adapters/paths.py): ..; %252e %u002e
             raise UnsafeProbePath(f"probe path {path!r} has a {segment!r} segment")
     return path
 
@@ -153,9 +156,10 @@ class ConditionalAdapter(HttpAdapter):
         return "conditional"
 
     def resend_window_ms(self, preconditions: Sequence[tuple[str, str]]) -> int | None:
-        # Only a precondition makes a second delivery harmless (the downstream refuses it
-        # with 412); a request without one is re-sent never.
-        return ALWAYS_MS if preconditions else None
+        # Only a precondition that fails once the request was applied makes a second delivery
+        # harmless (the downstream refuses it with 412): a strong If-Match or If-None-Match: *
+        # that reaches the downstream (``makes_resend_safe``). Anything else: never re-sent.
+        return ALWAYS_MS if makes_resend_safe(preconditions) else None
 
     @property
     def digest_headers(self) -> tuple[str, ...]:
@@ -183,3 +187,6 @@ class ManualAdapter(HttpAdapter):
     @property
     def require_approval(self) -> bool:
         return self.approval_required
+
+    def approval_ttl(self, path: str) -> int | None:
+        return self.approval_ttl_ms if self.approval_required else None

@@ -4,8 +4,11 @@ ledger (docs/PROTOCOL.md, "MCP"). Pure functions, so every rule is tested withou
 ``tools/call`` is the effect. Its slot is ``params._meta["fencegate/slot"]`` or, when absent,
 derived from the tool name and the canonical arguments (two identical calls in one task
 revision are then one effect); its payload is the tool name and the canonical arguments, never
-the JSON-RPC ``id``. What an UNKNOWN call may do comes from the tool's annotations in
-``tools/list`` (hints from the server) unless the downstream's ``tools`` table says otherwise:
+the JSON-RPC ``id``. What a call is comes from the downstream's ``tools`` table (``kind``);
+without one, from the tool's annotations in ``tools/list`` only when the downstream sets
+``trust_annotations`` (they are the server's hints, which the MCP specification says a client
+must not trust from an untrusted server), else it is an effect. ``require_approval`` always
+makes a recorded, approved call, whatever the kind or the hints:
 
 * ``readOnlyHint``: fence-checked, no ledger entry (like a GET);
 * ``idempotentHint``: re-sent under the same effectId after UNKNOWN only within a configured
@@ -22,9 +25,10 @@ the tool ran); any other error is UNKNOWN.
 from __future__ import annotations
 
 import base64
-import copy
+import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +39,14 @@ from fencegate.adapters.base import Answer, EffectShape, Outgoing
 from fencegate.adapters.http import HttpAdapter
 from fencegate.ledger.effects import Effect, EffectState, payload_digest
 from fencegate.ledger.errors import BadRequest, FencegateError
-from fencegate.ledger.payloads import canonical_body
+from fencegate.ledger.payloads import (
+    MAX_JSON_DEPTH,
+    MAX_SAFE_INTEGER,
+    canonical_body,
+    content_type_parts,
+    json_depth,
+    unsafe_integer,
+)
 
 __all__ = [
     "CALL",
@@ -47,21 +58,32 @@ __all__ = [
     "META_REPLAY_BODY",
     "META_SLOT",
     "NOT_APPLIED_CODES",
+    "READ_MEMBERS",
     "REFUSAL_CODE",
     "McpAdapter",
     "McpToolCache",
+    "Parsed",
     "ToolCall",
     "ToolKind",
     "ToolOverride",
     "ToolPolicy",
+    "answer_summary",
+    "answerable_id",
     "classify",
+    "content_type_refusal",
     "error_message",
+    "fold",
+    "member_collision",
     "message_shape",
+    "omitted_answer",
     "parse_tool_call",
     "policy_for",
+    "read_message",
+    "refusal",
     "replay",
     "routing_mismatch",
     "with_identity",
+    "without_ours",
 ]
 
 CALL = "tools/call"
@@ -119,12 +141,18 @@ def policy_for(
     require_approval: bool = False,
     timeout_ms: int | None = None,
     not_applied_codes: frozenset[int] = NOT_APPLIED_CODES,
+    trust_annotations: bool = False,
 ) -> ToolPolicy:
-    """The policy of a tool: the configured ``kind`` wins over the server's hints."""
+    """The policy of a tool: the configured ``kind`` wins over the server's hints, which
+    count only when the downstream says the server is trusted (``trust_annotations``: the MCP
+    specification says a client must not trust annotations from an untrusted server, and a
+    ``readOnlyHint`` means no record at all). Untrusted, a tool without a ``kind`` is an
+    effect (source ``default``). ``require_approval`` always means a recorded, approved call:
+    a read-only kind (configured or hinted) is then an effect."""
     source = "config"
     if kind is None:
-        source = "annotations"
-        hints = annotations or {}
+        source = "annotations" if trust_annotations else "default"
+        hints = (annotations or {}) if trust_annotations else {}
         if hints.get("readOnlyHint") is True:
             kind = ToolKind.READ_ONLY
         elif hints.get("idempotentHint") is True:
@@ -132,6 +160,8 @@ def policy_for(
         else:
             kind = ToolKind.EFFECT
     tool_kind = ToolKind(kind)
+    if require_approval and tool_kind is ToolKind.READ_ONLY:
+        tool_kind = ToolKind.EFFECT
     window = dedupe_window_ms if tool_kind is ToolKind.IDEMPOTENT else None
     return ToolPolicy(tool_kind, window, require_approval, timeout_ms, source, not_applied_codes)
 
@@ -204,6 +234,230 @@ def message_shape(message: Mapping[str, Any]) -> str | None:
     return None
 
 
+# --- member names: what a case-insensitive parser reads (docs/decisions.md, "Member folding") ---
+
+#: The member names the gateway reads in a message, in ``params`` and in ``params._meta``. A
+#: server whose JSON decoder matches names case-insensitively (Go's ``encoding/json``, under
+#: mcp-go) reads ``Arguments`` where the gateway read ``arguments``: the gateway would record
+#: one call and the server run another.
+READ_MEMBERS = frozenset(
+    {"jsonrpc", "id", "method", "params", "name", "arguments", "_meta", "cursor"}
+)
+#: ``params._meta`` keys the gateway reads or writes (its own ``fencegate/`` keys, the
+#: 2026-07-28 envelope): a key that folds into one of these prefixes without having it is
+#: refused too.
+_META_PREFIXES = (_OURS, "io.modelcontextprotocol/")
+#: Unicode simple case foldings (CaseFolding.txt status S) that neither ``str.casefold`` (full
+#: folding, where it maps one character to several) nor ``str.lower`` gives.
+_SIMPLE_ONLY = {"\u1fd3": "\u0390", "\u1fe3": "\u03b0", "\ufb05": "\ufb06"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _fold_char(char: str) -> str:
+    """One character's simple case folding (one character, never several): ``casefold`` where
+    it maps one to one (U+212A KELVIN SIGN -> ``k``, U+017F LONG S -> ``s``, final sigma ->
+    sigma), else the folding of its lower case (U+1E9E CAPITAL SHARP S -> U+00DF), else itself
+    (U+00DF stays: Go's ``EqualFold`` never matches it with ``ss``)."""
+    folded = char.casefold()
+    if len(folded) == 1:
+        return folded
+    if char in _SIMPLE_ONLY:
+        return _SIMPLE_ONLY[char]
+    lower = char.lower()
+    if len(lower) == 1 and lower != char:
+        return _fold_char(lower)
+    return char
+
+
+def fold(name: str) -> str:
+    """``name`` under Unicode simple case folding, character by character: two names fold
+    equal exactly when Go's ``strings.EqualFold`` (what ``encoding/json`` matches struct fields
+    with) calls them equal, up to the Unicode version of each side's tables."""
+    if name.isascii():
+        return name.lower()
+    return "".join(_fold_char(char) for char in name)
+
+
+class _Repeated(dict[str, Any]):
+    """A JSON object that named a member more than once (``json`` keeps the last value):
+    ``repeated`` says which, so ``member_collision`` refuses it like any other collision."""
+
+    repeated: tuple[str, ...] = ()
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: a plain dict, or a ``_Repeated`` one naming its duplicates."""
+    result = dict(pairs)
+    if len(result) == len(pairs):
+        return result
+    seen: set[str] = set()
+    repeated: dict[str, None] = {}
+    for name, _ in pairs:
+        if name in seen:
+            repeated[name] = None
+        seen.add(name)
+    out = _Repeated(result)
+    out.repeated = tuple(repeated)
+    return out
+
+
+def _collision(
+    members: Mapping[str, Any], read: frozenset[str], prefixes: tuple[str, ...]
+) -> str | None:
+    """Why one object's member names are not one meaning to every parser, or None."""
+    repeated = getattr(members, "repeated", ())
+    if repeated:
+        return f"member {repeated[0][:100]!r} appears twice"
+    seen: dict[str, str] = {}
+    folded_read = {fold(name): name for name in read}
+    for name in members:
+        key = fold(name)
+        if key in seen:
+            return (
+                f"members {seen[key][:100]!r} and {name[:100]!r} are one name to a "
+                "case-insensitive JSON parser"
+            )
+        seen[key] = name
+        if key in folded_read and name != folded_read[key]:
+            return (
+                f"member {name[:100]!r} would be read as {folded_read[key]!r} by a "
+                "case-insensitive JSON parser (the gateway reads names exactly)"
+            )
+        for prefix in prefixes:
+            if key.startswith(fold(prefix)) and not name.startswith(prefix):
+                return (
+                    f"member {name[:100]!r} would be read as a {prefix!r} key by a "
+                    "case-insensitive JSON parser (the gateway reads names exactly)"
+                )
+    return None
+
+
+def member_collision(message: Mapping[str, Any]) -> str | None:
+    """Why a message's member names could mean one thing to the gateway and another to the
+    server (None: they cannot). The gateway reads members by their exact spelling; a server
+    that matches them case-insensitively, or under Unicode simple folding (Go's
+    ``encoding/json``), reads ``Arguments``, ``Name`` and ``params`` spelt with U+017F LONG S
+    as ``arguments``, ``name`` and ``params``.
+
+    So at the top level, in ``params`` and in ``params._meta``, two members that fold equal
+    (an exact duplicate included), or a member that folds to a name the gateway reads
+    (``READ_MEMBERS``; in ``_meta`` also its ``fencegate/`` and envelope prefixes) without
+    being it, refuse the message; in ``params.arguments`` (which a tool may decode into a
+    struct), two members that fold equal do. A duplicate deeper in the body is refused too
+    (``Parsed.repeated``, ``refusal``)."""
+    levels: list[tuple[str, Mapping[str, Any], frozenset[str], tuple[str, ...]]] = [
+        ("the message", message, READ_MEMBERS, ())
+    ]
+    params = message.get("params")
+    if isinstance(params, dict):
+        levels.append(("params", params, READ_MEMBERS, ()))
+        meta = params.get("_meta")
+        if isinstance(meta, dict):
+            levels.append(("params._meta", meta, READ_MEMBERS, _META_PREFIXES))
+        arguments = params.get("arguments")
+        if isinstance(arguments, dict):
+            levels.append(("params.arguments", arguments, frozenset(), ()))
+    for where, members, read, prefixes in levels:
+        found = _collision(members, read, prefixes)
+        if found is not None:
+            return f"Invalid Request: {where}: {found}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """One POSTed body as ``read_message`` read it."""
+
+    #: The JSON value; objects that repeat a member keep its last value (as ``json.loads``)
+    #: and say so (``member_collision``).
+    message: Any
+    #: Some object anywhere in the body repeats a member name.
+    repeated: bool
+    #: The body holds ``NaN``, ``Infinity``, ``-Infinity`` or a number past a float's range
+    #: (``1e400``): not JSON numbers, and served back as ``Infinity``.
+    non_finite: bool
+    #: How deep the message nests (``ledger.payloads.json_depth``, counted up to one past
+    #: ``MAX_JSON_DEPTH``).
+    depth: int = 0
+
+
+def read_message(body: bytes) -> Parsed:
+    """Parse one ``/mcp`` POST body, noting instead of raising what the strict JSON rules
+    (``ledger.payloads.strict_loads``) refuse, so the refusal can answer the message's own id
+    (``refusal``). ``ValueError`` / ``RecursionError`` for a body that is not JSON."""
+    found = {"repeated": False, "non_finite": False}
+
+    def members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value = _members(pairs)
+        if isinstance(value, _Repeated):
+            found["repeated"] = True
+        return value
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            found["non_finite"] = True
+        return value
+
+    # UTF-8 only (``json.loads`` of bytes would also take UTF-16 and UTF-32): the server gets
+    # ``Content-Type: application/json``, which is UTF-8, so it reads what the gateway read.
+    text = body.decode("utf-8")
+    message = json.loads(text, object_pairs_hook=members, parse_float=number, parse_constant=number)
+    return Parsed(message, found["repeated"], found["non_finite"], json_depth(message))
+
+
+def _non_finite(value: Any) -> bool:
+    """Does ``value`` hold a non-finite number (walked without recursion: it parsed, so it may
+    nest as deep as the parser follows)?"""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def answerable_id(message: Mapping[str, Any]) -> bool:
+    """Has the message an id its refusal can answer under? Not when it has none, when ``id``
+    is repeated (which one?) or holds a non-finite number (an answer cannot carry it as JSON):
+    such a message is refused with HTTP 400 and ``id: null``."""
+    if "id" not in message or "id" in getattr(message, "repeated", ()):
+        return False
+    # An id nested past the depth bound is not echoed either (the message is refused as too
+    # deep, and its answer would be as deep).
+    return not _non_finite(message["id"]) and json_depth(message["id"]) < MAX_JSON_DEPTH
+
+
+def refusal(parsed: Parsed) -> tuple[int, str] | None:
+    """Why the gateway refuses a message whatever its method, as (JSON-RPC code, detail), or
+    None. Member names that may read otherwise to the server, or a repeated member anywhere:
+    -32600 (Invalid Request; ``member_collision``). A non-finite number: -32602 (Invalid
+    params: the message is JSON-RPC, its values are not JSON). A message nested deeper than
+    ``MAX_JSON_DEPTH`` levels: -32600 (checked first: nothing else walks it)."""
+    message = parsed.message
+    if parsed.depth > MAX_JSON_DEPTH:
+        return -32600, (
+            f"Invalid Request: the message nests deeper than {MAX_JSON_DEPTH} levels "
+            "(objects and arrays in one another)"
+        )
+    if isinstance(message, dict):
+        collision = member_collision(message)
+        if collision is not None:
+            return -32600, collision
+    if parsed.repeated:
+        return -32600, "Invalid Request: an object in the message names a member twice"
+    if parsed.non_finite:
+        return -32602, (
+            "Invalid params: NaN, Infinity and numbers past a float's range (1e400) are not "
+            "JSON numbers; send such a value as a string"
+        )
+    return None
+
+
 #: 2026-07-28's routing-header mismatch (the server refuses such a request before it runs).
 HEADER_MISMATCH = -32020
 _STATELESS_VERSIONS = frozenset({"2026-07-28"})
@@ -238,14 +492,58 @@ def routing_mismatch(
 
 def with_identity(message: Mapping[str, Any], effect_id: str, fencing_token: str) -> bytes:
     """The message as the server gets it: the effect's identity in ``params._meta`` (any
-    ``fencegate/`` key the client sent is replaced: only the gateway names effects)."""
-    out = copy.deepcopy(dict(message))
-    params = out.setdefault("params", {})
-    meta = {k: v for k, v in (params.get("_meta") or {}).items() if not k.startswith(_OURS)}
+    ``fencegate/`` key the client sent is replaced: only the gateway names effects). Only the
+    levels it changes are copied (the message, ``params``, ``_meta``): the arguments go out
+    as they came, never walked (a deep copy recursed once per level)."""
+    out = dict(message)
+    raw_params = out.get("params")
+    params = dict(raw_params) if isinstance(raw_params, dict) else {}
+    raw_meta = params.get("_meta")
+    meta = raw_meta if isinstance(raw_meta, dict) else {}
+    meta = {k: v for k, v in meta.items() if not k.startswith(_OURS)}
     meta[META_EFFECT_ID] = effect_id
     meta[META_FENCING_TOKEN] = fencing_token
     params["_meta"] = meta
+    out["params"] = params
     return json.dumps(out, separators=(",", ":")).encode()
+
+
+def without_ours(message: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A relayed message (anything but a recorded ``tools/call``) without the ``fencegate/``
+    keys of its ``params._meta``, or None when it has none. Only the gateway names effects:
+    a forged ``fencegate/effectId`` on a read-only call or a ``resources/read`` would make
+    the server believe the ledger vouched for it."""
+    params = message.get("params")
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if not isinstance(params, dict) or not isinstance(meta, dict):
+        return None
+    if not any(key.startswith(_OURS) for key in meta):
+        return None
+    kept = {k: v for k, v in meta.items() if not k.startswith(_OURS)}
+    return {**message, "params": {**params, "_meta": kept}}
+
+
+def content_type_refusal(values: Sequence[str]) -> str | None:
+    """Why the ``Content-Type`` header(s) of an ``/mcp`` POST are refused, or None. The
+    gateway reads the message as UTF-8 JSON; a server that decodes by the declared charset
+    (``application/json; charset=utf-7``) would read another message. So: at most one
+    header, whose media type is ``application/json`` and whose only parameter, if any, is
+    ``charset=utf-8`` (any case, quoted or not). No header is accepted: the server always
+    gets ``Content-Type: application/json``, never the agent's."""
+    if len(values) > 1:
+        return "Content-Type sent more than once"
+    if not values:
+        return None
+    media, params = content_type_parts(values[0])
+    if media != "application/json":
+        return f"Content-Type {values[0][:80]!r}: a message is application/json"
+    for name, value in params:
+        if name != "charset" or value.lower() != "utf-8":
+            return (
+                f"Content-Type {values[0][:80]!r}: the only parameter a message may carry is "
+                "charset=utf-8"
+            )
+    return None
 
 
 def classify(
@@ -268,14 +566,40 @@ def classify(
     return EffectState.UNKNOWN, f"JSON-RPC error {code}: the tool may have run"
 
 
+def answer_summary(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """What a replay must still say of an answer whose body is not stored (too large for
+    ``replay_max_bytes``, or ``store_response_body = false``): the result's ``isError`` and
+    ``resultType``. Without it a failed call would replay as an empty success."""
+    result = answer.get("result")
+    if not isinstance(result, dict):
+        return {}
+    summary: dict[str, Any] = {"isError": result.get("isError") is True}
+    if isinstance(result.get("resultType"), str):
+        summary["resultType"] = result["resultType"]
+    return summary
+
+
+def omitted_answer(summary: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The answer a duplicate gets when the stored record has no body: no content, the
+    ``summary``'s flags (``answer_summary``), and ``fencegate/replayBody: omitted``."""
+    result: dict[str, Any] = {"content": [], "_meta": {META_REPLAY_BODY: "omitted"}}
+    for key in ("isError", "resultType"):
+        if summary and key in summary:
+            result[key] = summary[key]
+    return {"jsonrpc": "2.0", "result": result}
+
+
 def replay(stored: Mapping[str, Any], request_id: Any) -> dict[str, Any]:
     """A stored answer for a duplicate: under the new request's ``id``, marked replayed."""
-    out = copy.deepcopy(dict(stored))
+    out = dict(stored)  # only the levels it changes are copied (``with_identity``)
     out["id"] = request_id
     result = out.get("result")
     if isinstance(result, dict):
         meta = result.get("_meta")
-        result["_meta"] = {**(meta if isinstance(meta, dict) else {}), META_REPLAYED: True}
+        out["result"] = {
+            **result,
+            "_meta": {**(meta if isinstance(meta, dict) else {}), META_REPLAYED: True},
+        }
     return out
 
 
@@ -306,6 +630,11 @@ class ToolOverride:
     require_approval: bool = False
     timeout_ms: int | None = None
     not_applied_codes: frozenset[int] = NOT_APPLIED_CODES
+    #: How long an operator's approval of a call stays usable (``require_approval``).
+    approval_ttl_ms: int = 3600 * 1000
+    #: How long a call may still land after the gateway stopped waiting (None: the
+    #: downstream's ``settle_ms``).
+    settle_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -313,6 +642,8 @@ class McpAdapter(HttpAdapter):
     """An MCP server's streamable-HTTP endpoint, served at ``/mcp/{downstream}``."""
 
     tools: Mapping[str, ToolOverride] = field(default_factory=dict)
+    #: Believe the server's tool annotations (``readOnlyHint``, ``idempotentHint``)?
+    trust_annotations: bool = False
 
     @property
     def kind(self) -> str:
@@ -331,6 +662,13 @@ class McpAdapter(HttpAdapter):
             raise BadRequest(
                 "tools/call: a number in the message does not survive a round trip through a "
                 "float (or is -0); send it as a string"
+            )
+        if (big := unsafe_integer(message)) is not None:
+            # A server decoding numbers as doubles runs another amount than the one recorded
+            # and approved (9007199254740993 -> ...992).
+            raise BadRequest(
+                f"tools/call: the integer {str(big)[:40]} is outside +/-{MAX_SAFE_INTEGER} "
+                "(2^53 - 1), which not every JSON parser reads exactly; send it as a string"
             )
         if not isinstance(message, dict) or message.get("method") != CALL:
             raise BadRequest("not a tools/call")
@@ -364,8 +702,7 @@ class McpAdapter(HttpAdapter):
         body = stored.get("bodyBase64") if stored else None
         answer = _json_object(base64.b64decode(body)) if body is not None else None
         if answer is None:
-            omitted = {"content": [], "_meta": {META_REPLAY_BODY: "omitted"}}
-            answer = {"jsonrpc": "2.0", "result": omitted}
+            answer = omitted_answer(stored.get("summary") if stored else None)
         replayed = json.dumps(replay(answer, request_id), separators=(",", ":")).encode()
         return Answer(200, (("Content-Type", "application/json"),), replayed)
 
@@ -378,7 +715,29 @@ class McpAdapter(HttpAdapter):
             require_approval=override.require_approval,
             timeout_ms=override.timeout_ms,
             not_applied_codes=override.not_applied_codes,
+            trust_annotations=self.trust_annotations,
         )
+
+    def needs_annotations(self, tool: str) -> bool:
+        """Does this tool's policy depend on the server's annotations (so the gateway must
+        learn them, from ``tools/list``)? Only when they are trusted and no kind is set."""
+        return self.trust_annotations and self.tools.get(tool, ToolOverride()).kind is None
+
+    def approval_ttl(self, path: str) -> int | None:
+        """A tool configured ``require_approval``: how long an approval of its call stays
+        usable (``path`` is the effect's, ``/tools/call/NAME``); None for any other tool."""
+        override = self.tools.get(path.removeprefix("/tools/call/"))
+        if override is None or not override.require_approval:
+            return None
+        return override.approval_ttl_ms
+
+    def settle_ms_for(self, path: str) -> int:
+        """The tool's ``settle_ms`` (``path`` is the effect's, ``/tools/call/NAME``), else the
+        downstream's."""
+        override = self.tools.get(path.removeprefix("/tools/call/"))
+        if override is None or override.settle_ms is None:
+            return self.settle_ms
+        return override.settle_ms
 
 
 class McpToolCache:

@@ -26,17 +26,20 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = [
     "HOST",
     "POSTGRES_SETTINGS",
     "REPO_ROOT",
+    "PortTaken",
     "PostgresProc",
     "Proc",
     "align",
@@ -47,6 +50,7 @@ __all__ = [
     "free_port",
     "gateway_env",
     "gateway_origin",
+    "on_free_port",
     "percentile",
     "progress",
     "redis_script_names",
@@ -78,6 +82,34 @@ def free_port() -> int:
         sock.bind((HOST, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+class PortTaken(RuntimeError):
+    """A server could not bind its port: another process took it after it was picked."""
+
+
+def on_free_port(start: Callable[[int], T], attempts: int = 5) -> T:
+    """``start(port)`` on a port that was free a moment ago (redis-server, and gateways of
+    older trees, cannot bind port 0 and say which they got); when it raises ``PortTaken``
+    (another process took the port meanwhile), again on another port."""
+    for _ in range(attempts - 1):
+        try:
+            return start(free_port())
+        except PortTaken:
+            continue
+    return start(free_port())
+
+
+def _port_taken(proc: Proc, log: Path | None = None) -> bool:
+    """Whether ``proc`` exited because its port was taken (its log says so: ``log``, else
+    its output)."""
+    if proc.alive():
+        return False
+    try:
+        text = log.read_text(errors="replace")[-20_000:] if log else proc.log_tail(20_000)
+    except OSError:
+        return False
+    return "address already in use" in text.lower()
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
@@ -169,7 +201,12 @@ def spawn(
 def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, str, str]:
     """A private redis-server on a free loopback port: (process, url, version)."""
     directory.mkdir(parents=True)
-    port = free_port()
+    return on_free_port(lambda port: _start_redis(binary, directory, appendfsync, port))
+
+
+def _start_redis(
+    binary: str, directory: Path, appendfsync: str, port: int
+) -> tuple[Proc, str, str]:
     args = [
         binary,
         "--port", str(port),
@@ -184,7 +221,11 @@ def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, s
     proc = spawn("redis-server", args, directory / "redis.stdout", directory)
     try:
         wait_for_port(port, proc.popen)
-        client = redis.Redis(host=HOST, port=port, decode_responses=True)
+        # One try, briefly: a server that took the port may accept and never answer.
+        client = redis.Redis(
+            host=HOST, port=port, decode_responses=True, socket_timeout=5,
+            retry=Retry(NoBackoff(), 0),
+        )  # fmt: skip
         try:
             deadline = time.monotonic() + 10
             while True:
@@ -199,9 +240,12 @@ def start_redis(binary: str, directory: Path, appendfsync: str) -> tuple[Proc, s
             client.close()
         # The port was free a moment ago; make sure what answers on it is the one we started.
         if int(info["process_id"]) != proc.popen.pid:
+            proc.popen.wait(timeout=30)  # ours could not bind: it exits
             raise RuntimeError(f"{HOST}:{port} is answered by another redis-server")
     except BaseException:
         proc.stop()
+        if _port_taken(proc, directory / "redis.log"):
+            raise PortTaken(port) from None
         raise
     return proc, f"redis://{HOST}:{port}/0", str(info["redis_version"])
 
@@ -407,11 +451,7 @@ def start_gateway(
     ``store_lines`` go into ``[store]`` (e.g. ``postgres_max_connections = 32``).
     """
     directory.mkdir(parents=True)
-    port = free_port()
-    config = directory / "fencegate.toml"
-    lines = [
-        "[server]",
-        f'listen = "{HOST}:{port}"',
+    lines_after_listen = [
         *([f"workers = {workers}"] if workers > 1 else []),
         *([f'event_loop = "{event_loop}"'] if event_loop else []),
         "[store]",
@@ -421,8 +461,25 @@ def start_gateway(
         *store_lines,
     ]
     if store_timeout_ms is not None:
-        lines.append(f"timeout_ms = {store_timeout_ms}")
-    lines += ["[logging]", f'level = "{log_level}"']
+        lines_after_listen.append(f"timeout_ms = {store_timeout_ms}")
+    lines_after_listen += ["[logging]", f'level = "{log_level}"']
+
+    def start(port: int) -> tuple[Proc, str]:
+        return _start_gateway(directory, port, lines_after_listen, extra_toml, python_args, source)
+
+    return on_free_port(start)
+
+
+def _start_gateway(
+    directory: Path,
+    port: int,
+    lines_after_listen: Sequence[str],
+    extra_toml: str,
+    python_args: Sequence[str],
+    source: Path | None,
+) -> tuple[Proc, str]:
+    config = directory / "fencegate.toml"
+    lines = ["[server]", f'listen = "{HOST}:{port}"', *lines_after_listen]
     config.write_text("\n".join(lines) + "\n" + extra_toml)
     args = [
         sys.executable,
@@ -440,6 +497,8 @@ def start_gateway(
         wait_ready(base, proc)
     except BaseException as exc:
         proc.stop()
+        if _port_taken(proc):
+            raise PortTaken(port) from None
         raise RuntimeError(f"gateway did not start ({exc}):\n{proc.log_tail()}") from None
     return proc, base
 
@@ -456,7 +515,16 @@ def start_module_server(
     process, answering ``GET /readyz``: (process, base URL). ``port``: one more process on
     the port of another (both listen with SO_REUSEPORT); default a free one."""
     directory.mkdir(parents=True)
-    port = port or free_port()
+    if port is not None:  # a port someone already listens on: nothing to retry
+        return _start_module_server(name, module, flag, directory, extra_args, port)
+    return on_free_port(
+        lambda free: _start_module_server(name, module, flag, directory, extra_args, free)
+    )
+
+
+def _start_module_server(
+    name: str, module: str, flag: str, directory: Path, extra_args: Sequence[str], port: int
+) -> tuple[Proc, str]:
     args = [sys.executable, "-m", module, flag, f"{HOST}:{port}", *extra_args]
     proc = spawn(name, args, directory / f"{name}.log", REPO_ROOT)
     base = f"http://{HOST}:{port}"
@@ -465,6 +533,8 @@ def start_module_server(
         wait_ready(base, proc)
     except BaseException as exc:
         proc.stop()
+        if _port_taken(proc):
+            raise PortTaken(port) from None
         raise RuntimeError(f"{name} server did not start ({exc}):\n{proc.log_tail()}") from None
     return proc, base
 

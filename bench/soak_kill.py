@@ -516,7 +516,13 @@ class Driver:
         answer = await self.gateway_call(
             "POST",
             f"/v1/effects/{effect.effect_id}/resolve",
-            {"outcome": outcome, "note": f"soak_kill: the downstream executed it {executed}x"},
+            # force: nothing for this key runs at the downstream any more (checked above), so
+            # no earlier forward can land, whatever settle_ms says.
+            {
+                "outcome": outcome,
+                "note": f"soak_kill: the downstream executed it {executed}x",
+                "force": True,
+            },
             {"Fence-Operator": OPERATOR},
         )
         effect.answers[f"resolve {answer.label()}"] += 1

@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import random
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -39,7 +38,7 @@ from fencegate._http import (
     task_path,
 )
 from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError, TooManyConnections
-from fencegate.lease import ClaimScope, Lease
+from fencegate.lease import MONOTONIC, ClaimScope, Clock, Lease
 
 __all__ = ["TOKEN_ENV", "Client", "Epoch", "StreamEvent", "TaskRecord"]
 
@@ -211,7 +210,9 @@ class Client:
     (pass ``token=""`` to send none). ``timeout`` bounds each call in seconds, proxied calls
     included (keep it above the downstreams' ``timeout_ms``: the SDK cannot see them, and
     ``ClientTimeout`` says so when it fires first); ``operator`` is sent as
-    ``Fence-Operator`` on operator calls.
+    ``Fence-Operator`` on operator calls. ``clock`` is where its leases read the time and
+    wait (the renewal period, the local expiry): the monotonic clock unless a test passes
+    one it moves by hand (``fencegate.lease.Clock``).
     """
 
     def __init__(
@@ -223,8 +224,10 @@ class Client:
         headers: Mapping[str, str] | None = None,
         operator: str | None = None,
         token: str | None = None,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.url = url.rstrip("/")
+        self.clock = clock
         self.timeout = timeout
         self.headers = dict(headers or {})
         if token is None:
@@ -541,10 +544,10 @@ class Client:
         body: dict[str, Any] = {"owner": owner, "ttlMs": ttl_ms, "schedulerEpoch": scheduler_epoch}
         if expected_revision is not None:
             body["expectedRevision"] = expected_revision
-        sent_at = time.monotonic()
+        sent_at = self.clock.now()
         _, answer = await self.call("POST", self.task_path(task_id, "claim"), body)
         return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=answer, sent_at=sent_at,
-                     guarded=guarded)  # fmt: skip
+                     guarded=guarded, clock=self.clock)  # fmt: skip
 
     async def claim_next(
         self,
@@ -577,7 +580,7 @@ class Client:
             }
             if left_ms > 0:
                 body["waitMs"] = left_ms
-            sent_at = time.monotonic()
+            sent_at = self.clock.now()
             polled_at = loop.time()
             answer = await self.send(
                 "POST",
@@ -599,7 +602,7 @@ class Client:
                 await _pause(_busy_pause(exc), deadline)
                 continue
             return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=claim, sent_at=sent_at,
-                         guarded=False)  # fmt: skip
+                         guarded=False, clock=self.clock)  # fmt: skip
 
     # --- operators ----------------------------------------------------------------------------
 
@@ -666,12 +669,17 @@ class Client:
         *,
         response: Mapping[str, Any] | None = None,
         operator: str | None = None,
+        force: bool = False,
     ) -> dict[str, Any]:
         """Settle an UNKNOWN effect. With ``COMMITTED``, ``response`` (``{"status", "headers",
-        "body"}``) is what duplicates will replay."""
+        "body"}``) is what duplicates will replay. ``NOT_APPLIED`` raises ``EffectInFlight``
+        (``retry_after``; ``problem["landingUntil"]``) while an earlier forward may still land
+        at the downstream; ``force`` settles it anyway (recorded on the effect)."""
         body: dict[str, Any] = {"outcome": outcome, "note": note}
         if response is not None:
             body["response"] = dict(response)
+        if force:
+            body["force"] = True
         _, answer = await self.call(
             "POST",
             f"/v1/effects/{quote(effect_id, safe='')}/resolve",
@@ -687,12 +695,17 @@ class Client:
         *,
         payload_digest: str | None = None,
         operator: str | None = None,
+        approval_digest: str | None = None,
     ) -> dict[str, Any]:
-        """Let a waiting non-replayable effect go once (``payload_digest``: only if it still
-        waits for exactly that payload)."""
+        """Let a waiting non-replayable effect go once (``approval_digest``: only if it still
+        waits for exactly that request, its payload and effect-changing headers;
+        ``payload_digest``: that payload, enough alone only for a request without such
+        headers)."""
         body: dict[str, Any] = {"note": note}
         if payload_digest is not None:
             body["payloadDigest"] = payload_digest
+        if approval_digest is not None:
+            body["approvalDigest"] = approval_digest
         _, answer = await self.call(
             "POST",
             f"/v1/effects/{quote(effect_id, safe='')}/approve",

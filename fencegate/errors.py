@@ -17,15 +17,17 @@ The tree::
         ├── BadRequest                   400 BAD_REQUEST
         ├── Unauthenticated, Forbidden   401 UNAUTHENTICATED, 403 FORBIDDEN
         ├── NotFound                     404 NOT_FOUND (no such route)
-        │   └── NoSuchTask, NoSuchEffect, NoSuchDownstream
-        │       (410 TaskExpired, EffectExpired: gone with retention)
+        │   └── NoSuchTask*, NoSuchEffect, NoSuchDownstream
+        │       (410 TaskExpired*, EffectExpired: gone with retention)
+        ├── MethodNotAllowed             405 METHOD_NOT_ALLOWED
         ├── Conflict                     409: the fence or the ledger says no
-        │   ├── ClaimRefused             the claim is not (or can no longer be) current
-        │   │   └── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput,
-        │   │       RuntimeExceeded
-        │   ├── Claimed, AlreadyCommitted, DependenciesPending
+        │   ├── Fenced*, LeaseExpired*, StaleEpoch*, Cancelled*, StaleInput*,
+        │   │   RuntimeExceeded*, AlreadyCommitted*
+        │   ├── Claimed, DependenciesPending
         │   └── EffectInFlight (``retry_after``), EffectUnknown, EffectSettled,
         │       ApprovalRequired
+        ├── ClaimRefused                 the claim is gone: every class marked * above
+        │                                (404, 409 and 410 alike; ``LEASE_ENDING_CODES``)
         ├── EventsGone                   410 EVENTS_GONE: resume position past the history
         ├── PayloadTooLarge              413 PAYLOAD_TOO_LARGE
         ├── PayloadConflict              422 PAYLOAD_CONFLICT
@@ -35,6 +37,10 @@ The tree::
         ├── Unavailable                  503
         │   └── ClaimsPaused, StoreUnavailable
         └── DownstreamTimeout            504: the effect is now UNKNOWN
+
+The table is the SDK's own copy of the server's (``fencegate.ledger.errors``: the SDK a
+worker installs loads none of the server). ``tests/test_sdk_errors.py`` holds the two to
+each other: the same codes, statuses and ``ClaimRefused`` family, drift either way fails.
 
 A problem whose ``code`` this SDK does not know (a newer gateway) is a plain
 ``ProblemError`` (or the class of its status) carrying that ``code``: switch on ``code``,
@@ -48,8 +54,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from multidict import CIMultiDict
-
-from fencegate.ledger.errors import CLAIM_REFUSED_CODES
 
 __all__ = [
     "ERRORS_BY_CODE",
@@ -80,6 +84,7 @@ __all__ = [
     "InternalError",
     "LeaseExpired",
     "LeaseLost",
+    "MethodNotAllowed",
     "MisdirectedRequest",
     "NoSuchDownstream",
     "NoSuchEffect",
@@ -224,11 +229,29 @@ class Forbidden(ProblemError):
     code, status = "FORBIDDEN", 403
 
 
+class ClaimRefused(ProblemError):
+    """The claim the call carried is not, or can no longer be, the task's current one: the
+    task was claimed again, cancelled, committed, given a new input, or is gone. Whatever the
+    attempt was doing under that claim must stop (the SDK ends the lease on any of them:
+    ``LEASE_ENDING_CODES``). A family across statuses (404, 409, 410), as on the server, so
+    each member is also the class of its status (``NoSuchTask`` a ``NotFound``, ``Fenced`` a
+    ``Conflict``)."""
+
+
 class NotFound(ProblemError):
     code, status = "NOT_FOUND", 404
 
 
-class NoSuchTask(NotFound):
+class MethodNotAllowed(ProblemError):
+    """The route exists, not with this method (the ``Allow`` header lists the ones it has)."""
+
+    code, status = "METHOD_NOT_ALLOWED", 405
+
+
+class NoSuchTask(NotFound, ClaimRefused):
+    """No such task: never created, or (``TaskExpired``) gone with retention. A
+    ``ClaimRefused`` too: a claim on a task that is gone is gone."""
+
     code = "NO_SUCH_TASK"
 
 
@@ -259,37 +282,33 @@ class Conflict(ProblemError):
     status = 409
 
 
-class ClaimRefused(Conflict):
-    """The claim the call carried is not, or can no longer be, the task's current one."""
-
-
-class Fenced(ClaimRefused):
+class Fenced(Conflict, ClaimRefused):
     """Another attempt has claimed the task since (or the claim was released)."""
 
     code = "FENCED"
 
 
-class LeaseExpired(ClaimRefused):
+class LeaseExpired(Conflict, ClaimRefused):
     code = "LEASE_EXPIRED"
 
 
-class StaleEpoch(ClaimRefused):
+class StaleEpoch(Conflict, ClaimRefused):
     """The scheduler epoch was bumped: every claim of an older epoch is fenced."""
 
     code = "STALE_EPOCH"
 
 
-class Cancelled(ClaimRefused):
+class Cancelled(Conflict, ClaimRefused):
     code = "CANCELLED"
 
 
-class StaleInput(ClaimRefused):
+class StaleInput(Conflict, ClaimRefused):
     """The task has a newer input revision."""
 
     code = "STALE_INPUT"
 
 
-class RuntimeExceeded(ClaimRefused):
+class RuntimeExceeded(Conflict, ClaimRefused):
     """The attempt reached its maximum runtime: its lease cannot be extended."""
 
     code = "RUNTIME_EXCEEDED"
@@ -301,7 +320,9 @@ class Claimed(Conflict):
     code = "CLAIMED"
 
 
-class AlreadyCommitted(Conflict):
+class AlreadyCommitted(Conflict, ClaimRefused):
+    """The task already has its canonical commit: this attempt has nothing left to do."""
+
     code = "ALREADY_COMMITTED"
 
 
@@ -466,6 +487,7 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
     401: Unauthenticated,
     403: Forbidden,
     404: NotFound,
+    405: MethodNotAllowed,
     409: Conflict,
     413: PayloadTooLarge,
     422: PayloadConflict,
@@ -479,9 +501,12 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
     504: DownstreamTimeout,
     505: HttpVersionNotSupported,
 }
-#: Refusals after which a lease can no longer act: the SDK stops using it (the gateway's
-#: ClaimRefused family, one list for both).
-LEASE_ENDING_CODES: frozenset[str] = CLAIM_REFUSED_CODES
+#: Refusals after which a lease can no longer act: the SDK stops using it. The codes of the
+#: ``ClaimRefused`` family, one meaning of "the claim is gone" (the server's
+#: ``CLAIM_REFUSED_CODES``, held to it by tests/test_sdk_errors.py).
+LEASE_ENDING_CODES: frozenset[str] = frozenset(
+    code for code, cls in ERRORS_BY_CODE.items() if issubclass(cls, ClaimRefused)
+)
 
 
 def error_from_problem(

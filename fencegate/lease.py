@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import quote, urlencode
 
 from multidict import CIMultiDictProxy
@@ -46,8 +46,10 @@ from fencegate.errors import (
 
 __all__ = [
     "ClaimScope",
+    "Clock",
     "Commit",
     "Lease",
+    "MonotonicClock",
     "ProxyResponse",
     "canonical_json",
     "mcp_meta",
@@ -137,6 +139,34 @@ class ProxyResponse:
         return self.body.decode("utf-8", errors="replace")
 
 
+class Clock(Protocol):
+    """Where a lease reads the time and waits: ``now()`` in seconds on a clock that never
+    steps back, and ``sleep(seconds)`` on that same clock. A guarded lease's renewal period
+    and its local expiry are measured on it; the default is the monotonic clock asyncio
+    sleeps on. A test passes a clock it moves by hand (``Client(url, clock=...)``), so "within
+    one renewal period" is a fact it sets up, not a race against a loaded machine."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+#: The clock of every lease that is not given one.
+MONOTONIC = MonotonicClock()
+
+
 async def wait_out_in_flight(
     send: Callable[[], Awaitable[T]],
     *,
@@ -171,7 +201,8 @@ class Lease:
     """One claim of ``task_id``: its identity, and the calls made under it.
 
     Built by ``Client.acquire`` (bare) or ``Client.claim`` (guarded); see the module docstring.
-    ``client`` is the ``Client`` that claimed it (anything with its ``send`` and ``call``).
+    ``client`` is the ``Client`` that claimed it (anything with its ``send`` and ``call``);
+    ``clock`` is the one ``sent_at`` was read on (the client's).
     """
 
     def __init__(
@@ -183,8 +214,10 @@ class Lease:
         claim: Mapping[str, Any],
         sent_at: float,
         guarded: bool,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self._client = client
+        self._clock = clock
         self.owner = owner
         #: The TTL asked for at every renewal.
         self.ttl_ms = ttl_ms
@@ -240,7 +273,7 @@ class Lease:
     @property
     def expires_in(self) -> float:
         """Seconds this worker may still act, by its own (pessimistic) clock."""
-        return self._deadline - self._margin - time.monotonic()
+        return self._deadline - self._margin - self._clock.now()
 
     @property
     def lost(self) -> LeaseLost | None:
@@ -381,7 +414,7 @@ class Lease:
         """
         self._guard()
         ttl = ttl_ms or self.ttl_ms
-        sent = time.monotonic()
+        sent = self._clock.now()
         spent = self._take_cost(cost)
         body: dict[str, Any] = {**self._identity(), "ttlMs": ttl}
         if spent:
@@ -564,7 +597,7 @@ class Lease:
             else:
                 delay = period * random.uniform(0.75, 1.0)
             # Wake no later than the moment the lease would run out.
-            await asyncio.sleep(max(min(delay, self.expires_in + 0.001), 0))
+            await self._clock.sleep(max(min(delay, self.expires_in + 0.001), 0))
             if self._lost is not None or self._commit is not None or self._released:
                 return
             left = self.expires_in

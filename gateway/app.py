@@ -7,7 +7,8 @@ and close with it, in tests as in ``fencegate serve``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from aiohttp import web
@@ -22,15 +23,18 @@ from fencegate.gateway.console import views as console_views
 from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
 from fencegate.gateway.mcp import mcp_handler
+from fencegate.gateway.mcp_sessions import SESSION_IDS, SessionIds, session_key, wrap_answer
+from fencegate.gateway.mcp_streams import STREAMS, StreamRegistry
 from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
 from fencegate.gateway.problems import error_middleware
 from fencegate.gateway.proxy import proxy_answer_headers, proxy_handler
 from fencegate.gateway.reconcile import Reconciler
-from fencegate.gateway.request_guard import request_guard
+from fencegate.gateway.request_guard import connection_vouch, request_guard
 from fencegate.gateway.state import (
     ADAPTERS,
     CONFIG,
     EVENTS,
+    FORWARD_CLOCK,
     HTTP_CLIENT,
     MCP_TOOLS,
     METRICS,
@@ -96,16 +100,26 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def create_app(config: Config, store: Store | None = None) -> web.Application:
-    """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock."""
+def create_app(
+    config: Config,
+    store: Store | None = None,
+    *,
+    forward_clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock, and
+    may pass the clock ``/proxy`` measures a forward's window on (``FORWARD_CLOCK``): one
+    that stands still lets a loaded machine's slow prepare start its forward all the same,
+    where the start limit is not what a test is about."""
     middlewares: list[Middleware] = [error_middleware]
     middlewares.append(request_guard)  # Host, Origin, media type, body bounds
     the_console = new_console(config)
     if config.auth is not None:
         # The console's cookie stands in for the bearer credential on /console/*.
         middlewares.append(auth_middleware(config.auth, sessions=the_console.sessions))
+    middlewares.append(connection_vouch)  # last: server.max_connections_per_peer
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[FORWARD_CLOCK] = forward_clock
     app[CONSOLE] = the_console
     app[STORE] = store if store is not None else build_store(config)
     app[METRICS] = Metrics()
@@ -173,6 +187,11 @@ def create_app(config: Config, store: Store | None = None) -> web.Application:
     app.add_routes(retention.routes)
     app.router.add_route("*", "/proxy/{tail:.*}", proxy_handler)
     app[MCP_TOOLS] = McpToolCache()
+    app[SESSION_IDS] = SessionIds(*session_key())
+    app.on_response_prepare.append(wrap_answer)  # the server's Mcp-Session-Id, bound
+    app[STREAMS] = StreamRegistry(  # MCP GET streams
+        config.proxy.stream_limit, config.proxy.principal_stream_limit
+    )
     for method in ("GET", "POST", "DELETE"):
         app.router.add_route(method, "/mcp/{downstream}", mcp_handler)
     console_views.setup(app)

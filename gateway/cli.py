@@ -22,7 +22,7 @@ from fencegate.gateway.ops_cli import register as _add_ops
 from fencegate.gateway.token_cli import register as _add_token
 from fencegate.gateway.version import gateway_version
 
-__all__ = ["main", "reload_auth", "server_ssl_context"]
+__all__ = ["build_parser", "main", "reload_auth", "server_ssl_context"]
 
 if TYPE_CHECKING:
     import asyncio
@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fencegate.gateway.config import with_listen, with_workers
     from fencegate.gateway.console.session import secret_problem
     from fencegate.gateway.logs import configure_logging
+    from fencegate.gateway.mcp_sessions import secret_problem as session_secret_problem
     from fencegate.gateway.workers import check_platform
 
     configure_logging("error" if args.check else "info")
@@ -111,6 +112,9 @@ def _serve(args: argparse.Namespace) -> int:
         console_secret = secret_problem(os.environ)
         if console_secret is not None:
             raise ConfigError(console_secret)
+        session_secret = session_secret_problem(os.environ)
+        if session_secret is not None:
+            raise ConfigError(session_secret)
         loop_name, loop_factory = _event_loop(config.server.event_loop)
         ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:
@@ -276,6 +280,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
             if config.auth is not None
             else "none: any client that reaches the address may use every endpoint"
         ),
+        *_session_warning(config),
         f"downstreams: {len(config.downstreams)}",
         *(
             f"  {d.name}: url={public_url(d.url)} adapter={d.adapter} timeout_ms={d.timeout_ms}"
@@ -287,14 +292,32 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
     return 0
 
 
+def _session_warning(config: Config) -> list[str]:
+    """``serve --check``'s line when MCP session ids are bound under a key of this process
+    only (``[auth]`` and an MCP downstream, no ``FENCEGATE_SESSION_SECRET``)."""
+    from fencegate.gateway.mcp_sessions import SECRET_ENV
+
+    if config.auth is None or os.environ.get(SECRET_ENV):
+        return []
+    if not any(d.adapter == "mcp" for d in config.downstreams):
+        return []
+    return [
+        f"warning: {SECRET_ENV} is not set: MCP session ids are bound to their principal "
+        "under a random key of this process, so MCP sessions will not survive a restart "
+        "and will not be shared across gateways (serve --workers shares one)"
+    ]
+
+
 def reload_auth(app: web.Application, config_path: str | None) -> bool:
     """SIGHUP: read the ``[auth]`` section (only it) of ``config_path`` again and swap the
     principals at once. A file that cannot be used keeps the principals in force and logs
     ``auth.reload_failed`` with the key at fault. True when the new principals are in force."""
     import structlog
 
-    from fencegate.gateway.auth import auth_state
+    from fencegate.gateway.auth import auth_state, principal_from_config
     from fencegate.gateway.config import AuthReloadError, load_auth
+    from fencegate.gateway.mcp_streams import STREAMS
+    from fencegate.gateway.state import EVENTS
 
     log = structlog.get_logger("fencegate")
     state = auth_state(app)
@@ -311,6 +334,10 @@ def reload_auth(app: web.Application, config_path: str | None) -> bool:
         log.error("auth.reload_failed", key=exc.key, error=str(exc))
         return False
     state.reload(auth)
+    # Open event streams, long-polls and MCP streams are judged again under the new principals.
+    principals = [principal_from_config(p) for p in auth.principals]
+    app[EVENTS].reload(principals)
+    app[STREAMS].reload(principals)
     log.info("auth.reloaded", principals=[p.name for p in auth.principals])
     return True
 
@@ -340,6 +367,7 @@ async def _run(
 
     from fencegate.gateway.logs import AccessLog
     from fencegate.gateway.request_guard import ConnectionSlots, GuardedSite, handler_factory
+    from fencegate.gateway.state import CONFIG
     from fencegate.gateway.workers import SocketSite, unblock_stop_signals
 
     options: dict[str, Any] = {
@@ -351,7 +379,11 @@ async def _run(
     await runner.setup()
     try:
         assert runner.server is not None
-        slots = ConnectionSlots(server.max_connections)
+        slots = ConnectionSlots(
+            server.max_connections,
+            server.max_connections_per_peer,
+            authenticated=app[CONFIG].auth is not None,
+        )
         factory = handler_factory(runner.server, slots, **options)
         # A handshake is not yet a counted connection: bound how long one may take.
         handshake_timeout = min(server.idle_timeout_ms / 1000, 30.0)
@@ -402,7 +434,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--workers",
         type=int,
         metavar="N",
-        help="override server.workers: N processes share the port and the store (Redis only)",
+        help="override server.workers: N processes share the port and the store (Redis or "
+        "PostgreSQL; SQLite is refused: one process owns it)",
     )
     serve.add_argument(
         "--check",
@@ -422,7 +455,8 @@ COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], N
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``fencegate``'s whole parser (tests walk it: every ``choices`` is held to its source)."""
     parser = argparse.ArgumentParser(
         prog="fencegate", description="A fencing gateway for autonomous workers."
     )
@@ -432,6 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     merge_global_options(parser, args)
     code: int = args.func(args)

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fencegate.ledger.effects import DEFAULT_SETTLE_MS
+
 __all__ = [
     "ROLES",
     "AuthConfig",
@@ -61,8 +63,11 @@ class _Section(BaseModel):
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` as (host, port). Port 0 asks the system for a free port when the
+    gateway binds (``gateway.listening`` names the one it got): tests and anything else
+    that must not pick a port and bind it later."""
     host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
 
@@ -125,6 +130,10 @@ class ServerConfig(_Section):
     idle_timeout_ms: Annotated[int, Field(ge=1_000, le=60 * _MINUTE_MS)] = 75_000
     #: Open client connections; past it a new connection is answered 503 and closed.
     max_connections: Annotated[int, Field(ge=1, le=100_000)] = 500
+    #: Open connections from one peer address that have not yet carried an authenticated
+    #: request (without ``[auth]``: a complete request); past it a new one from that address
+    #: is answered 503 and closed. Behind a reverse proxy the peer is the proxy.
+    max_connections_per_peer: Annotated[int, Field(ge=1, le=100_000)] = 50
     #: TLS (docs/security.md, "mTLS"): PEM certificate chain and private key; with both the
     #: listener speaks HTTPS only (TLS 1.2+). A relative path is from the working directory.
     tls_cert_file: str | None = None
@@ -291,10 +300,46 @@ class ProxyConfig(_Section):
     forward_start_limit_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] | None = None
     #: Most pooled connections to all downstreams together.
     max_connections: Annotated[int, Field(ge=1, le=10_000)] = 200
+    #: Most of them that MCP ``GET`` streams may hold at once (one more is 503
+    #: DOWNSTREAM_BUSY), so long-lived streams never take the forwards' connections. Default:
+    #: half of max_connections (at least 1). At most max_connections.
+    max_stream_connections: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    #: Most of those streams one principal may hold (one more is 503 DOWNSTREAM_BUSY), so one
+    #: worker cannot take every place. Default: half of the stream places (at least 1). At
+    #: most max_stream_connections. Without [auth] there are no principals: not applied.
+    max_streams_per_principal: Annotated[int, Field(ge=1, le=10_000)] | None = None
     #: enforce: refusals are answered. shadow: every check runs and is recorded (log and
     #: fencegate_shadow_rejections_total), but the call is forwarded anyway. Per downstream
     #: too (``enforcement`` in its table).
     enforcement: Literal["enforce", "shadow"] = "enforce"
+
+    @property
+    def stream_limit(self) -> int:
+        """``max_stream_connections``, or its default."""
+        if self.max_stream_connections is not None:
+            return self.max_stream_connections
+        return max(1, self.max_connections // 2)
+
+    @property
+    def principal_stream_limit(self) -> int:
+        """``max_streams_per_principal``, or its default."""
+        if self.max_streams_per_principal is not None:
+            return self.max_streams_per_principal
+        return max(1, self.stream_limit // 2)
+
+    @model_validator(mode="after")
+    def _streams_within_pool(self) -> ProxyConfig:
+        if self.stream_limit > self.max_connections:
+            raise ValueError(
+                f"max_stream_connections ({self.stream_limit}) must be at most "
+                f"max_connections ({self.max_connections}): streams hold pooled connections"
+            )
+        if self.principal_stream_limit > self.stream_limit:
+            raise ValueError(
+                f"max_streams_per_principal ({self.principal_stream_limit}) must be at most "
+                f"max_stream_connections ({self.stream_limit})"
+            )
+        return self
 
     @property
     def start_limit_ms(self) -> int:
@@ -422,6 +467,8 @@ class LoggingConfig(_Section):
 _HEADER_NAME = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$"
 HeaderName = Annotated[str, Field(pattern=_HEADER_NAME)]
 Status = Annotated[int, Field(ge=100, le=599)]
+#: ``settle_ms`` (a downstream's, a tool's, or its former name ``probe.settle_ms``).
+SettleMs = Annotated[int, Field(ge=0, le=7 * _DAY_MS)]
 #: Placeholders a probe path may use.
 PROBE_PLACEHOLDERS = frozenset({"effectId", "taskId", "slot", "node", "revision"})
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -464,9 +511,7 @@ class ProbeConfig(_Section):
     #: Backoff between background probes of one effect: doubles from interval to max.
     interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5_000
     max_interval_ms: Annotated[int, Field(ge=10, le=_DAY_MS)] = 5 * _MINUTE_MS
-    #: How long after the gateway stopped waiting for a forward the downstream may still
-    #: apply it (its queue, its retries). Until then a probe's "absent" is inconclusive.
-    settle_ms: Annotated[int, Field(ge=0, le=7 * _DAY_MS)] = _MINUTE_MS
+    # settle_ms here is the former name of the downstream's settle_ms: ProbeDownstream moves it.
 
     @field_validator("path")
     @classmethod
@@ -495,10 +540,16 @@ class McpToolConfig(_Section):
     kind: Literal["read_only", "idempotent", "effect"] | None = None
     #: How long the server deduplicates on the effectId it gets in params._meta.
     dedupe_window_ms: Annotated[int, Field(ge=1, le=365 * _DAY_MS)] | None = None
-    #: Every call of this tool waits for an operator's approval of its exact payload.
+    #: Every call of this tool waits for an operator's approval of its exact payload (and is
+    #: recorded, whatever kind or the annotations say).
     require_approval: bool = False
+    #: How long an approval of a call of this tool stays usable (as the manual adapter's).
+    approval_ttl_ms: Annotated[int, Field(ge=1000, le=30 * _DAY_MS)] = 60 * _MINUTE_MS
     #: This tool's forward timeout (default: the downstream's timeout_ms).
     timeout_ms: Annotated[int, Field(ge=1, le=10 * _MINUTE_MS)] | None = None
+    #: How long a call of this tool may still run after the gateway stopped waiting for it
+    #: (default: the downstream's settle_ms).
+    settle_ms: SettleMs | None = None
     #: JSON-RPC error codes that mean the tool did not run (NOT_APPLIED: the call may go
     #: again); any other error is UNKNOWN. [] for a tool that may raise these after acting.
     not_applied_codes: Annotated[
@@ -554,6 +605,10 @@ class _DownstreamBase(_Section):
     outcomes: OutcomesConfig = OutcomesConfig()
     #: Overrides proxy.enforcement for this downstream.
     enforcement: Literal["enforce", "shadow"] | None = None
+    #: How long after the gateway stopped waiting for a forward (a timeout, a lost answer) the
+    #: downstream may still apply it (its queue, its retries). Until then a probe's "absent"
+    #: is inconclusive and an operator's resolve NOT_APPLIED is refused (EFFECT_IN_FLIGHT).
+    settle_ms: SettleMs = DEFAULT_SETTLE_MS
 
     @model_validator(mode="before")
     @classmethod
@@ -600,6 +655,7 @@ _KIND_OF_KEY = {
     "require_approval": "manual",
     "approval_ttl_ms": "manual",
     "tools": "mcp",
+    "trust_annotations": "mcp",
 }
 _KIND_NEEDS = {"idempotent": "dedupe_window_ms", "probe": "probe"}
 
@@ -622,6 +678,22 @@ class ProbeDownstream(_DownstreamBase):
     #: The lookup that settles UNKNOWN effects.
     probe: ProbeConfig
 
+    @model_validator(mode="before")
+    @classmethod
+    def _settle_alias(cls, data: Any) -> Any:
+        """``probe.settle_ms`` is ``settle_ms``'s former name: read as it (moved before the
+        probe table is read), never both."""
+        probe = data.get("probe") if isinstance(data, dict) else None
+        if not isinstance(probe, dict) or probe.get("settle_ms") is None:
+            return data
+        if "settle_ms" in data:
+            raise ValueError(
+                "settle_ms and probe.settle_ms are both set; probe.settle_ms is the former name "
+                "of settle_ms: keep settle_ms only"
+            )
+        moved = {k: v for k, v in probe.items() if k != "settle_ms"}
+        return {**data, "settle_ms": probe["settle_ms"], "probe": moved}
+
 
 class ConditionalDownstream(_DownstreamBase):
     adapter: Literal["conditional"]
@@ -637,6 +709,11 @@ class ManualDownstream(_DownstreamBase):
 
 class McpDownstream(_DownstreamBase):
     adapter: Literal["mcp"]
+    #: Believe the server's tool annotations (readOnlyHint: no record; idempotentHint: re-sent
+    #: within dedupe_window_ms) for tools without a kind. false (the default): the MCP
+    #: specification says annotations of an untrusted server must not be trusted, so such a
+    #: tool is an effect (recorded, never re-sent).
+    trust_annotations: bool = False
     #: Per-tool policies, by tool name.
     tools: Annotated[
         dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_./:-]{1,200}$")], McpToolConfig],

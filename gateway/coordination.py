@@ -237,6 +237,41 @@ def _provenance(task: Task) -> list[dict[str, str]]:
     ]
 
 
+def client_gone(request: web.Request) -> bool:
+    """The client closed its connection (read as the transport stands now: the event loop
+    marks it when the close arrives, whatever the handler is doing)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _for_nobody(
+    request: web.Request, task: Task | None, claim: ClaimRequest, fields: dict[str, Any]
+) -> web.Response:
+    """A queue claim whose client is gone: no claim is made (``task`` None), or the one made
+    meanwhile is released at once (a release the store refuses leaves the lease to expire,
+    as before). One ``claim.client_gone`` event; the 204 goes nowhere."""
+    if task is None:
+        log.info("claim.client_gone", claimed=False, **fields)
+        return web.Response(status=204)
+    assert task.attempt_id is not None and task.claim_epoch is not None
+    identity = Identity(
+        attempt_id=task.attempt_id,
+        claim_generation=task.claim_generation,
+        owner=claim.owner,
+        scheduler_epoch=task.claim_epoch,
+        cancel_generation=task.cancel_generation,
+        principal=claim.principal,
+    )
+    try:
+        await request.app[STORE].release(task.task_id, identity)
+    except FencegateError as exc:
+        log.warning("claim.client_gone", claimed=True, released=False, task=task.task_id,
+                    code=exc.code, reason=exc.detail, **fields)  # fmt: skip
+    else:
+        log.info("claim.client_gone", claimed=True, released=True, task=task.task_id, **fields)
+    return web.Response(status=204)
+
+
 @routes.post(r"/v1/queues/{queue}/claim")
 async def claim_next(request: web.Request) -> web.Response:
     """The best claimable task of the queue, claimed; 204 when there is none (after up to
@@ -286,10 +321,19 @@ async def claim_next(request: web.Request) -> web.Response:
                 if left <= 0:
                     break
                 await waiter.wait(left)
+                waiter.check()  # a reload removed or narrowed its principal: refused now
                 if waiter.closed:
                     break  # the gateway is shutting down: 204 now
+                if client_gone(request):
+                    return await _for_nobody(request, None, req, fields)  # no claim made
                 task = await attempt()
+            if task is None:
+                waiter.check()  # refused by a reload before it waited at all
             waited_ms = round((loop.time() - started) * 1000)
+    if task is not None and client_gone(request):
+        # The client left while the claim was made: give it back now, so that another
+        # worker claims the task at once instead of after this lease ran out.
+        return await _for_nobody(request, task, req, fields)
     if task is None:
         metrics.decision("claim", None, validated=True, granted="empty")
         log.info("claim.empty", waited_ms=waited_ms, **fields)
@@ -573,7 +617,10 @@ async def get_task(request: web.Request) -> web.Response:
             if left <= 0:
                 break
             await waiter.wait(left)
+            waiter.check()  # a reload removed or narrowed its principal: refused now
             task = await store.get_task(task_id)
+        if task.state is not wanted:
+            waiter.check()  # refused by a reload before it waited at all
     return web.json_response(task_to_json(task))
 
 

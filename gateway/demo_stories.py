@@ -1151,6 +1151,9 @@ async def _gateway(store: DemoStore, shop_url: str, mcp_url: str) -> AsyncIterat
                     "url": mcp_url,
                     "adapter": "mcp",
                     "timeout_ms": MCP_TIMEOUT_MS,
+                    # The demo's own tool server: its annotations are believed (an untrusted
+                    # server's would not be, and get_invoice would be a recorded effect).
+                    "trust_annotations": True,
                 },
             ],
         }

@@ -40,6 +40,7 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
             fencing_token_header=downstream.fencing_token_header,
             credentials=credentials,
             overrides=overrides,
+            settle_ms=downstream.settle_ms,
             **options,
         )
 
@@ -62,7 +63,6 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
             timeout_ms=p.timeout_ms,
             interval_ms=p.interval_ms,
             max_interval_ms=p.max_interval_ms,
-            settle_ms=p.settle_ms,
         )
         return make(ProbeAdapter, probe=spec)
     if downstream.adapter == "conditional":
@@ -75,10 +75,12 @@ def build_adapter(downstream: DownstreamConfig) -> Adapter:
                 t.require_approval,
                 t.timeout_ms,
                 frozenset(t.not_applied_codes),
+                t.approval_ttl_ms,
+                settle_ms=t.settle_ms,
             )
             for name, t in downstream.tools.items()
         }
-        return make(McpAdapter, tools=tools)
+        return make(McpAdapter, tools=tools, trust_annotations=downstream.trust_annotations)
     return make(
         ManualAdapter,
         approval_required=downstream.require_approval,

@@ -40,15 +40,18 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from fencegate.gateway.auth import allowed_roles
 from fencegate.gateway.config import EventsConfig, TasksConfig
-from fencegate.gateway.principals import principal_of
+from fencegate.gateway.principals import Principal, principal_of, scope_refusal
 from fencegate.gateway.state import CONFIG, EVENTS, STORE
 from fencegate.ledger.errors import (
     BadRequest,
     EventsGone,
     FencegateError,
+    Forbidden,
     StoreUnavailable,
     TooManyConnections,
+    Unauthenticated,
 )
 from fencegate.ledger.events import Event
 from fencegate.ledger.store import Store
@@ -61,6 +64,7 @@ __all__ = [
     "EventHub",
     "Subscription",
     "Waiter",
+    "after_reload",
     "cascade_loop",
     "routes",
     "trim_loop",
@@ -99,9 +103,14 @@ class Batch:
 class Subscription:
     """One ``GET /v1/events`` stream's share of the hub's batches."""
 
-    def __init__(self, principal: str | None = None) -> None:
+    def __init__(
+        self, principal: str | None = None, prefixes: tuple[str, ...] | None = None
+    ) -> None:
         #: Whose stream it is (None: an anonymous caller), for the per-principal bound.
         self.principal = principal
+        #: The principal's ``task_prefixes`` (None: every task): what the stream may show,
+        #: replaced by a reload (``EventHub.reload``) from the next event on.
+        self.prefixes = prefixes
         self.batches: deque[Batch] = deque()
         #: Batches dropped for a slow client: the stream must read the store itself.
         self.dropped = False
@@ -141,6 +150,8 @@ class Waiter:
         self.queue = queue
         self.principal = principal
         self.closed = False
+        #: Why the long-poll must be refused now (a reload removed or narrowed its principal).
+        self.refusal: FencegateError | None = None
         self._wake = asyncio.Event()
 
     @property
@@ -154,6 +165,17 @@ class Waiter:
     def close(self) -> None:
         self.closed = True
         self._wake.set()
+
+    def refuse(self, error: FencegateError) -> None:
+        """End the long-poll with ``error`` (``check`` raises it once it wakes)."""
+        self.refusal = error
+        self.close()
+
+    def check(self) -> None:
+        """Raise the refusal a reload left (``refuse``); the long-poll calls it after every
+        wait, before it reads or claims anything more."""
+        if self.refusal is not None:
+            raise self.refusal
 
     async def wait(self, seconds: float) -> None:
         """Until woken or ``seconds`` (at most ``RECHECK_S``) passed; then re-arm. Returns
@@ -194,8 +216,11 @@ class EventHub:
 
     # --- listeners ------------------------------------------------------------------------
 
-    def subscribe(self, principal: str | None = None) -> Subscription:
-        """A new stream's subscription for ``principal`` (None: anonymous);
+    def subscribe(
+        self, principal: str | None = None, prefixes: tuple[str, ...] | None = None
+    ) -> Subscription:
+        """A new stream's subscription for ``principal`` (None: anonymous) limited to
+        ``prefixes``;
         ``TooManyConnections`` past ``events.max_subscribers`` or
         ``events.max_subscribers_per_principal``."""
         limit = self._config.max_subscribers
@@ -208,7 +233,7 @@ class EventHub:
             refusal = (f"events.max_subscribers_per_principal ({own}) event streams of "
                        f"{_whose(principal)} are open in this gateway")  # fmt: skip
             self._refuse("events.max_subscribers_per_principal", refusal, principal=principal)
-        subscription = Subscription(principal)
+        subscription = Subscription(principal, prefixes)
         if self._closed:
             subscription.close()
         self._subscriptions.add(subscription)
@@ -339,6 +364,36 @@ class EventHub:
             for waiter in self._by_queue.get(queue, ()) if isinstance(queue, str) else ():
                 waiter.wake()
 
+    def reload(self, principals: Iterable[Principal]) -> None:
+        """The ``[auth]`` principals changed (SIGHUP, ``cli.reload_auth``): every stream and
+        long-poll is judged again as a new request would be (``after_reload``). A stream of
+        a principal that is gone (or may no longer read events) ends; the others show what
+        the new ``task_prefixes`` allow from the next event on. A long-poll that would now be
+        refused answers that refusal at once (401 for a principal that is gone)."""
+        by_name = {principal.name: principal for principal in principals}
+        ended = refused = 0
+        for subscription in self._subscriptions:
+            if subscription.principal is None:
+                continue
+            verdict = after_reload(by_name, subscription.principal, route=_EVENTS_ROUTE)
+            if isinstance(verdict, FencegateError):
+                subscription.close()
+                ended += 1
+            else:
+                subscription.prefixes = verdict.scope.task_prefixes
+        for group in (*self._by_task.values(), *self._by_queue.values()):
+            for waiter in group:
+                if waiter.principal is None or waiter.closed:
+                    continue
+                route = _WAIT_ROUTE if waiter.task_id is not None else _QUEUE_ROUTE
+                verdict = after_reload(by_name, waiter.principal, route=route,
+                                       task_id=waiter.task_id)  # fmt: skip
+                if isinstance(verdict, FencegateError):
+                    waiter.refuse(verdict)
+                    refused += 1
+        if ended or refused:
+            log.info("events.reloaded", streams_ended=ended, long_polls_refused=refused)
+
     async def close(self) -> None:
         """Stop polling and end every stream (the gateway is shutting down)."""
         self._closed = True
@@ -351,6 +406,37 @@ class EventHub:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+_EVENTS_ROUTE = ("GET", "/v1/events")
+_WAIT_ROUTE = ("GET", "/v1/tasks/{task_id}")
+_QUEUE_ROUTE = ("POST", "/v1/queues/{queue}/claim")
+
+
+def after_reload(
+    principals: Mapping[str, Principal],
+    name: str,
+    *,
+    route: tuple[str, str],
+    task_id: str | None = None,
+    downstream: str | None = None,
+) -> Principal | FencegateError:
+    """What a reload of ``principals`` means for a stream or long-poll that ``name`` opened
+    on ``route`` (for ``task_id``, on ``downstream``): the principal as it now stands, or the
+    refusal a new request of it would get (401 gone, 403 its roles or scope no longer allow
+    it; a queue claim is not for a principal limited to ``task_prefixes``, as ``claim_next``
+    says)."""
+    principal = principals.get(name)
+    if principal is None:
+        return Unauthenticated(f"principal {name!r} was removed from [auth] by a reload")
+    if not principal.roles & allowed_roles(route):
+        return Forbidden(f"{name!r} may no longer call {route[0]} {route[1]} (reloaded [auth])")
+    reason = scope_refusal(principal.scope, downstream=downstream, task_id=task_id)
+    if reason is None and route == _QUEUE_ROUTE and principal.scope.task_prefixes is not None:
+        reason = "a principal limited to task_prefixes cannot claim from a queue"
+    if reason is not None:
+        return Forbidden(f"{name!r}: {reason} (reloaded [auth])")
+    return principal
 
 
 def _whose(principal: str | None) -> str:
@@ -495,10 +581,11 @@ class _Stream:
     """One client's stream: its position, and how it writes."""
 
     def __init__(self, response: web.StreamResponse, position: str,
-                 prefixes: tuple[str, ...] | None, write_timeout_s: float) -> None:  # fmt: skip
+                 subscription: Subscription, write_timeout_s: float) -> None:  # fmt: skip
         self.response = response
         self.position = position
-        self.prefixes = prefixes
+        #: Its ``prefixes`` are read at every send: a reload's apply from the next event.
+        self.subscription = subscription
         self.write_timeout_s = write_timeout_s
 
     async def write(self, data: bytes) -> None:
@@ -512,8 +599,9 @@ class _Stream:
 
     async def send(self, events: Iterable[Event], following: str) -> None:
         out = bytearray()
+        prefixes = self.subscription.prefixes
         for event in events:
-            if _visible(event.body, self.prefixes):
+            if _visible(event.body, prefixes):
                 out += _frame(event)
         if following != self.position and not out:
             # Nothing this client may see moved it: still hand it the position to resume at.
@@ -552,7 +640,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         except BadRequest as exc:  # well formed, but out of the store's range
             detail = f"{source}: not an event position this store gave out (out of its range)"
             raise BadRequest(detail, fields=[source]) from exc
-    subscription = hub.subscribe(name)
+    subscription = hub.subscribe(name, prefixes)
     try:
         response = web.StreamResponse(
             headers={
@@ -563,7 +651,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         )
         await response.prepare(request)
         position = after if after is not None else start
-        stream = _Stream(response, position, prefixes, config.write_timeout_ms / 1000)
+        stream = _Stream(response, position, subscription, config.write_timeout_ms / 1000)
         try:
             await stream.write(b"retry: 1000\n\n")
             await stream.send(first, start)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Set
-from urllib.parse import unquote, unquote_plus
+from urllib.parse import unquote_plus
 
 from multidict import CIMultiDict
 
+from fencegate.adapters.paths import escapes_base
+from fencegate.adapters.preconditions import connection_listed
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import (
     StrictJsonError,
@@ -62,11 +64,8 @@ _CONTROL_OR_SPACE = re.compile(r"[\x00-\x20\x7f]")
 
 
 def _connection_listed(headers: Iterable[tuple[str, str]]) -> set[str]:
-    listed: set[str] = set()
-    for name, value in headers:
-        if name.lower() == "connection":
-            listed.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return listed
+    # One source: the conditional adapter counts only the preconditions that survive this.
+    return connection_listed(headers)
 
 
 def _without(
@@ -142,25 +141,32 @@ METHOD_OVERRIDE_PARAM = "_method"
 
 
 def refuse_method_override(
-    method: str, headers: Iterable[tuple[str, str]], path_and_query: str
+    method: str,
+    headers: Iterable[tuple[str, str]],
+    path_and_query: str,
+    *,
+    approval_required: bool = False,
 ) -> None:
     """A safe method (forwarded without a ledger entry) must not carry a method override:
     the downstream could run it as the mutation it names, unrecorded and unfenced by the
-    effect ledger. ``BadRequest`` if it does (any value, any case; ``_method`` also
-    percent-encoded, and separated by ``&`` or ``;``). Mutations are left alone: they are
-    recorded either way."""
-    if method not in SAFE_METHODS:
+    effect ledger. Nor may a mutation to a downstream that requires approval
+    (``approval_required``): the operator approved its method, and a ``POST`` carrying
+    ``X-HTTP-Method-Override: DELETE`` would delete. ``BadRequest`` if it does (any value,
+    any case; ``_method`` also percent-encoded, and separated by ``&`` or ``;``). Other
+    mutations are left alone: they are recorded either way."""
+    if method not in SAFE_METHODS and not approval_required:
         return
+    where = method if method in SAFE_METHODS else f"{method} to a downstream that requires approval"
     for name, _ in headers:
         if name.lower() in METHOD_OVERRIDE_HEADERS:
-            raise BadRequest(f"{name}: a method override is refused on {method}; "
+            raise BadRequest(f"{name}: a method override is refused on {where}; "
                              "send the method itself")  # fmt: skip
     query = path_and_query.partition("?")[2]
     for part in re.split(r"[&;]", query):
         name = unquote_plus(part.partition("=")[0]).strip().lower()
         if name == METHOD_OVERRIDE_PARAM:
             raise BadRequest(f"query parameter {METHOD_OVERRIDE_PARAM}: a method override is "
-                             f"refused on {method}; send the method itself")  # fmt: skip
+                             f"refused on {where}; send the method itself")  # fmt: skip
 
 
 def upstream_response_headers(downstream_headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
@@ -204,8 +210,9 @@ def split_proxy_path(raw_path: str) -> tuple[str, str]:
     """``/proxy/{downstream}{tail}?{query}`` (still percent-encoded) -> (downstream, tail+query).
 
     Refuses what could leave the downstream's base path or reach another host: absolute-form
-    request targets, ``.`` and ``..`` segments (also percent-encoded), encoded ``/`` and
-    ``\\``, backslashes and NULs.
+    request targets, ``.`` and ``..`` segments in any spelling a server behind may read as
+    one (``..;``, ``%2e%2e;x=1``, ``%252e%252e``, ``%u002e``, U+FF0E: ``adapters/paths.py``),
+    encoded ``/`` and ``\\`` (at any depth of encoding), backslashes and NULs.
     """
     if not raw_path.startswith("/proxy/"):
         raise BadRequest("request target must be origin-form /proxy/{downstream}/...")
@@ -218,9 +225,11 @@ def split_proxy_path(raw_path: str) -> tuple[str, str]:
     if "\\" in tail or _FORBIDDEN_ESCAPES.search(tail):
         raise BadRequest("path may not contain backslashes, NULs or encoded separators")
     for segment in tail.split("/"):
-        # unquote only what could decode to a dot segment (same answer, less work per call)
-        if segment in (".", "..") or ("%" in segment and unquote(segment) in (".", "..")):
-            raise BadRequest("path may not contain . or .. segments")
+        if escapes_base(segment):  # ..;  %2e%2e;x=1  %252e%252e  %u002e  U+FF0E  %252f ...
+            raise BadRequest(
+                "path may not contain . or .. segments or encoded separators, in any spelling "
+                "(after a ';', percent-encoded at any depth, %u escapes, fullwidth dots)"
+            )
     if _CONTROL_OR_SPACE.search(path):
         raise BadRequest("path may not contain control characters or spaces")
     return name, tail + (sep + query if sep else "")

@@ -14,16 +14,15 @@ from typing import Annotated, Any, Literal
 
 import structlog
 from aiohttp import web
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictInt, StrictStr
 
-from fencegate.adapters import ManualAdapter
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.auth import sees_stored_bodies
 from fencegate.gateway.principals import Principal, acting_operator, principal_of
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, STORE
 from fencegate.ledger import effects, responses
-from fencegate.ledger.effects import Effect, EffectState, effect_to_json
+from fencegate.ledger.effects import DEFAULT_SETTLE_MS, Effect, EffectState, effect_to_json
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
 __all__ = [
@@ -34,6 +33,7 @@ __all__ = [
     "reconcile_as",
     "resolve_as",
     "routes",
+    "settle_ms_of",
     "shown_record",
 ]
 
@@ -57,7 +57,10 @@ class ResolveResponse(ApiBody):
 
 
 class ApproveBody(ApiBody):
-    #: Guards against approving a payload that changed since the operator looked.
+    #: Guards against approving a request that changed since the operator looked: its
+    #: approval digest (the payload and the effect-changing headers) ...
+    approvalDigest: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
+    #: ... or its payload digest, alone only when no effect-changing header was sent.
     payloadDigest: Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")] | None = None
     note: Annotated[StrictStr, Field(max_length=2000)] = ""
 
@@ -66,6 +69,9 @@ class ResolveBody(ApiBody):
     outcome: Literal["COMMITTED", "NOT_APPLIED"]
     note: Annotated[StrictStr, Field(min_length=1, max_length=2000)]
     response: ResolveResponse | None = None
+    #: NOT_APPLIED although an earlier forward may still land (before ``landingUntil``);
+    #: recorded on the action.
+    force: StrictBool = False
 
 
 #: What a reader without the operator role does not see of a stored answer: the body, and its
@@ -176,8 +182,18 @@ async def resolve_as(
 
     def settle(record: Effect | None, now: int) -> Effect:
         # The store may run this more than once (compare-and-set); the last run is written.
-        decided.append(effects.resolution(record, outcome, body.note, operator, response_json,
-                                          now))  # fmt: skip
+        decided.append(
+            effects.resolution(
+                record,
+                outcome,
+                body.note,
+                operator,
+                response_json,
+                now,
+                settle_ms=settle_ms_of(app, record),
+                force=body.force,
+            )
+        )
         return decided[-1].effect
 
     try:
@@ -195,6 +211,7 @@ async def resolve_as(
         "note": body.note,
         "response_digest": effects.response_identity(response_json),
         "empty_replay": done.empty_replay,
+        "force": body.force,
     }
     if done.unchanged:
         # A retry of the same resolve (a CLI whose answer was lost): nothing was recorded.
@@ -202,6 +219,15 @@ async def resolve_as(
     else:
         log.warning("operator.resolve", **fields)
     return effect, done
+
+
+def settle_ms_of(app: web.Application, record: Effect | None) -> int:
+    """How long an earlier forward of ``record`` may still land: its downstream's (or tool's)
+    ``settle_ms``; the default for a downstream no longer configured (nothing says less)."""
+    if record is None:
+        return 0
+    adapter = app[ADAPTERS].get(record.downstream)
+    return adapter.settle_ms_for(record.path) if adapter is not None else DEFAULT_SETTLE_MS
 
 
 @routes.post("/v1/effects/{effect_id}/reconcile")
@@ -242,8 +268,12 @@ async def approve_as(
     store = app[STORE]
     current = await store.get_effect(effect_id)
     adapter = app[ADAPTERS].get(current.downstream)
-    if not isinstance(adapter, ManualAdapter) or not adapter.require_approval:
-        raise BadRequest(f"downstream {current.downstream!r} does not require approval")
+    ttl_ms = adapter.approval_ttl(current.path) if adapter is not None else None
+    if ttl_ms is None:
+        what = f"downstream {current.downstream!r}"
+        if adapter is not None and adapter.kind == "mcp":
+            what += f" (tool {current.path.removeprefix('/tools/call/')!r})"
+        raise BadRequest(f"{what} does not require approval")
     approver = principal.name if principal is not None else None
     try:
         effect = await store.update_effect(
@@ -253,9 +283,10 @@ async def approve_as(
                 operator,
                 body.note,
                 body.payloadDigest,
-                adapter.approval_ttl_ms,
+                ttl_ms,
                 now,
                 principal=approver,
+                expected_approval=body.approvalDigest,
             ),
         )
     except Exception as exc:
@@ -267,7 +298,8 @@ async def approve_as(
         effect_id=effect_id,
         task=effect.task_id,
         downstream=effect.downstream,
-        payload_digest=effect.approval_digest,
+        payload_digest=effect.payload_digest,
+        approval_digest=effect.approval_digest,
         operator=operator,
         expires_at=effect.approval_expires_at,
         note=body.note,

@@ -31,14 +31,25 @@ from multidict import CIMultiDict
 from fencegate.adapters import mcp
 from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.mcp import McpAdapter, ToolKind, ToolPolicy
+from fencegate.gateway import mcp_sessions, mcp_streams
 from fencegate.gateway.config import DownstreamConfig
-from fencegate.gateway.http_client import send_once
+from fencegate.gateway.forward import (
+    ForwardFailed,
+    ForwardWindow,
+    Limits,
+    Target,
+    downstream_limits,
+    failure_answer,
+    forward_window,
+    prepare_effect,
+    resend_window,
+    send,
+)
 from fencegate.gateway.http_rules import canonical_body
 from fencegate.gateway.principals import principal_of
 from fencegate.gateway.proxy import (
     account,
     counter_header,
-    forward_window,
     id_header,
     record_outcome,
     start_too_late,
@@ -53,7 +64,7 @@ from fencegate.gateway.proxy_decisions import (
     call_fields,
     decide_effect,
 )
-from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, MCP_TOOLS, METRICS, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, FORWARD_CLOCK, MCP_TOOLS, METRICS, STORE
 from fencegate.ledger.effects import (
     Effect,
     EffectRequest,
@@ -63,7 +74,6 @@ from fencegate.ledger.effects import (
 )
 from fencegate.ledger.errors import (
     BadRequest,
-    DownstreamTimeout,
     DownstreamUnreachable,
     FencegateError,
     NoSuchDownstream,
@@ -135,11 +145,6 @@ def _refuse(
     )
 
 
-def _fence_meta(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:
-    error.extra.update(effectId=effect.effect_id, effectState=state.value)
-    return error
-
-
 # --- the request -------------------------------------------------------------------------------
 
 
@@ -170,7 +175,16 @@ def _fence(request: web.Request) -> Fence | None:
     )
 
 
+#: Headers the gateway reads (or the server routes by) that may appear once: with two, the
+#: gateway would read one and the server perhaps the other.
+_SINGLE_HEADERS = ("MCP-Protocol-Version", "Mcp-Method", "Mcp-Name", "Mcp-Session-Id",
+                   "Content-Type")  # fmt: skip
+
+
 def _protocol_version(request: web.Request) -> None:
+    for name in _SINGLE_HEADERS:
+        if len(request.headers.getall(name, [])) > 1:
+            raise BadRequest(f"{name} sent more than once; nothing was sent to the server")
     version = request.headers.get("MCP-Protocol-Version")
     if version is not None and version not in KNOWN_PROTOCOL_VERSIONS:
         raise BadRequest(
@@ -185,8 +199,14 @@ def _outbound(
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
         lower = name.lower()
+        if lower == "content-type":
+            continue  # the server always gets application/json (below), never a charset
         if lower in _PASSED_REQUEST_HEADERS or lower.startswith(_PASSED_REQUEST_PREFIX):
+            if lower == "mcp-session-id":  # the server's own id (gateway/mcp_sessions.py)
+                value = mcp_sessions.to_server(request, value)
             headers.add(name, value)
+    if request.method == "POST":
+        headers["Content-Type"] = "application/json"
     headers.update(identity)
     return headers
 
@@ -207,6 +227,9 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
         fence = _fence(request)
     except FencegateError as exc:
         return _refuse(None, exc, has_id=False)
+    # Another principal's session id is 404, as an unknown session (gateway/mcp_sessions.py).
+    if (not_found := mcp_sessions.check_session(request)) is not None:
+        return not_found
     if request.method == "POST":
         return await _post(request, downstream, adapter, fence)
     if request.method in ("GET", "DELETE"):
@@ -225,6 +248,10 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
             session = request.headers.get("Mcp-Session-Id")
             if session is not None:
                 request.app[MCP_TOOLS].drop(downstream.name, session)
+        if request.method == "GET":  # bounded in number, ends with its lease (mcp_streams.py)
+            assert fence is not None
+            relay = lambda: _relay(request, downstream, adapter, None)  # noqa: E731
+            return await mcp_streams.hold(request, downstream.name, fence, relay)
         return await _relay(request, downstream, adapter, None)
     raise web.HTTPMethodNotAllowed(request.method, ("GET", "POST", "DELETE"))
 
@@ -241,14 +268,17 @@ async def _post(
             has_id=False,
         )
     try:
-        canonical = canonical_body(body, "application/json")
-        message = json.loads(canonical)
+        parsed = mcp.read_message(body)  # strict JSON, noted (not raised) for ``refused``
+        refused = mcp.refusal(parsed)
+        if refused is None:
+            canonical_body(body, "application/json")  # a lone surrogate: not Unicode
     except BadRequest as exc:
         return _refuse(None, exc, has_id=False)
     except (ValueError, RecursionError):  # not JSON, or nested past what a parser follows
         return _jsonrpc(
             {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
         )
+    message = parsed.message
     if isinstance(message, list):
         return _jsonrpc(
             {
@@ -265,6 +295,13 @@ async def _post(
         return _jsonrpc(
             {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"}}
         )
+    if refused is None:  # read as UTF-8 JSON: a charset would make it another message
+        bad_type = mcp.content_type_refusal(request.headers.getall("Content-Type", []))
+        refused = None if bad_type is None else (-32600, f"Invalid Request: {bad_type}")
+    if refused is not None:  # before any member is read: nothing recorded, nothing sent
+        has_id = mcp.answerable_id(message)
+        error = BadRequest(refused[1])
+        return _refuse(message.get("id"), error, has_id=has_id, code=refused[0])
     method = message.get("method")
     has_id = "id" in message
     request_id = message.get("id")
@@ -290,6 +327,8 @@ async def _post(
             await request.app[STORE].check_fence(fence)
         except FencegateError as exc:
             return _refuse(request_id, exc, has_id=has_id and isinstance(method, str))
+    if (stripped := mcp.without_ours(message)) is not None:  # only the gateway names effects
+        message, body = stripped, json.dumps(stripped).encode()
     return await _relay(request, downstream, adapter, body, message)
 
 
@@ -304,9 +343,9 @@ async def _tool_policy(
     tool: str,
     envelope: Mapping[str, Any],
 ) -> ToolPolicy:
-    """The tool's policy: its configured kind, else its annotations (cached per session;
-    fetched with the session's own ``tools/list`` on a miss)."""
-    if tool in adapter.tools and adapter.tools[tool].kind is not None:
+    """The tool's policy: its configured kind, else its annotations when trusted (cached per
+    session; fetched with the session's own ``tools/list`` on a miss), else an effect."""
+    if not adapter.needs_annotations(tool):
         return adapter.policy(tool, None)
     session = request.headers.get("Mcp-Session-Id", "")
     cache = request.app[MCP_TOOLS]
@@ -348,32 +387,53 @@ async def _list_tools(
             headers.popall(name, None)
         if "Mcp-Method" in headers:
             headers["Mcp-Method"] = "tools/list"
-        timeout = aiohttp.ClientTimeout(total=downstream.timeout_ms / 1000)
+        target = _where(request, downstream, "tools/call", _LIST_TOOLS)
         try:
-            async with request.app[HTTP_CLIENT].post(
+            async with send(
+                request.app,
+                downstream.name,
+                "POST",
                 downstream.url,
-                data=json.dumps(message).encode(),
+                downstream_limits(downstream),
                 headers=headers,
-                timeout=timeout,
-                allow_redirects=False,
+                data=json.dumps(message).encode(),
             ) as resp:
                 answer = await _one_answer(resp, message["id"])
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise DownstreamUnreachable(
-                f"{downstream.name}: tools/list (to learn the tool's annotations) failed: "
-                f"{type(exc).__name__}; nothing was sent"
-            ) from exc
+        except ForwardFailed as failed:
+            raise failure_answer(target, failed.failure) from failed.cause
         result = answer.get("result") if answer else None
         if not isinstance(result, dict):
             raise DownstreamUnreachable(
-                f"{downstream.name}: tools/list (to learn the tool's annotations) got no "
-                "result; nothing was sent"
+                f"{target.where()}: {_LIST_TOOLS} got no result; the call itself was not sent"
             )
         tools.update(_annotations(result))
         cursor = result.get("nextCursor")
         if not isinstance(cursor, str):
             break
     return tools
+
+
+#: The gateway's own request before a call whose tool it does not know yet.
+_LIST_TOOLS = "tools/list (to learn the tool's annotations)"
+
+
+def _where(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    call: str | None,
+    preliminary: str | None = None,
+) -> Target:
+    """The call as the agent's error names it (``forward.failure_answer``): the downstream's
+    name, the agent's method and path, the message (``tools/call charge``); never the
+    server's address."""
+    return Target(
+        downstream.name,
+        request.method,
+        request.rel_url.raw_path,
+        request.app[CONFIG].proxy.max_connections,
+        call,
+        preliminary,
+    )
 
 
 async def _one_answer(resp: aiohttp.ClientResponse, request_id: Any) -> dict[str, Any] | None:
@@ -437,7 +497,7 @@ async def _tool_call(
             await request.app[STORE].check_fence(fence)
         except FencegateError as exc:
             return _refuse(request_id, exc)
-        return await _relay(request, downstream, adapter, json.dumps(message).encode(), message)
+        return await _relay(request, downstream, adapter, _relayed(message), message)
 
     try:
         node = id_header(request, "Fence-Node", required=False) or "main"
@@ -466,13 +526,16 @@ async def _tool_call(
     )
     enforcement = downstream.enforcement or config.proxy.enforcement
     subject = Subject(downstream.name, fields, enforcement == "shadow", adapter.kind)
-    sent_at = time.monotonic()
+    sent_at = request.app[FORWARD_CLOCK]()  # the window's clock (gateway/forward.py)
     prepared: PrepareOutcome | FencegateError
     try:
-        prepared = await request.app[STORE].prepare_effect(
+        # As /proxy's: a lost answer is cleaned up by its forward id, and a re-send window
+        # is shortened by the start limit (gateway/forward.py).
+        prepared = await prepare_effect(
+            request.app,
             effect_request,
             deadline_ms,
-            resend_window_ms=policy.resend_window_ms,
+            resend_window_ms=resend_window(policy.resend_window_ms, config.proxy.start_limit_ms),
             require_approval=policy.require_approval,
         )
     except FencegateError as exc:
@@ -485,7 +548,7 @@ async def _tool_call(
         case Replay(effect):
             return _replay(adapter.replay(effect, outgoing), effect)
         case ShadowForward() | PassThrough():
-            return await _relay(request, downstream, adapter, json.dumps(message).encode(), message)
+            return await _relay(request, downstream, adapter, _relayed(message), message)
         case Forward() as forward:
             window = forward_window(request, sent_at, deadline_ms)
             if window.start_left_ms() <= 0:
@@ -495,6 +558,12 @@ async def _tool_call(
                 request, downstream, adapter, fence, forward, window, message, body
             )
     raise AssertionError(decision.act)  # pragma: no cover
+
+
+def _relayed(message: dict[str, Any]) -> bytes:
+    """An unrecorded call's body as the server gets it: without the agent's ``fencegate/``
+    ``_meta`` keys (``mcp.without_ours``)."""
+    return json.dumps(mcp.without_ours(message) or message).encode()
 
 
 def _replay(answer: Answer, effect: Effect) -> web.Response:
@@ -543,15 +612,63 @@ def _message(body: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-async def _finish(stream: web.StreamResponse, last: bytes) -> None:
-    """Write a stream's last event and end it. An MCP client closes the stream as soon as it
-    has read its answer, so a close on the way is normal, not a failure: the outcome is
+async def _finish(
+    request: web.Request, stream: web.StreamResponse, last: bytes, seconds: float = 1.0
+) -> None:
+    """Write a stream's last event and end it, within ``seconds`` (an agent that does not
+    read must not hold the server's connection). An MCP client closes the stream as soon as
+    it has read its answer, so a close on the way is normal, not a failure: the outcome is
     recorded already."""
     try:
-        await stream.write(last)
-        await stream.write_eof()
+        async with asyncio.timeout(seconds):
+            await stream.write(last)
+            await stream.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         pass
+    except TimeoutError:
+        _drop_agent(request)
+
+
+def _run_end(window: ForwardWindow, limits: Limits) -> float:
+    """When (the gateway's monotonic clock) a forward starting now must be over: its
+    ``total`` bound (the downstream's timeout cut to the PREPARED deadline), which leaves
+    the window's margin to record the outcome before that deadline."""
+    left_ms = window.deadline_ms - window.elapsed_ms()
+    if limits.total is not None:
+        left_ms = min(left_ms, limits.total.ms)
+    return time.monotonic() + max(left_ms, 1.0) / 1000
+
+
+def _left_s(end: float) -> float:
+    """Seconds until ``end`` (at least 1 ms)."""
+    return max(end - time.monotonic(), 0.001)
+
+
+def _drop_agent(request: web.Request) -> None:
+    """Close the agent's connection at once (``abort``: ``close`` would wait for it to read
+    what is buffered)."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def _write_within(
+    request: web.Request, stream: web.StreamResponse, data: bytes, seconds: float
+) -> bool:
+    """Write ``data`` to the agent within ``seconds``. False when the agent is gone: its
+    connection closed, or it did not take the bytes in time (its connection is then
+    closed, ``_drop_agent``). A write that waits on the agent's socket is bounded by no
+    client timeout (aiohttp's ``total`` fires only inside reads of the server's answer)."""
+    try:
+        async with asyncio.timeout(seconds):
+            await stream.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        return False
+    except TimeoutError:
+        log.info("mcp.agent_not_reading", path=request.path, seconds=round(seconds, 3))
+        _drop_agent(request)
+        return False
+    return True
 
 
 async def _forward_call(
@@ -560,7 +677,7 @@ async def _forward_call(
     adapter: McpAdapter,
     fence: Fence,
     forward: Forward,
-    window: Any,
+    window: ForwardWindow,
     message: dict[str, Any],
     body: bytes,
 ) -> web.StreamResponse:
@@ -596,24 +713,29 @@ async def _forward_call(
                 if len(raw) <= downstream.replay_max_bytes and downstream.store_response_body
                 else None
             )
+            # A body not kept still replays its error flag (``mcp.answer_summary``).
             stored = response_json(
                 200,
                 [("Content-Type", "application/json")],
                 kept,
                 omitted_reason=None if kept is not None else "not stored",
+                summary=mcp.answer_summary(answer) if kept is None else None,
             )
         return await record_outcome(
             request, fence, downstream.name, effect, seq, state, reason, stored, forward.fields
         )
 
+    limits = window.limits(downstream)
+    run_end = _run_end(window, limits)  # every write to the agent ends by then, too
     try:
-        async with request.app[HTTP_CLIENT].post(
+        async with send(
+            request.app,
+            downstream.name,
+            "POST",
             downstream.url,
-            data=data,
+            limits,
             headers=headers,
-            timeout=window.timeout(downstream),
-            allow_redirects=False,
-            middlewares=send_once(),
+            data=data,
         ) as resp:
             live = _answer_headers(resp)
             if resp.status != 200:
@@ -657,65 +779,68 @@ async def _forward_call(
                     state, reason = adapter.outcome(200, json.dumps(event).encode(), effect)
                     await record(state, reason, event)
                     if not agent_gone:
-                        await _finish(stream, raw)
+                        await _finish(request, stream, raw, max(_left_s(run_end), 1.0))
                     return stream
+                # An agent that left, or does not read within what the window leaves (a
+                # write blocked on it is bounded by nothing else), is gone; the call goes on:
+                # read the server's answer under the window's bounds and record it (a retry
+                # then gets it replayed).
                 if not agent_gone:
-                    try:
-                        await stream.write(raw)
-                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        # The agent left; the call goes on: read the server's answer to the
-                        # end and record it (a retry then gets it replayed).
-                        agent_gone = True
+                    agent_gone = not await _write_within(request, stream, raw, _left_s(run_end))
             raise aiohttp.ClientPayloadError("the stream ended without the call's answer")
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except ForwardFailed as failed:
         if recorded:
             raise
-        connect = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
-        timed_out = isinstance(exc, TimeoutError)
-        observe("unreachable" if connect else "timeout" if timed_out else "unknown")
-        state = EffectState.NOT_APPLIED if connect else EffectState.UNKNOWN
-        what = (
-            "connect failed"
-            if connect
-            else ("timed out" if isinstance(exc, TimeoutError) else "failed after sending")
-        )
-        reason = f"{what}: {type(exc).__name__}"
+        # The one table's outcome, recorded; then the one decision of what the agent gets
+        # (gateway/forward.py), as /proxy's: a record the store refused is that refusal.
+        failure = failed.failure
+        observe(failure.metric)
+        error: FencegateError
         try:
-            done = await record(state, reason, None)
-            final = done.state
-        except FencegateError:
-            final = EffectState.UNKNOWN
-        error: FencegateError = (
-            DownstreamUnreachable(f"{downstream.name}: {reason}")
-            if connect
-            else DownstreamTimeout(f"{downstream.name}: {reason}")
-        )
-        error = _fence_meta(error, effect, final)
-        if stream is not None:
-            # The agent already has the stream (or had it): its last event is the refusal.
-            refusal = json.dumps(mcp.error_message(request_id, error), separators=(",", ":"))
-            await _finish(stream, f"event: message\ndata: {refusal}\n\n".encode())
-            return stream
-        return _refuse(request_id, error)
+            done = await record(failure.outcome, failure.reason, None)
+        except FencegateError as exc:
+            error = exc
+        else:
+            target = _where(request, downstream, f"tools/call {forward.fields.get('tool')}")
+            error = failure_answer(target, failure, effect=effect, recorded=done.state)
+        return await _call_refused(request, stream, request_id, error)
     except StoreUnavailable as exc:
-        if stream is not None:
-            refusal = json.dumps(mcp.error_message(request_id, exc), separators=(",", ":"))
-            await _finish(stream, f"event: message\ndata: {refusal}\n\n".encode())
-            return stream
-        return _refuse(request_id, exc)
+        return await _call_refused(request, stream, request_id, exc)
+
+
+async def _call_refused(
+    request: web.Request,
+    stream: web.StreamResponse | None,
+    request_id: Any,
+    error: FencegateError,
+) -> web.StreamResponse:
+    """A tool call's refusal: a JSON-RPC error answer, or, when the agent already has the
+    call's SSE stream (or had it), that stream's last event."""
+    if stream is None:
+        return _refuse(request_id, error)
+    refusal = json.dumps(mcp.error_message(request_id, error), separators=(",", ":"))
+    await _finish(request, stream, f"event: message\ndata: {refusal}\n\n".encode())
+    return stream
 
 
 # --- everything else: fence-checked (above), relayed as it is ----------------------------------
 
 
 async def _copy(
-    resp: aiohttp.ClientResponse, answer: web.StreamResponse, kept: bytearray | None = None
+    request: web.Request,
+    resp: aiohttp.ClientResponse,
+    answer: web.StreamResponse,
+    write_s: float,
+    kept: bytearray | None = None,
 ) -> None:
-    """Pass the body through; ``kept`` also gets a copy of it, up to ``_MAX_KEPT_BYTES``."""
+    """Pass the body through; ``kept`` also gets a copy of it, up to ``_MAX_KEPT_BYTES``.
+    An agent that does not take a chunk within ``write_s`` is gone (``_write_within``): a
+    blocked write would hold a pooled connection for as long as the agent stays silent."""
     async for chunk in resp.content.iter_any():
         if kept is not None and len(kept) + len(chunk) <= _MAX_KEPT_BYTES:
             kept += chunk
-        await answer.write(chunk)
+        if not await _write_within(request, answer, chunk, write_s):
+            return
     await answer.write_eof()
 
 
@@ -771,20 +896,17 @@ async def _relay(
     through as it comes (a JSON body, an SSE stream, a 202)."""
     headers = _outbound(request, adapter, adapter.outbound_headers(None, None))
     streaming = request.method == "GET"
-    timeout = aiohttp.ClientTimeout(
-        total=None if streaming else downstream.timeout_ms / 1000,
-        connect=downstream.connect_timeout / 1000,
-        sock_read=None if streaming else downstream.read_timeout / 1000,
-    )
+    limits = downstream_limits(downstream, streaming=streaming)
     answer: web.StreamResponse | None = None
     try:
-        async with request.app[HTTP_CLIENT].request(
+        async with send(
+            request.app,
+            downstream.name,
             request.method,
             downstream.url,
-            data=body,
+            limits,
             headers=headers,
-            timeout=timeout,
-            allow_redirects=False,
+            data=body,
         ) as resp:
             # Passed through as it comes, whatever its type: nothing here is kept.
             answer = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))
@@ -797,11 +919,13 @@ async def _relay(
                 and resp.status == 200
             )
             kept = bytearray() if listing else None
-            copy = asyncio.ensure_future(_copy(resp, answer, kept))
+            write_s = downstream.timeout_ms / 1000  # per write to the agent
+            copy = asyncio.ensure_future(_copy(request, resp, answer, write_s, kept))
             if streaming:
                 # A silent stream would notice an agent that left only at its next byte:
                 # watch the agent's connection, and end the server's stream with it.
-                gone = asyncio.ensure_future(_until_gone(request))
+                # Also its lease ending, or a reload ending it (gateway/mcp_streams.py).
+                gone = asyncio.ensure_future(mcp_streams.until_over(request, _until_gone(request)))
                 await asyncio.wait({copy, gone}, return_when=asyncio.FIRST_COMPLETED)
                 gone.cancel()
                 if not copy.done():
@@ -818,11 +942,12 @@ async def _relay(
         if answer is None:
             raise
         return answer  # the agent went away: the upstream request ends with this handler
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except ForwardFailed as failed:
         if answer is not None and answer.prepared:
             return answer  # broke off mid-stream: the agent sees its stream end
-        error = DownstreamUnreachable(
-            f"{downstream.name}: {type(exc).__name__}; nothing was recorded"
-        )
+        # The one table and the one decision (gateway/forward.py), as for /proxy's GET.
+        method = message.get("method") if message is not None else None
+        target = _where(request, downstream, method if isinstance(method, str) else None)
+        error = failure_answer(target, failed.failure)
         has_id = message is not None and "id" in message and "method" in message
         return _refuse(message.get("id") if message else None, error, has_id=has_id)

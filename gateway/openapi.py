@@ -78,6 +78,11 @@ _PROBLEM: Schema = _object(
         "leaseExpiresAt": {**_TIME, "description": "CLAIMED, LEASE_EXPIRED: the lease's end"},
         "runtimeEndsAt": {**_TIME, "description": "RUNTIME_EXCEEDED: the attempt's last instant"},
         "probeUntil": {**_TIME, "description": "EFFECT_IN_FLIGHT: another reconciler's probe"},
+        "landingUntil": {
+            **_TIME,
+            "description": "EFFECT_IN_FLIGHT (resolve NOT_APPLIED): until when an earlier "
+            "forward may still land at the downstream (settle_ms)",
+        },
         "resolvedAt": {**_TIME, "description": "EFFECT_SETTLED: when an operator resolved it"},
     },
 )
@@ -216,6 +221,11 @@ _EFFECT: Schema = _object(
         "method": _TEXT,
         "path": _TEXT,
         "payloadDigest": _TEXT,
+        "approvalDigest": {
+            **_TEXT,
+            "description": "what an approval names: SHA-256 of payloadDigest and the request's "
+            "Content-Type, Content-Encoding and preconditions (payloadDigest when none was sent)",
+        },
         "state": _EFFECT_STATE,
         "attempts": {
             "type": "array",
@@ -238,7 +248,15 @@ _EFFECT: Schema = _object(
         "deadlineAt": _nullable(_TIME),
         "requestedBy": _nullable(_TEXT),
         "approval": _nullable(
-            _object({"payloadDigest": _TEXT, "by": _TEXT, "at": _TIME, "expiresAt": _TIME})
+            _object(
+                {
+                    "approvalDigest": _TEXT,
+                    "payloadDigest": _nullable(_TEXT),
+                    "by": _TEXT,
+                    "at": _TIME,
+                    "expiresAt": _TIME,
+                }
+            )
         ),
         "probes": _object({"count": _COUNTER, "nextAt": _nullable(_TIME)}),
         "actions": {
@@ -248,7 +266,14 @@ _EFFECT: Schema = _object(
                     "action": {"enum": ["resolve", "approve", "reconcile"]},
                     "by": _TEXT,
                     "at": _TIME,
-                }
+                },
+                {
+                    "force": {
+                        "const": True,
+                        "description": "resolve: NOT_APPLIED forced before landingUntil",
+                    },
+                    "landingUntil": _TIME,
+                },
             ),
         },
     },
@@ -964,7 +989,8 @@ def _mcp_path() -> dict[str, Any]:
                 ("Fence-Epoch", "schedulerEpoch"),
                 ("Fence-Cancel", "the cancelGeneration the worker observed"),
                 ("Fence-Node", "node, default main"),
-                ("Mcp-Session-Id", "the MCP session (handshake revisions)"),
+                ("Mcp-Session-Id", "the MCP session (handshake revisions); with [auth] the id "
+                 "this gateway handed out, bound to the principal: another's is 404"),
                 ("MCP-Protocol-Version", "the MCP revision the session speaks"),
             )
         ),

@@ -20,11 +20,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from fencegate.gateway import ops_commands as commands
 from fencegate.gateway import store_cli
 from fencegate.gateway.ops_commands import DEFAULT_URL, Command
+from fencegate.ledger.effects import RESOLVE_OUTCOMES, EffectState
+from fencegate.ledger.tasks import TaskState
 
 __all__ = ["add_global_options", "merge_global_options", "register"]
 
-_STATES = ("PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED")
-_TASK_STATES = ("READY", "CLAIMED", "COMMITTED", "CANCELLED")
+#: Every ``choices`` comes from its source, never retyped: what the API takes, the CLI takes
+#: (tests/test_cli_choices.py walks the parser and holds each to its source).
+_STATES = tuple(state.value for state in EffectState)
+_TASK_STATES = tuple(state.value for state in TaskState)
+_OUTCOMES = tuple(outcome.value for outcome in RESOLVE_OUTCOMES)
 #: The gateway options and their values when given neither before nor after the command.
 _DEFAULTS: dict[str, object] = {
     "url": None,
@@ -179,10 +184,14 @@ def register(sub: SubParsers) -> None:
         actions, "resolve", "settle an UNKNOWN effect by hand", common, commands.effects_resolve
     )
     resolve.add_argument("effect_id", metavar="EFFECT_ID", help=_EFFECT_HELP)
-    resolve.add_argument(
-        "--outcome", required=True, type=str.upper, choices=("COMMITTED", "NOT_APPLIED")
-    )
+    resolve.add_argument("--outcome", required=True, type=str.upper, choices=_OUTCOMES)
     resolve.add_argument("--note", required=True, help="why (recorded with your name)")
+    resolve.add_argument(
+        "--force",
+        action="store_true",
+        help="NOT_APPLIED although an earlier forward may still land at the downstream "
+        "(refused until then, EFFECT_IN_FLIGHT); recorded on the effect",
+    )
     replay = resolve.add_argument_group(
         "what duplicates replay (COMMITTED only; give it now, a later resolve cannot add one; "
         "without it they get what the forward recorded, else 204 with Fence-Replay-Body: none)"
@@ -195,7 +204,16 @@ def register(sub: SubParsers) -> None:
     )
     approve.add_argument("effect_id", metavar="EFFECT_ID", help=_EFFECT_HELP)
     approve.add_argument(
-        "--payload-digest", metavar="DIGEST", help="approve only if it still waits for this"
+        "--approval-digest",
+        metavar="DIGEST",
+        help="approve only if it still waits for this request (its approvalDigest: the "
+        "payload and its Content-Type, Content-Encoding and preconditions)",
+    )
+    approve.add_argument(
+        "--payload-digest",
+        metavar="DIGEST",
+        help="approve only if it still waits for this payload (alone: only for a request "
+        "without those headers)",
     )
     approve.add_argument("--note", help="recorded with your name")
     reconcile = _leaf(

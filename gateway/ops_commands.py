@@ -38,7 +38,7 @@ import aiohttp
 
 from fencegate._http import RawAnswer, gateway_problem
 from fencegate.client import TOKEN_ENV, Client
-from fencegate.errors import EffectUnknown, GatewayUnreachable, ProblemError
+from fencegate.errors import EffectInFlight, EffectUnknown, GatewayUnreachable, ProblemError
 from fencegate.gateway import ops_render as render
 from fencegate.gateway.config import ServerConfig, parse_listen
 
@@ -432,7 +432,20 @@ async def effects_resolve(client: OperatorClient, args: argparse.Namespace) -> i
         "COMMITTED" if args.outcome == "COMMITTED" else "NOT_APPLIED"
     )
     effect_id = await _effect_id(client, args.effect_id)
-    record = await client.resolve_effect(effect_id, outcome, args.note, response=response)
+    try:
+        record = await client.resolve_effect(
+            effect_id, outcome, args.note, response=response, force=args.force
+        )
+    except EffectInFlight as exc:
+        refused = _problem(exc)
+        until = exc.problem.get("landingUntil")
+        if isinstance(until, int):
+            refused.message += (
+                f"\nfencegate: check the downstream after {render.time_text(until)}, then "
+                f"resolve again; or, if you know it cannot land: fencegate effects resolve "
+                f"{effect_id[:12]} --outcome NOT_APPLIED --force --note '...'"
+            )
+        raise refused from None
     _answer(client, args, record, render.resolved(effect_id, record))
     # The gateway's warnings (COMMITTED without a response: what duplicates will get); an
     # older gateway sends none.
@@ -445,7 +458,10 @@ async def effects_resolve(client: OperatorClient, args: argparse.Namespace) -> i
 async def effects_approve(client: OperatorClient, args: argparse.Namespace) -> int:
     effect_id = await _effect_id(client, args.effect_id)
     record = await client.approve_effect(
-        effect_id, args.note or "", payload_digest=args.payload_digest or None
+        effect_id,
+        args.note or "",
+        payload_digest=args.payload_digest or None,
+        approval_digest=args.approval_digest or None,
     )
     _answer(client, args, record, render.approved(effect_id, record))
     return 0

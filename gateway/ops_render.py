@@ -183,6 +183,9 @@ def effect(r: Mapping[str, Any]) -> str:
         ("downstream", r.get("downstream")),
         ("request", f"{r.get('method')} {r.get('path')}"),
         ("payloadDigest", r.get("payloadDigest")),
+        # The payload and its effect-changing headers: what an approval names (an older
+        # gateway's record has none).
+        ("approvalDigest", r.get("approvalDigest", r.get("payloadDigest"))),
         ("created", time_text(r.get("createdAt"), precise=True)),
         ("updated", time_text(r.get("updatedAt"), precise=True)),
     ]
@@ -193,7 +196,8 @@ def effect(r: Mapping[str, Any]) -> str:
         pairs.append(
             (
                 "approval",
-                f"payloadDigest {approval.get('payloadDigest')} by {approval.get('by')}, "
+                f"approvalDigest {approval.get('approvalDigest', approval.get('payloadDigest'))}"
+                f" (payloadDigest {approval.get('payloadDigest')}) by {approval.get('by')}, "
                 f"usable until {time_text(approval.get('expiresAt'))}",
             )
         )
@@ -228,7 +232,7 @@ def effect(r: Mapping[str, Any]) -> str:
         rows = [
             [
                 time_text(a.get("at"), precise=True),
-                cell(a.get("action")),
+                cell(f"{a.get('action')} (forced)" if a.get("force") is True else a.get("action")),
                 cell(a.get("by")),
                 cell(a.get("outcome") or a.get("verdict")),
                 cell(a.get("note"), 60),
@@ -253,6 +257,13 @@ def resolved(effect_id: str, r: Mapping[str, Any]) -> str:
             "nothing changed"
         )
     text = f"effect {printable(effect_id)} resolved as {cell(r.get('state'))}"
+    actions = r.get("actions") or []
+    last = actions[-1] if actions and isinstance(actions[-1], dict) else {}
+    if last.get("force") is True:
+        text += (
+            f" (forced: an earlier forward could still land until "
+            f"{time_text(last.get('landingUntil'))})"
+        )
     if r.get("state") == "NOT_APPLIED":
         text += "\nthe same payload may now be sent again under the same key"
     return text
@@ -262,8 +273,9 @@ def approved(effect_id: str, r: Mapping[str, Any]) -> str:
     """``effects approve``: which payload may go where, until when."""
     approval = r.get("approval") or {}
     return (
-        f"effect {printable(effect_id)} approved: the next forward of payloadDigest "
-        f"{cell(approval.get('payloadDigest'))} goes to {cell(r.get('downstream'))} once, "
+        f"effect {printable(effect_id)} approved: the next forward of approvalDigest "
+        f"{cell(approval.get('approvalDigest', approval.get('payloadDigest')))} (payloadDigest "
+        f"{cell(approval.get('payloadDigest'))}) goes to {cell(r.get('downstream'))} once, "
         f"until {time_text(approval.get('expiresAt'))}"
     )
 

@@ -20,6 +20,7 @@ from fencegate.ledger.errors import FencegateError, PayloadTooLarge
 
 __all__ = [
     "PROBLEM_TYPE_BASE",
+    "ROUTING_PROBLEMS",
     "TIME_MEMBERS",
     "error_middleware",
     "problem_body",
@@ -90,13 +91,20 @@ def problem_response(error: FencegateError, headers: dict[str, str] | None = Non
     )
 
 
+#: The codes the gateway answers that are no ``FencegateError``: aiohttp's routing refusals
+#: (status -> code, title). With ``ledger.errors.ERRORS_BY_CODE`` the whole wire table, which
+#: the SDK's own copy is held to (tests/test_sdk_errors.py).
+ROUTING_PROBLEMS: dict[int, tuple[str, str]] = {
+    404: ("NOT_FOUND", "No such resource"),
+    405: ("METHOD_NOT_ALLOWED", "Method not allowed"),
+}
+
+
 def _from_http(exc: web.HTTPException) -> web.Response:
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return problem_response(PayloadTooLarge(f"body over the limit: {exc.text}"))
-    if exc.status == 404:
-        code, title = "NOT_FOUND", "No such resource"
-    elif exc.status == 405:
-        code, title = "METHOD_NOT_ALLOWED", "Method not allowed"
+    if exc.status in ROUTING_PROBLEMS:
+        code, title = ROUTING_PROBLEMS[exc.status]
     else:
         code, title = "BAD_REQUEST" if exc.status < 500 else "INTERNAL", exc.reason
     body = problem_body(exc.status, code, title, exc.reason)

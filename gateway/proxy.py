@@ -15,12 +15,13 @@ in one round trip and forwarded without a ledger entry. Every answer carries
 What to do with the store's answer (refuse, replay, forward, shadow-forward, and the log
 lines and metrics that go with it) is decided without I/O in ``gateway.proxy_decisions``;
 here ``_handle`` asks the store, ``_carry_out`` acts on the decision, and every forward goes
-through ``_forward``.
+through ``_forward``, which sends it through ``gateway.forward`` (the one forward path of
+``/proxy``, ``/mcp`` and the probes: one table from a client failure to its outcome, one
+decision of what the agent then gets).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -39,7 +40,20 @@ from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.http import NOT_APPLIED_STATUSES, UNKNOWN_STATUSES, HttpAdapter
 from fencegate.gateway import failpoints
 from fencegate.gateway.config import DownstreamConfig
-from fencegate.gateway.http_client import PoolWait, ResendRefused, send_once
+from fencegate.gateway.forward import (
+    ForwardFailed,
+    ForwardWindow,
+    Limits,
+    Target,
+    abort_later,
+    downstream_limits,
+    failure_answer,
+    forward_window,
+    prepare_effect,
+    read_up_to,
+    resend_window,
+    send,
+)
 from fencegate.gateway.http_rules import (
     SAFE_METHODS,
     downstream_request_headers,
@@ -65,7 +79,7 @@ from fencegate.gateway.proxy_decisions import (
     decide_safe,
 )
 from fencegate.gateway.reconcile import reconcile
-from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, METRICS, PENDING_ABORTS, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, FORWARD_CLOCK, METRICS, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import (
     Effect,
@@ -76,9 +90,6 @@ from fencegate.ledger.effects import (
 )
 from fencegate.ledger.errors import (
     BadRequest,
-    DownstreamBusy,
-    DownstreamTimeout,
-    DownstreamUnreachable,
     FencegateError,
     NoSuchDownstream,
     PayloadTooLarge,
@@ -90,12 +101,10 @@ from fencegate.ledger.store import new_id
 __all__ = [
     "account",
     "counter_header",
-    "forward_window",
     "id_header",
     "proxy_answer_headers",
     "proxy_handler",
     "record_outcome",
-    "resend_window",
     "start_too_late",
 ]
 
@@ -106,8 +115,6 @@ _COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
 _MAX_COUNTER = 2**53 - 1
 _FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
 _ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
-#: Retry-After of a DOWNSTREAM_BUSY answer: the pool frees up as forwards end.
-_BUSY_RETRY_MS = 1_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +188,8 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
     if downstream.adapter == "mcp":
         raise NoSuchDownstream(f"{name!r} is an MCP server: its calls go to /mcp/{name}")
     _check_framing(request)
-    refuse_method_override(method, request.headers.items(), tail)
+    approval = request.app[ADAPTERS][name].require_approval  # an approval covers the method
+    refuse_method_override(method, request.headers.items(), tail, approval_required=approval)
     task_id = _id_header(request, "Fence-Task")
     attempt_id = _id_header(request, "Fence-Attempt")
     assert task_id is not None and attempt_id is not None
@@ -358,14 +366,17 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
     #: The gateway's clock just before the prepare that opened the forward was sent: the
     #: store applied it later, so every bound measured from here is conservative.
     sent_at = 0.0
+    clock = request.app[FORWARD_CLOCK]
 
     async def prepare() -> PrepareOutcome:
         nonlocal sent_at
         progress.state = EffectState.UNKNOWN.value  # from here on a 500 cannot say more
-        sent_at = time.monotonic()
+        sent_at = clock()
         began = time.perf_counter()
         try:
-            return await store.prepare_effect(
+            # A lost answer (StoreUnavailable) is cleaned up by its forward id (forward.py).
+            return await prepare_effect(
+                request.app,
                 effect_request,
                 deadline_ms,
                 resend_window_ms=resend_window_ms,
@@ -397,14 +408,10 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
                 wait_ms = effect.next_probe_at - await store.now_ms()
                 outcome.error.extra["retryAfterMs"] = max(wait_ms, 0)
     except FencegateError as exc:
-        if isinstance(exc, StoreUnavailable):
-            # The store may still apply the prepare it did not answer; nothing was forwarded,
-            # so find that record once the store answers again and make it NOT_APPLIED.
-            _abort_later(request.app, effect_request, deadline_ms)
         prepared = exc
     if isinstance(prepared, PrepareOutcome):
         progress.effect_id = prepared.effect.effect_id
-    window = _ForwardWindow(sent_at, proxy_config.start_limit_ms, deadline_ms)
+    window = forward_window(request, sent_at, deadline_ms)
     decision = decide_effect(_subject(call, fields), prepared)
     return await _carry_out(request, call, decision, _Prepared(effect_request, window))
 
@@ -433,19 +440,12 @@ def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, i
         path=shape.path,
         payload_digest=shape.payload_digest,
         forward_id=new_id(),
+        approval_digest=shape.approval_digest,
     )
     return effect_request, resend_window(
-        request, call.adapter.resend_window_ms(shape.preconditions)
+        call.adapter.resend_window_ms(shape.preconditions),
+        request.app[CONFIG].proxy.start_limit_ms,
     )
-
-
-def resend_window(request: web.Request, window_ms: int | None) -> int | None:
-    """An adapter's resend window as the prepare applies it: a re-send admitted now may reach
-    the downstream up to the start limit later, and must still reach it inside its window
-    (counted from its first sight of the key)."""
-    if window_ms is None:
-        return None
-    return max(window_ms - request.app[CONFIG].proxy.start_limit_ms, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,7 +454,7 @@ class _Prepared:
     the window it must run in."""
 
     effect_request: EffectRequest
-    window: _ForwardWindow
+    window: ForwardWindow
 
 
 async def _carry_out(
@@ -494,48 +494,6 @@ def account(request: web.Request, decision: Decision) -> None:
         emit(record.event, **record.fields)
 
 
-def forward_window(request: web.Request, sent_at: float, deadline_ms: int) -> _ForwardWindow:
-    """The window a forward prepared at ``sent_at`` (the gateway's monotonic clock) runs in."""
-    return _ForwardWindow(sent_at, request.app[CONFIG].proxy.start_limit_ms, deadline_ms)
-
-
-#: A ceil_threshold no timeout reaches: aiohttp then never rounds a deadline up.
-_NEVER_ROUND = float(2**31)
-
-
-@dataclass(frozen=True, slots=True)
-class _ForwardWindow:
-    """When a prepared forward may still start, and how long it may run (docs/decisions.md,
-    "At most once"): its first byte must leave within ``start_limit_ms`` of ``sent_at`` and
-    it must end by ``sent_at + deadline_ms``, which is never later than the PREPARED
-    deadline the store recorded (its clock read the prepare after ``sent_at``)."""
-
-    sent_at: float
-    start_limit_ms: int
-    deadline_ms: int
-
-    def elapsed_ms(self) -> float:
-        return (time.monotonic() - self.sent_at) * 1000
-
-    def start_left_ms(self) -> float:
-        return self.start_limit_ms - self.elapsed_ms()
-
-    def timeout(self, downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
-        """The downstream's timeouts, cut to what the window leaves: ``connect`` (pool wait
-        plus connect) to the start limit, ``total`` to the deadline."""
-        elapsed = self.elapsed_ms()
-        start_left = max(self.start_limit_ms - elapsed, 1.0)
-        run_left = max(self.deadline_ms - elapsed, 1.0)
-        return aiohttp.ClientTimeout(
-            total=min(downstream.timeout_ms, run_left) / 1000,
-            connect=min(downstream.connect_timeout, start_left) / 1000,
-            sock_connect=downstream.connect_timeout / 1000,
-            sock_read=downstream.read_timeout / 1000,
-            # aiohttp rounds timeouts of 5 s and more up to a whole second; these are bounds.
-            ceil_threshold=_NEVER_ROUND,
-        )
-
-
 async def _too_late(
     request: web.Request, forward: Forward, prepared: _Prepared, progress: _Progress
 ) -> web.StreamResponse:
@@ -549,7 +507,7 @@ async def start_too_late(
     request: web.Request,
     forward: Forward,
     effect_request: EffectRequest,
-    window: _ForwardWindow,
+    window: ForwardWindow,
     progress: _Progress | None = None,
 ) -> FencegateError:
     """The prepare was answered (or the gateway stalled) past the start limit: a bump or a
@@ -573,7 +531,7 @@ async def start_too_late(
         state = aborted.state
         log.info("effect.aborted", state=state.value, **fields)
     except StoreUnavailable:
-        _abort_later(request.app, effect_request, deadline_ms)
+        abort_later(request.app, effect_request, deadline_ms)
         state = EffectState.PREPARED
     except FencegateError as exc:  # settled meanwhile (an operator): nothing to abort
         log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
@@ -587,73 +545,8 @@ async def start_too_late(
     return _with_effect(error, effect, state)
 
 
-#: Pause between attempts to find and abort a prepare the store did not answer.
-_ABORT_RETRY_S = 0.5
-
-
-def _abort_later(app: web.Application, request: EffectRequest, deadline_ms: int) -> None:
-    task = asyncio.get_running_loop().create_task(_abort(app, request, deadline_ms))
-    pending = app[PENDING_ABORTS]
-    pending.add(task)
-    task.add_done_callback(pending.discard)
-
-
-async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int) -> None:
-    """Bounded: keeps looking for the deadline plus a margin (the store may apply the prepare
-    only when it recovers), then gives up; a record it never found is then one no gateway
-    created, or one that reads UNKNOWN and an operator settles."""
-    assert request.forward_id is not None
-    store = app[STORE]
-    give_up = time.monotonic() + deadline_ms / 1000 + 5
-    fields = {"task": request.fence.task_id, "attempt": request.fence.attempt_id,
-              "slot": request.slot, "downstream": request.downstream,
-              "forward_id": request.forward_id}  # fmt: skip
-    forward_id = request.forward_id
-
-    def abort(record: Effect | None, now: int) -> Effect:
-        return effects.abort(record, forward_id, now)
-
-    while time.monotonic() < give_up:
-        try:
-            effect_id = await store.find_forward(request.fence.task_id, forward_id)
-            if effect_id is not None:
-                effect = await store.update_effect(effect_id, abort)
-                log.warning("effect.aborted", effect_id=effect.effect_id,
-                            state=effect.state.value, **fields)  # fmt: skip
-                return
-        except StoreUnavailable:
-            pass
-        except FencegateError as exc:  # settled meanwhile: nothing to abort
-            log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
-            return
-        await asyncio.sleep(_ABORT_RETRY_S)
-    log.info("effect.abort_gave_up", **fields)
-
-
-def _client_timeout(downstream: DownstreamConfig) -> aiohttp.ClientTimeout:
-    """An unrecorded forward's timeouts: the pool wait plus connect is bounded by
-    ``connect_timeout_ms`` (a wait past it is DOWNSTREAM_BUSY), the whole by ``timeout_ms``."""
-    return aiohttp.ClientTimeout(
-        total=downstream.timeout_ms / 1000,
-        connect=downstream.connect_timeout / 1000,
-        sock_connect=downstream.connect_timeout / 1000,
-        sock_read=downstream.read_timeout / 1000,
-    )
-
-
 def _target(call: _Call) -> URL:
     return URL(call.downstream.url + (call.tail or "/"), encoded=True)
-
-
-async def _read_up_to(stream: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
-    """At most ``limit + 1`` bytes of a body, and whether that was all of it."""
-    buf = bytearray()
-    while len(buf) <= limit:
-        chunk = await stream.read(limit + 1 - len(buf))
-        if not chunk:
-            return bytes(buf), True
-        buf += chunk
-    return bytes(buf), stream.at_eof()
 
 
 async def _stream(
@@ -684,30 +577,6 @@ def _token(call: _Call) -> str:
     return f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
 
 
-class _ForwardFailed(Exception):
-    """A forward broke before the agent had its answer. ``outcome``: NOT_APPLIED when it
-    certainly delivered nothing (no pooled connection in time: ``busy``; the connect
-    failed), UNKNOWN when the downstream may have acted (a timeout, a reset or a refused
-    re-send after sending, a body that broke off); ``reason`` says which, for the ledger;
-    ``cause`` is the client's exception."""
-
-    def __init__(
-        self, outcome: EffectState, reason: str, cause: Exception, busy: bool = False
-    ) -> None:
-        super().__init__(reason)
-        self.outcome = outcome
-        self.reason = reason
-        self.cause = cause
-        self.busy = busy
-
-    @property
-    def metric_outcome(self) -> str:
-        """The ``fencegate_forward_seconds`` outcome of a forward that got no answer."""
-        if self.busy or self.outcome is EffectState.NOT_APPLIED:
-            return "unreachable"
-        return "timeout" if isinstance(self.cause, TimeoutError) else "unknown"
-
-
 #: Called once the downstream's answer is read (up to ``replay_max_bytes``): the response,
 #: that much of its body, whether that was all of it, and the headers the agent will get
 #: (already filtered: ``upstream_response_headers`` less the credential values); returns the
@@ -722,13 +591,14 @@ async def _forward(
     call: _Call,
     identity: dict[str, str],
     data: bytes | None,
-    limits: aiohttp.ClientTimeout,
+    limits: Limits,
     on_answer: _OnAnswer,
     outcome_of: Callable[[int], EffectState],
 ) -> web.StreamResponse:
-    """The one forward: send the call once (``send_once``: nothing below the ledger re-sends),
-    read its answer up to ``replay_max_bytes``, let ``on_answer`` act on it, and pass it to
-    the agent, streaming a larger body. A client failure raises ``_ForwardFailed``.
+    """Send the call (``forward.send``: once, nothing below the ledger re-sends), read its
+    answer up to ``replay_max_bytes``, let ``on_answer`` act on it, and pass it to the agent,
+    streaming a larger body. A client failure raises ``ForwardFailed`` (its ``failure`` from
+    the one table, ``forward.failure_of``).
 
     Every forward is observed in ``fencegate_forward_seconds``, answered or not: with
     ``outcome_of(status)`` (what the answer means for an effect), or how it failed."""
@@ -739,31 +609,20 @@ async def _forward(
         reserved=(call.downstream.idempotency_key_header, call.downstream.fencing_token_header),
         peer=request.remote,
     )
-    status: int | None = None
     started = time.monotonic()
     began = time.perf_counter()
     observed = False
-    pool = PoolWait()
     progress = call.progress
+    name = call.downstream.name
     try:
-        async with request.app[HTTP_CLIENT].request(
-            call.method,
-            _target(call),
-            headers=headers,
-            data=data,
-            allow_redirects=False,
-            timeout=limits,
-            middlewares=send_once(),
-            trace_request_ctx=pool,
+        async with send(
+            request.app, name, call.method, _target(call), limits, headers=headers, data=data
         ) as resp:
-            status = resp.status
-            body, whole = await _read_up_to(resp.content, call.downstream.replay_max_bytes)
+            body, whole = await read_up_to(resp.content, call.downstream.replay_max_bytes)
             progress.forward = time.perf_counter() - began
             seconds = time.monotonic() - started
-            outcome = outcome_of(status).value.lower()
-            request.app[METRICS].forward_seconds.labels(call.downstream.name, outcome).observe(
-                seconds
-            )
+            outcome = outcome_of(resp.status).value.lower()
+            request.app[METRICS].forward_seconds.labels(name, outcome).observe(seconds)
             observed = True
             live = without_secret_values(
                 upstream_response_headers(resp.headers.items()), _credential_values(call)
@@ -775,33 +634,26 @@ async def _forward(
             live.update(fence)
             if not whole:
                 return await _stream(request, resp, live, body, progress)
-            return web.Response(status=status, body=body, headers=live)
-    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
+            return web.Response(status=resp.status, body=body, headers=live)
+    except ForwardFailed as failed:
         if progress.forward is None:  # not a body that broke off while streaming
             progress.forward = time.perf_counter() - began
-        failed = _failure(exc, status, pool.waiting)
         if not observed:  # a body that broke off while streaming was observed already
-            request.app[METRICS].forward_seconds.labels(
-                call.downstream.name, failed.metric_outcome
-            ).observe(time.monotonic() - started)
-        raise failed from exc
+            request.app[METRICS].forward_seconds.labels(name, failed.failure.metric).observe(
+                time.monotonic() - started
+            )
+        raise
 
 
-def _failure(exc: Exception, status: int | None, waiting: bool) -> _ForwardFailed:
-    """What a client failure means for the effect (``_ForwardFailed``); ``waiting``: the call
-    was still queued for a pooled connection."""
-    if waiting:
-        # It never had a connection, so nothing was sent, whichever timeout fired.
-        reason = f"never sent: no pooled connection in time ({type(exc).__name__})"
-        return _ForwardFailed(EffectState.NOT_APPLIED, reason, exc, busy=True)
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return _ForwardFailed(EffectState.NOT_APPLIED, f"connect failed: {type(exc).__name__}",
-                              exc)  # fmt: skip
-    what = "timed out" if isinstance(exc, TimeoutError) else "failed after sending"
-    reason = f"{what}: {type(exc).__name__}"
-    if status is not None:
-        reason = f"response {status}, then the body {what}: {type(exc).__name__}"
-    return _ForwardFailed(EffectState.UNKNOWN, reason, exc)
+def _where(request: web.Request, call: _Call) -> Target:
+    """The call as the agent's error names it (``forward.failure_answer``): the downstream's
+    name, the agent's method and path without the query, never the downstream's address."""
+    return Target(
+        call.downstream.name,
+        call.method,
+        request.rel_url.raw_path,
+        request.app[CONFIG].proxy.max_connections,
+    )
 
 
 def _plain_outcome(adapter: Adapter, status: int) -> EffectState:
@@ -831,21 +683,16 @@ async def _forward_plain(
     ) -> Mapping[str, str]:
         return {**_fence_headers(None, None, False), **(answer_headers or {})}
 
-    limits = _client_timeout(call.downstream)
+    limits = downstream_limits(call.downstream)
     try:
         return await _forward(request, call, identity, call.body or None, limits, unrecorded,
                               lambda status: _plain_outcome(call.adapter, status))  # fmt: skip
-    except _ForwardFailed as failed:
-        exc = failed.cause
-        if failed.busy:
-            raise _busy(call) from exc
-        if failed.outcome is EffectState.NOT_APPLIED:
-            raise DownstreamUnreachable(f"{call.downstream.name}: {exc}") from exc
-        raise DownstreamTimeout(f"{call.downstream.name}: {type(exc).__name__}") from exc
+    except ForwardFailed as failed:
+        raise failure_answer(_where(request, call), failed.failure) from failed.cause
 
 
 async def _forward_effect(
-    request: web.Request, call: _Call, forward: Forward, window: _ForwardWindow
+    request: web.Request, call: _Call, forward: Forward, window: ForwardWindow
 ) -> web.StreamResponse:
     """Forward a prepared attempt inside its window and record its outcome (step two)."""
     effect, seq, fields = forward.effect, forward.seq, forward.fields
@@ -877,35 +724,18 @@ async def _forward_effect(
             call,
             identity,
             call.body,
-            window.timeout(call.downstream),
+            window.limits(call.downstream),
             record,
             lambda status: call.adapter.classify(status, effect)[0],
         )
-    except _ForwardFailed as failed:
-        exc = failed.cause
+    except ForwardFailed as failed:
+        failure = failed.failure
         recorded = await _record(
-            request, call, effect, seq, failed.outcome, failed.reason, None, fields
+            request, call, effect, seq, failure.outcome, failure.reason, None, fields
         )
-        if failed.busy:
-            busy = _busy(call)
-            if recorded.state is EffectState.UNKNOWN:
-                busy.detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
-            raise _with_effect(busy, effect, recorded.state) from exc
-        if failed.outcome is EffectState.NOT_APPLIED:
-            detail = f"{call.downstream.name}: {exc}"
-            if recorded.state is EffectState.UNKNOWN:
-                detail += f"; the effect stays UNKNOWN: {effects.EARLIER_UNKNOWN}"
-            raise _with_effect(DownstreamUnreachable(detail), effect, recorded.state) from exc
-        raise _with_effect(DownstreamTimeout(f"{call.downstream.name}: {failed.reason}"),
-                           effect, EffectState.UNKNOWN) from exc  # fmt: skip
-
-
-def _busy(call: _Call) -> DownstreamBusy:
-    return DownstreamBusy(
-        f"{call.downstream.name}: every pooled connection (proxy.max_connections) stayed busy "
-        "while the call could wait; nothing was sent, retry after Retry-After",
-        retryAfterMs=_BUSY_RETRY_MS,
-    )
+        raise failure_answer(
+            _where(request, call), failure, effect=effect, recorded=recorded.state
+        ) from failed.cause
 
 
 def _replay(answer: Answer, effect: Effect) -> web.Response:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fencegate.ledger.effects import Action, Effect, Fence, PrepareOutcome
+from fencegate.ledger.effects import Action, Effect, Fence, PrepareOutcome, wanted_approval
 from fencegate.ledger.errors import ClaimRefused, FencegateError
 
 __all__ = [
@@ -68,7 +68,11 @@ PROBING_KINDS = frozenset({"probe"})
 
 
 def next_step(
-    code: str, effect_id: str, kind: str, payload_digest: str | None = None
+    code: str,
+    effect_id: str,
+    kind: str,
+    payload_digest: str | None = None,
+    approval_digest: str | None = None,
 ) -> str | None:
     """What to do about a refusal on an effect of a downstream of adapter ``kind``, with the
     exact command; None when the code needs no operator. Pure: the stores' texts stay
@@ -85,7 +89,11 @@ def next_step(
             "--outcome COMMITTED|NOT_APPLIED --note '...'"
         )
     if code == "APPROVAL_REQUIRED":
+        # The approval digest when the request carries effect-changing headers (the payload
+        # digest alone does not approve those: ``ledger.effects.approve``).
         digest = f" --payload-digest {payload_digest}" if payload_digest else ""
+        if approval_digest and approval_digest != payload_digest:
+            digest = f" --approval-digest {approval_digest}"
         return (
             "another operator approves it once, then the call is sent again: "
             f"fencegate effects approve {effect_id}{digest} --note '...'"
@@ -94,14 +102,17 @@ def next_step(
 
 
 def with_next_step(
-    error: FencegateError, kind: str, payload_digest: str | None = None
+    error: FencegateError,
+    kind: str,
+    payload_digest: str | None = None,
+    approval_digest: str | None = None,
 ) -> FencegateError:
     """``error`` with ``next_step`` appended to its detail (a copy: the store's error is
     left as it is); ``error`` itself when there is nothing to add."""
     effect_id = error.extra.get("effectId")
     if not isinstance(effect_id, str):
         return error
-    step = next_step(error.code, effect_id, kind, payload_digest)
+    step = next_step(error.code, effect_id, kind, payload_digest, approval_digest)
     if step is None or step in error.detail:
         return error
     return type(error)(f"{error.detail}. Next: {step}", **error.extra)
@@ -243,7 +254,7 @@ def decide_effect(subject: Subject, prepared: PrepareOutcome | FencegateError) -
     validation = Validation(POINT, error.code if error else None, validated=True)
     if prepared.action is Action.REJECT:
         assert error is not None
-        error = with_next_step(error, subject.kind, effect.payload_digest)
+        error = with_next_step(error, subject.kind, effect.payload_digest, wanted_approval(effect))
         code = error.code
         rejected = LogRecord(
             "info",

@@ -4,7 +4,7 @@
 gateways never probe one effect at once), sends the downstream's probe, and records what the
 answer means (found -> COMMITTED with the probe's answer stored for replay; absent ->
 NOT_APPLIED, so the same payload may go again under the same key, but only once no earlier
-forward can still land: before the downstream's ``probe.settle_ms`` has passed since the
+forward can still land: before the downstream's ``settle_ms`` has passed since the
 gateway stopped waiting for it, "absent" counts as inconclusive; anything else -> still
 UNKNOWN, probed again later with backoff). The API's ``/reconcile``, the proxy (when an agent
 retries an UNKNOWN effect of a probe downstream) and the background ``Reconciler`` call it.
@@ -20,17 +20,16 @@ import contextlib
 import json
 from typing import Any
 
-import aiohttp
 import structlog
 from aiohttp import web
 from yarl import URL
 
 from fencegate.adapters import ProbeAdapter
 from fencegate.adapters.kinds import UnsafeProbePath
-from fencegate.gateway.http_client import ResendRefused, send_once
+from fencegate.gateway.forward import Bound, ForwardFailed, Limits, read_up_to, send
 from fencegate.gateway.http_rules import stored_response_headers
 from fencegate.gateway.proxy_decisions import next_step
-from fencegate.gateway.state import ADAPTERS, CONFIG, HTTP_CLIENT, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
 from fencegate.ledger.errors import EffectUnknown, FencegateError
@@ -41,8 +40,10 @@ __all__ = ["Reconciler", "reconcile"]
 
 log = structlog.get_logger("fencegate.reconcile")
 
-#: The part of a probe answer kept (and replayed when the probe finds the effect).
+#: The largest probe answer kept (and replayed when the probe finds the effect); a longer
+#: one is judged by its status and stored without its body.
 _PROBE_BODY_LIMIT = 64 * 1024
+_PROBE_BODY_OMITTED = f"probe answer over {_PROBE_BODY_LIMIT} bytes"
 #: Slack on top of the probe's timeout for the probe lease.
 _LEASE_SLACK_MS = 5_000
 
@@ -58,16 +59,18 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
     except UnsafeProbePath as exc:
         # Never sent: an "absent" from some other path would let the effect go out again.
         return ProbeVerdict.INCONCLUSIVE, None, f"probe not sent: {exc}"
+    limits = Limits(Bound.of("probe.timeout_ms", spec.timeout_ms))
     try:
-        async with app[HTTP_CLIENT].request(
+        async with send(
+            app,
+            downstream.name,
             spec.method,
             url,
+            limits,
             headers=adapter.outbound_headers(effect.effect_id, None),
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=spec.timeout_ms / 1000),
-            middlewares=send_once(),
         ) as resp:
-            raw = await resp.content.read(_PROBE_BODY_LIMIT)
+            # Read to the end (an answer may come in many pieces), up to the bound.
+            raw, whole = await read_up_to(resp.content, _PROBE_BODY_LIMIT)
             status = resp.status
             # The same rule as a forward's stored answer (credential names and values).
             headers = stored_response_headers(
@@ -75,8 +78,16 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
                 downstream.unstored_headers,
                 adapter.outbound_headers(None, None).values(),
             )
-    except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
-        return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {type(exc).__name__}"
+    except ForwardFailed as failed:
+        return ProbeVerdict.INCONCLUSIVE, None, f"probe failed: {failed.failure.reason}"
+    if not whole or len(raw) > _PROBE_BODY_LIMIT:
+        # Too long to keep: judged by its status alone (a json_field cannot be read, so
+        # that reads inconclusive) and stored without a body, never cut short.
+        verdict = adapter.verdict(status, None)
+        answer = response_json(
+            status, headers, None, source="probe", omitted_reason=_PROBE_BODY_OMITTED
+        )
+        return verdict, answer, f"probe answered {status} (body over {_PROBE_BODY_LIMIT} bytes)"
     body: Any = None
     with contextlib.suppress(ValueError):
         body = json.loads(raw) if raw else None
@@ -110,7 +121,7 @@ async def reconcile(
         )
     holder = f"{actor}:{new_id()[:12]}"
     lease_ms = adapter.probe.timeout_ms + _LEASE_SLACK_MS
-    settle_ms = adapter.probe.settle_ms
+    settle_ms = adapter.settle_ms_for(effect.path)
     effect = await store.update_effect(
         effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
     )

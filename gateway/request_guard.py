@@ -17,9 +17,11 @@ In the middleware (``request_guard``, every app, with or without ``[auth]``), in
 
 At the connection (``GuardedSite``, what ``fencegate serve`` listens with): at most
 ``server.max_connections`` open connections (one more is answered 503
-``TOO_MANY_CONNECTIONS`` and closed), and requests aiohttp's parser refuses (malformed
+``TOO_MANY_CONNECTIONS`` and closed), at most ``server.max_connections_per_peer`` from one
+peer address that have not yet carried an authenticated request (``connection_vouch``; the
+same 503, naming that limit), and requests aiohttp's parser refuses (malformed
 request line or headers) are answered problem+json and logged as one ``http.malformed_request``
-info event, with no traceback.
+info event, with no traceback and without the client's bytes (``parser_complaint``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from fencegate.gateway.config import ServerConfig, parse_listen
+from fencegate.gateway.principals import principal_of
 from fencegate.gateway.problems import problem_body, problem_response
 from fencegate.gateway.state import CONFIG
 from fencegate.ledger.errors import (
@@ -56,9 +59,11 @@ from fencegate.ledger.errors import (
 __all__ = [
     "ConnectionSlots",
     "GuardedSite",
+    "connection_vouch",
     "handler_factory",
     "host_allowed",
     "origin_allowed",
+    "parser_complaint",
     "request_guard",
 ]
 
@@ -242,6 +247,20 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
     return await handler(request)
 
 
+@web.middleware
+async def connection_vouch(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The last middleware (after ``request_guard`` read the body and the ``[auth]``
+    middleware set the principal): a request that got this far with a principal, or
+    complete when there is no ``[auth]``, vouches for its connection, which then no longer
+    counts against ``server.max_connections_per_peer`` (``ConnectionSlots``)."""
+    protocol = request.protocol
+    if isinstance(protocol, _GuardedHandler) and (
+        request.app[CONFIG].auth is None or principal_of(request) is not None
+    ):
+        protocol.vouch()
+    return await handler(request)
+
+
 async def _read_body(request: web.Request, server: ServerConfig) -> web.Response | None:
     """Read the whole body now, bounded in size and time; handlers then get it from memory
     (``request.read()`` keeps it). None when it arrived."""
@@ -300,13 +319,44 @@ async def _read_body(request: web.Request, server: ServerConfig) -> web.Response
 
 
 class ConnectionSlots:
-    """Open connections against ``server.max_connections`` (one event loop: no lock)."""
+    """Open connections against ``server.max_connections``, and per peer address those not
+    yet vouched for against ``server.max_connections_per_peer`` (one event loop: no lock).
 
-    def __init__(self, limit: int) -> None:
+    A connection is vouched for once it carried an authenticated request (without ``[auth]``:
+    a complete request; ``connection_vouch``). Until then it counts against its peer's
+    bound, so one client cannot hold every slot with connections that never authenticate
+    (idle ``GET /healthz`` keep-alives, or headers that never finish)."""
+
+    def __init__(self, limit: int, per_peer: int = 50, *, authenticated: bool = False) -> None:
         self.limit = limit
+        self.per_peer = per_peer
         self.open = 0
+        #: Peer address -> its open connections not yet vouched for.
+        self.unvouched: dict[str, int] = {}
         self._refused = 0
         self._last_report = 0.0
+        self._peer_refused = 0
+        self._last_peer_report = 0.0
+        self.peer_busy = _busy_bytes(_peer_detail(per_peer, authenticated))
+
+    def admit(self, peer: str | None) -> bool:
+        """Whether a new connection from ``peer`` may be served; counts it if so. A
+        connection without an address (a Unix socket) is not bounded per peer."""
+        if peer is None:
+            return True
+        held = self.unvouched.get(peer, 0)
+        if held >= self.per_peer:
+            return False
+        self.unvouched[peer] = held + 1
+        return True
+
+    def vouched(self, peer: str) -> None:
+        """One of ``peer``'s counted connections carried what vouches for it, or closed."""
+        held = self.unvouched.get(peer, 0) - 1
+        if held > 0:
+            self.unvouched[peer] = held
+        else:
+            self.unvouched.pop(peer, None)
 
     def refused(self) -> None:
         """Count a refused connection; report at most once a second (a flood must not flood
@@ -319,9 +369,27 @@ class ConnectionSlots:
             self._refused = 0
             self._last_report = now
 
+    def peer_refused(self, peer: str) -> None:
+        """Count a connection refused for its peer's bound; at most one line a second."""
+        self._peer_refused += 1
+        now = time.monotonic()
+        if now - self._last_peer_report >= 1.0:
+            log.warning("http.peer_connections_refused", refused=self._peer_refused, peer=peer,
+                        limit=self.per_peer)  # fmt: skip
+            self._peer_refused = 0
+            self._last_peer_report = now
 
-def _busy_bytes() -> bytes:
-    error = TooManyConnections("try again shortly")
+
+def _peer_detail(per_peer: int, authenticated: bool) -> str:
+    carried = "an authenticated request" if authenticated else "a complete request"
+    return (
+        f"{per_peer} connections from this address have not yet carried {carried} "
+        f"(server.max_connections_per_peer = {per_peer}): use one of them, or try again shortly"
+    )
+
+
+def _busy_bytes(detail: str = "try again shortly") -> bytes:
+    error = TooManyConnections(detail)
     body = json.dumps(problem_body(error.status, error.code, error.title, error.detail)).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\n"
@@ -336,6 +404,21 @@ def _busy_bytes() -> bytes:
 _BUSY = _busy_bytes()
 
 
+def _peer_host(transport: asyncio.BaseTransport) -> str | None:
+    peername = transport.get_extra_info("peername")
+    if isinstance(peername, tuple) and peername and isinstance(peername[0], str):
+        return peername[0]
+    return None
+
+
+def _refuse_connection(transport: asyncio.BaseTransport, answer: bytes) -> None:
+    # uvloop's transports do not subclass asyncio.WriteTransport: ask for the method.
+    write = getattr(transport, "write", None)
+    if write is not None:
+        write(answer)
+    transport.close()
+
+
 class _GuardedHandler(web.RequestHandler):
     """aiohttp's per-connection protocol, counted against the connection limit, with its
     parser-level refusals as problem+json."""
@@ -344,24 +427,38 @@ class _GuardedHandler(web.RequestHandler):
         super().__init__(manager, **kwargs)
         self._slots = slots
         self._over_limit = False
+        #: The peer address while this connection counts against its per-peer bound.
+        self._unvouched: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._slots.open >= self._slots.limit:
             self._over_limit = True
             self._slots.refused()
-            # uvloop's transports do not subclass asyncio.WriteTransport: ask for the method.
-            write = getattr(transport, "write", None)
-            if write is not None:
-                write(_BUSY)
-            transport.close()
+            _refuse_connection(transport, _BUSY)
             return
+        peer = _peer_host(transport)
+        if not self._slots.admit(peer):
+            assert peer is not None
+            self._over_limit = True
+            self._slots.peer_refused(peer)
+            _refuse_connection(transport, self._slots.peer_busy)
+            return
+        self._unvouched = peer
         self._slots.open += 1
         super().connection_made(transport)
+
+    def vouch(self) -> None:
+        """This connection carried what vouches for it: it no longer counts against its
+        peer's bound (``connection_vouch``)."""
+        if self._unvouched is not None:
+            self._slots.vouched(self._unvouched)
+            self._unvouched = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._over_limit:
             return
         self._slots.open -= 1
+        self.vouch()  # closed before it was vouched for: its place is free again
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -379,11 +476,12 @@ class _GuardedHandler(web.RequestHandler):
             raise ConnectionError("the response is under way; cannot send another")
         error: FencegateError
         if isinstance(exc, HttpProcessingError) or status < 500:
-            detail = " ".join((message or (exc and str(exc)) or "malformed request").split())
-            detail = detail[:300]
-            log.info("http.malformed_request", status=status, detail=detail, peer=request.remote)
-            if _names_unserved_version(detail):
-                error = HttpVersionNotSupported(detail)
+            raw = message or (exc.message if isinstance(exc, HttpProcessingError) else "")
+            detail, header = parser_complaint(raw or "")
+            log.info("http.malformed_request", status=status, detail=detail, header=header,
+                     peer=request.remote)  # fmt: skip
+            if _names_unserved_version(raw or ""):
+                error = HttpVersionNotSupported("this HTTP version is not served: use HTTP/1.1")
             else:
                 error = BadRequest(detail)
         else:
@@ -395,6 +493,31 @@ class _GuardedHandler(web.RequestHandler):
 
 
 _VERSION_TOKEN = re.compile(r"HTTP/(\d+)\.(\d+)")
+#: What is left of a parser's complaint once the client's bytes are cut out: words only.
+_COMPLAINT = re.compile(r"[A-Za-z][A-Za-z0-9 ,-]*")
+#: A quoted literal in a parser's message (``b'...'``, ``'...'``, ``"..."``).
+_QUOTED = re.compile(r"b?'[^']*'" + r'|b?"[^"]*"')
+#: llhttp quotes the offending header line after its reason: ``b'Name: value...'``.
+_QUOTED_HEADER = re.compile(r"""\n\s*b['"]([!#$%&*+.^_`|~0-9A-Za-z-]{1,64}):""")
+
+
+def parser_complaint(message: str) -> tuple[str, str | None]:
+    """What may be said about a request aiohttp's parser refused: its reason (``Missing
+    expected LF after header value``) and, when the C parser quoted a header line, that
+    header's name; never a byte of a value. Both parsers quote the client's bytes in their
+    messages (the whole offending line, or the value, or the request target), and a
+    credential's line is the one that breaks when a token file has Windows line endings
+    (``Authorization: Bearer abc\\r``): echoing the message put the token in the answer and
+    in the log (issue 25). So only the reason before the first ``:`` survives, with quoted
+    literals removed, and only if what is left is words with a space between them (a request
+    target, the one unquoted thing a parser may name, has no space)."""
+    first = message.strip().split("\n", 1)[0]
+    reason = _QUOTED.sub("", first.split(":", 1)[0])
+    reason = " ".join(reason.split()).rstrip(".,")
+    if not (" " in reason and _COMPLAINT.fullmatch(reason)):
+        reason = "malformed request line or header"
+    named = _QUOTED_HEADER.search(message) if "header" in reason.lower() else None
+    return reason[:200], named[1] if named else None
 
 
 def _names_unserved_version(detail: str) -> bool:
@@ -443,7 +566,18 @@ class GuardedSite(web.BaseSite):
     def name(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host
         scheme = "https" if self._ssl_context is not None else "http"
-        return f"{scheme}://{host}:{self._port}"
+        return f"{scheme}://{host}:{self.port}"
+
+    @property
+    def port(self) -> int:
+        """The bound port once the site started (the one the system picked for port 0),
+        else the configured one: ``gateway.listening`` says where the gateway really is."""
+        sockets = getattr(self._server, "sockets", None) or ()
+        for sock in sockets:
+            bound = sock.getsockname()
+            if isinstance(bound, tuple) and len(bound) >= 2 and isinstance(bound[1], int):
+                return bound[1]
+        return self._port
 
     async def start(self) -> None:
         await super().start()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -22,6 +22,7 @@ __all__ = [
     "ADAPTERS",
     "CONFIG",
     "EVENTS",
+    "FORWARD_CLOCK",
     "HTTP_CLIENT",
     "MCP_TOOLS",
     "METRICS",
@@ -43,3 +44,6 @@ PENDING_ABORTS = web.AppKey("pending_aborts", set[asyncio.Task[None]])
 MCP_TOOLS = web.AppKey("mcp_tools", McpToolCache)
 #: The process's event hub (``gateway/events.py``): SSE streams and long-polls.
 EVENTS: web.AppKey[EventHub] = web.AppKey("events")
+#: The clock ``/proxy`` measures a forward's window on (``forward.ForwardWindow``): seconds,
+#: never stepping back. ``time.monotonic``; a test passes its own to ``create_app``.
+FORWARD_CLOCK: web.AppKey[Callable[[], float]] = web.AppKey("forward_clock")

@@ -49,6 +49,7 @@ import structlog
 from aiohttp import web
 
 from fencegate.gateway.console.session import SECRET_ENV
+from fencegate.gateway.mcp_sessions import SECRET_ENV as SESSION_SECRET_ENV
 from fencegate.gateway.request_guard import GuardedSite
 
 if TYPE_CHECKING:
@@ -89,7 +90,9 @@ def check_platform(workers: int) -> str | None:
 def bind_sockets(host: str, port: int, count: int, backlog: int = 128) -> list[list[socket.socket]]:
     """``count`` listening sockets per address ``host`` resolves to (``localhost`` may be two),
     all bound to ``port`` with ``SO_REUSEPORT``: ``result[i]`` are worker ``i``'s. Raises
-    OSError (EADDRINUSE...) when anyone listens there already, before binding any of them."""
+    OSError (EADDRINUSE...) when anyone listens there already, before binding any of them.
+    Port 0: the first socket gets a free port from the system and every other one binds
+    that same port."""
     addresses = list(
         dict.fromkeys(
             (family, sockaddr[:2])
@@ -99,7 +102,7 @@ def bind_sockets(host: str, port: int, count: int, backlog: int = 128) -> list[l
             if family in (socket.AF_INET, socket.AF_INET6)
         )
     )
-    for family, address in addresses:
+    for family, address in addresses if port else ():
         # No SO_REUSEPORT here: this bind fails if anything, even a reuseport group, listens.
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -107,6 +110,7 @@ def bind_sockets(host: str, port: int, count: int, backlog: int = 128) -> list[l
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind(address)
     slots: list[list[socket.socket]] = [[] for _ in range(count)]
+    bound_port = port
     try:
         for family, address in addresses:
             for slot in slots:
@@ -116,7 +120,8 @@ def bind_sockets(host: str, port: int, count: int, backlog: int = 128) -> list[l
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
                 if family == socket.AF_INET6:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
+                sock.bind((address[0], bound_port))
+                bound_port = sock.getsockname()[1]  # for port 0: the one the system picked
                 sock.listen(backlog)
                 sock.setblocking(False)
     except OSError:
@@ -161,6 +166,9 @@ class Supervisor:
         # FENCEGATE_CONSOLE_SECRET each process would draw its own, and a console login would
         # hold only on the worker the kernel happened to pick (docs/console.md).
         os.environ.setdefault(SECRET_ENV, secrets.token_urlsafe(32))
+        # The same for the key that binds MCP session ids to their principal: a session
+        # opened on one worker must be accepted by the others (gateway/mcp_sessions.py).
+        os.environ.setdefault(SESSION_SECRET_ENV, secrets.token_urlsafe(32))
         signal.pthread_sigmask(signal.SIG_BLOCK, _SUPERVISED)
         try:
             return self._supervise()

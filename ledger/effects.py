@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from fencegate.ledger.clock import iso_utc
 from fencegate.ledger.errors import (
     AlreadyCommitted,
     ApprovalRequired,
@@ -52,6 +53,9 @@ from fencegate.ledger.errors import (
 from fencegate.ledger.tasks import Scheduler, Task, TaskState, check_holder
 
 __all__ = [
+    "APPROVAL_HEADERS",
+    "DEFAULT_SETTLE_MS",
+    "RESOLVE_OUTCOMES",
     "Action",
     "Effect",
     "EffectAttempt",
@@ -62,6 +66,7 @@ __all__ = [
     "ProbeVerdict",
     "Resolution",
     "abort",
+    "approval_digest",
     "approve",
     "begin_probe",
     "check_fence",
@@ -82,12 +87,17 @@ __all__ = [
     "resolution",
     "resolve",
     "response_identity",
+    "sent_nothing",
+    "wanted_approval",
 ]
 
 #: Reason recorded on an attempt whose PREPARED record outlived its deadline.
 DEADLINE_REASON = "deadline passed"
 #: Most operator actions kept on one record.
 MAX_ACTIONS = 50
+#: How long after the gateway stopped waiting for a forward the downstream may still apply it,
+#: unless its config says (``settle_ms``): until then "it did not happen" is not believed.
+DEFAULT_SETTLE_MS = 60_000
 
 
 class EffectState(StrEnum):
@@ -95,6 +105,11 @@ class EffectState(StrEnum):
     UNKNOWN = "UNKNOWN"
     COMMITTED = "COMMITTED"
     NOT_APPLIED = "NOT_APPLIED"
+
+
+#: What an operator may settle an effect to (``resolve``): a definite outcome. The one list
+#: the resolve rule, the API's body and the CLI's ``--outcome`` take.
+RESOLVE_OUTCOMES: tuple[EffectState, ...] = (EffectState.COMMITTED, EffectState.NOT_APPLIED)
 
 
 class Action(StrEnum):
@@ -133,6 +148,49 @@ def payload_digest(
     return digest.hexdigest()
 
 
+#: Request headers that change what a request does beyond its method, path and body, so an
+#: approval covers their names and values (``approval_digest``): how the body is to be read
+#: (``Content-Type``, ``Content-Encoding``) and the preconditions (RFC 9110 13.1). Trace
+#: context (``traceparent``, ``tracestate``, ``baggage``) and everything else is never in it.
+APPROVAL_HEADERS = (
+    "content-type",
+    "content-encoding",
+    "if-match",
+    "if-none-match",
+    "if-modified-since",
+    "if-unmodified-since",
+    "if-range",
+)
+
+
+def approval_digest(payload_digest: str, headers: Iterable[tuple[str, str]]) -> str:
+    """What an operator's approval names: the payload digest, and the ``APPROVAL_HEADERS``
+    of the request (as they reach the downstream: the caller leaves out the ones its
+    ``Connection`` header removes). Lowercase hex SHA-256 of ``payloadDigest\n`` then the
+    compact JSON list of ``[name, value]`` pairs (names lowercased, sorted by name, the values
+    of one name in the order sent); ``payload_digest`` itself when none of them was sent, so an
+    approval of the payload digest alone still means exactly that request (and records bound
+    before approval digests existed keep matching). The payload digest never changes."""
+    pairs = [[name.lower(), value] for name, value in headers if name.lower() in APPROVAL_HEADERS]
+    if not pairs:
+        return payload_digest
+    pairs.sort(key=lambda pair: pair[0])  # stable: one name's values keep their order
+    listed = json.dumps(pairs, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"{payload_digest}\n{listed}".encode()).hexdigest()
+
+
+def _naming(wanted: str, payload: str) -> str:
+    """How a refusal names what an operator must approve (mirrored in ``lua/prepare.lua``)."""
+    if wanted == payload:
+        return f"payloadDigest {payload}"
+    return f"approvalDigest {wanted} (payloadDigest {payload} and its effect-changing headers)"
+
+
+def wanted_approval(effect: Effect) -> str:
+    """The approval digest the record's bound request needs (``approval_digest``)."""
+    return effect.requested_digest or effect.payload_digest
+
+
 @dataclass(frozen=True, slots=True)
 class Fence:
     """The claim a proxied call presents in its ``Fence-*`` headers."""
@@ -159,6 +217,9 @@ class EffectRequest:
     #: Names this one request's forward, so a gateway that lost the store's answer to its
     #: prepare can find the record and abort it (it knows it forwarded nothing).
     forward_id: str | None = None
+    #: What an approval of this request must name (``approval_digest``); None: the same as
+    #: ``payload_digest`` (no effect-changing header was sent).
+    approval_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +273,10 @@ class Effect:
     #: the approval it waits for, is for); None without ``[auth]``. No operator may approve
     #: an effect requested under their own principal (``approve``).
     requested_by: str | None = None
+    #: The approval digest of the request the record is bound to (``approval_digest``: the
+    #: payload digest and the effect-changing headers); None when it is ``payload_digest``
+    #: (no such header was sent, or the record was bound before approval digests existed).
+    requested_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +322,7 @@ def is_overdue(effect: Effect, now: int) -> bool:
 
     The one source of the rule. Mirrors: ``expire_effect`` in ``lua/effect_lib.lua`` (and the
     prepared index it keeps, scored by the deadline), ``lua/gauges.lua``, the Redis store's
-    ``unsettled_effects``, and the SQLite store's ``_OVERDUE``/``_RUNNING`` conditions;
+    ``unsettled_effects``, and the SQL stores' ``Dialect.overdue``/``Dialect.running``;
     ``tests/test_stateful.py`` holds each to this function."""
     return (
         effect.state is EffectState.PREPARED
@@ -267,12 +332,42 @@ def is_overdue(effect: Effect, now: int) -> bool:
 
 
 def is_awaiting_approval(effect: Effect) -> bool:
-    """Does this effect wait for an operator's approval? It is NOT_APPLIED and no forward was
-    ever admitted (``prepare`` with ``require_approval`` wrote it down and refused).
+    """Does this effect wait for an operator's approval, or for the agent to use the one it
+    has? It is NOT_APPLIED and either no forward was ever admitted (``prepare`` with
+    ``require_approval`` wrote it down and refused) or it holds an approval (given, or kept by
+    a forward that certainly sent nothing: ``sent_nothing``), used or expired.
 
     The one source of the rule. Mirrors: the awaiting index of ``index_effect`` in
-    ``lua/effect_lib.lua`` and the SQLite store's ``_AWAITING`` condition."""
-    return effect.state is EffectState.NOT_APPLIED and not effect.attempts
+    ``lua/effect_lib.lua`` and the SQL stores' ``Dialect.awaiting`` condition."""
+    return effect.state is EffectState.NOT_APPLIED and (
+        not effect.attempts or effect.approval_digest is not None
+    )
+
+
+#: How a forward's reason says it certainly sent nothing: the connection was refused or never
+#: made (``connect failed``), no pooled connection came in time (``never sent``), the gateway
+#: never started it (``never forwarded``: ``ABORT_REASON``, ``LATE_REASON``). The gateway's
+#: one table of send failures writes these prefixes (``gateway/forward.py``).
+SENT_NOTHING_PREFIXES = ("connect failed", "never sent", "never forwarded")
+
+
+def sent_nothing(reason: str | None) -> bool:
+    """Did the forward that ended with ``reason`` certainly send nothing? Such a forward keeps
+    the approval it was admitted under (``complete``, ``abort``): it did not use it.
+
+    The one source of the rule. Mirrors: ``sent_nothing`` in ``lua/effect_lib.lua``."""
+    return reason is not None and reason.startswith(SENT_NOTHING_PREFIXES)
+
+
+def _approval_after(effect: Effect, state: EffectState, reason: str | None) -> Effect:
+    """The record's approval once a forward ended with ``reason`` and the effect is ``state``:
+    kept while the effect is NOT_APPLIED and the forward certainly sent nothing (the agent's
+    retry goes out under it, until it expires), else used up."""
+    if state is EffectState.NOT_APPLIED and sent_nothing(reason):
+        return effect
+    return replace(
+        effect, approval_digest=None, approval_by=None, approval_at=None, approval_expires_at=None
+    )
 
 
 def effective(effect: Effect, now: int) -> Effect:
@@ -284,11 +379,16 @@ def effective(effect: Effect, now: int) -> Effect:
             outcome=EffectState.UNKNOWN.value,
             reason=DEADLINE_REASON,
         )
+        # The forward may have been sent: it used its approval up (``_approval_after``).
         return replace(
             effect,
             state=EffectState.UNKNOWN,
             deadline_at=None,
             attempts=(*effect.attempts[:-1], last),
+            approval_digest=None,
+            approval_by=None,
+            approval_at=None,
+            approval_expires_at=None,
             updated_at=now,
         )
     return effect
@@ -316,9 +416,11 @@ def prepare(
     payload go again under its original key?": only for downstreams that deduplicate on the
     key, and only while the key is inside their deduplication window (counted from the
     effect's first forward). ``require_approval`` makes every forward wait for an operator's
-    approval of its exact payload digest, consumed by that one forward, and never by a forward
-    of the principal who gave it (two people for a non-replayable effect): the caller's
-    principal is recorded as ``requested_by`` whenever its call binds the payload.
+    approval of its exact payload digest, used up by that one forward (unless it certainly
+    sent nothing: ``sent_nothing``, then the agent's retry goes out under it until it expires),
+    and never by a forward of the principal who gave it (two people for a non-replayable
+    effect): the caller's principal is recorded as ``requested_by`` whenever its call binds
+    the payload.
     """
     task = check_fence(task, scheduler, request.fence, now)
     fence = request.fence
@@ -350,7 +452,14 @@ def prepare(
     in_window = resend_window_ms is not None and now < current.created_at + resend_window_ms
     if state is EffectState.NOT_APPLIED or (state is EffectState.UNKNOWN and same and in_window):
         requester = fence.principal or None
-        moved = changed or not same or requester != current.requested_by
+        wanted = request.approval_digest or request.payload_digest
+        requested = None if wanted == request.payload_digest else wanted
+        moved = (
+            changed
+            or not same
+            or requester != current.requested_by
+            or requested != current.requested_digest
+        )
         rebound = replace(
             current,
             downstream=request.downstream,
@@ -358,34 +467,37 @@ def prepare(
             path=request.path,
             payload_digest=request.payload_digest,
             requested_by=requester,
+            requested_digest=requested,
             updated_at=now if moved else current.updated_at,
         )
         if require_approval:
+            # An approval names the approval digest: the payload and the headers that change
+            # what it does (``approval_digest``); another one is not approved.
             approved = (
-                rebound.approval_digest == request.payload_digest
+                rebound.approval_digest == wanted
                 and rebound.approval_expires_at is not None
                 and now < rebound.approval_expires_at
                 and not (requester is not None and rebound.approval_by == requester)
             )
             if not approved:
                 waiting: FencegateError = ApprovalRequired(
-                    f"an operator must approve payloadDigest {request.payload_digest}: "
+                    f"an operator must approve {_naming(wanted, request.payload_digest)}: "
                     f"POST /v1/effects/{rebound.effect_id}/approve"
                 )
-                write = moved
-                return PrepareOutcome(
-                    Action.REJECT, rebound, write=write, error=_rejection(waiting, rebound)
-                )
+                waiting = _rejection(waiting, rebound)
+                waiting.extra["approvalDigest"] = wanted
+                return PrepareOutcome(Action.REJECT, rebound, write=moved, error=waiting)
             attempt = replace(attempt, approved_by=rebound.approval_by)
+        else:
+            rebound = _approval_after(rebound, EffectState.PREPARED, None)
+        # An approval stays on the record while its forward runs: the forward's outcome says
+        # whether it was used (``complete``, ``_approval_after``); no other forward can take
+        # it meanwhile (a PREPARED record admits none).
         again = replace(
             rebound,
             state=EffectState.PREPARED,
             deadline_at=now + forward_deadline_ms,
             attempts=(*rebound.attempts, attempt),
-            approval_digest=None,
-            approval_by=None,
-            approval_at=None,
-            approval_expires_at=None,
             probe_holder=None,
             probe_until=None,
             updated_at=now,
@@ -447,6 +559,8 @@ def complete(
     Applied only while the record still waits for this forward: its last attempt is ``seq``
     by ``attempt_id``, not ended, or ended only because its deadline passed (the forward was
     slower than its deadline, and its real outcome is better information than UNKNOWN).
+    The approval the forward went under is used up, unless it certainly sent nothing and the
+    effect is NOT_APPLIED (``_approval_after``).
     """
     if outcome is EffectState.PREPARED:
         raise ValueError("a forward's outcome cannot be PREPARED")
@@ -459,9 +573,10 @@ def complete(
     if last.attempt_id != attempt_id or not waiting:
         return effect, False
     ended = replace(last, ended_at=now, outcome=outcome.value, reason=reason)
+    state = _state_after(effect, seq, outcome)
     done = replace(
-        effect,
-        state=_state_after(effect, seq, outcome),
+        _approval_after(effect, state, reason),
+        state=state,
         deadline_at=None,
         attempts=(*effect.attempts[:-1], ended),
         response_json=response_json if response_json is not None else effect.response_json,
@@ -504,6 +619,8 @@ class Resolution:
     effect: Effect
     unchanged: bool
     warnings: tuple[str, ...] = ()
+    #: ``force`` overrode the landing rule: until when an earlier forward could still land.
+    forced_until: int | None = None
 
     @property
     def empty_replay(self) -> bool:
@@ -568,6 +685,9 @@ def resolution(
     operator: str,
     response_json: str | None,
     now: int,
+    *,
+    settle_ms: int = 0,
+    force: bool = False,
 ) -> Resolution:
     """An operator settles an UNKNOWN effect, once: the decision is final.
 
@@ -576,11 +696,18 @@ def resolution(
     ``unchanged``. Anything else on a settled effect (another outcome, a response where the
     first gave none, a different response) is ``EFFECT_SETTLED``: a duplicate may already
     have been answered what the record holds, and two duplicates must never get different
-    answers (docs/decisions.md, "Resolve"). ``response_json`` goes with COMMITTED only."""
+    answers (docs/decisions.md, "Resolve"). ``response_json`` goes with COMMITTED only.
+
+    NOT_APPLIED lets the same payload go again, so it is refused (``EFFECT_IN_FLIGHT`` with
+    ``landingUntil`` and ``retryAfterMs``) while an earlier forward may still land at the
+    downstream (``landing_until`` with the downstream's ``settle_ms``, the probe's rule): what
+    the operator checked at the downstream may not be the end of the story, and the retry would
+    run twice. ``force`` overrides it (recorded on the action, with ``landingUntil``). COMMITTED
+    is never refused: it lets nothing go again. ``settle_ms`` 0: no forward can still land."""
     if effect is None:
         raise NoSuchEffect()
-    if outcome not in (EffectState.COMMITTED, EffectState.NOT_APPLIED):
-        raise ValueError("an operator resolves to COMMITTED or NOT_APPLIED")
+    if outcome not in RESOLVE_OUTCOMES:
+        raise ValueError(f"an operator resolves to one of {', '.join(RESOLVE_OUTCOMES)}")
     if response_json is not None and outcome is not EffectState.COMMITTED:
         raise BadRequest(
             "response: only with outcome COMMITTED (duplicates of a NOT_APPLIED effect are "
@@ -608,6 +735,26 @@ def resolution(
                 current,
             )
         raise _settled_error(current, "resolve")
+    action: dict[str, Any] = {"action": "resolve", "by": operator, "at": now, "note": note,
+                              "outcome": outcome.value, "response": given}  # fmt: skip
+    until = landing_until(current, settle_ms) if outcome is EffectState.NOT_APPLIED else None
+    if until is not None and now < until:
+        if not force:
+            raise _rejection(
+                EffectInFlight(
+                    f"an earlier forward of this effect may still land at the downstream until "
+                    f"landingUntil {until} ({iso_utc(until)}), {settle_ms} ms (settle_ms) after "
+                    f"the gateway stopped waiting for it; NOT_APPLIED now would let a retry run "
+                    f"it twice. Check the downstream after then (or resolve COMMITTED now), or "
+                    f"resolve with force if you know it cannot land",
+                    landingUntil=until,
+                    retryAfterMs=until - now,
+                ),
+                current,
+            )
+        action.update(force=True, landingUntil=until)
+    else:
+        until = None
     if outcome is EffectState.COMMITTED:
         # Without a response from the operator, keep what the forward recorded (if anything).
         kept = response_json if response_json is not None else current.response_json
@@ -621,20 +768,10 @@ def resolution(
         settled_attempts=current.settled_attempts if settled is None else settled,
         probe_holder=None,
         probe_until=None,
-        actions_json=_with_action(
-            current,
-            {
-                "action": "resolve",
-                "by": operator,
-                "at": now,
-                "note": note,
-                "outcome": outcome.value,
-                "response": given,
-            },
-        ),
+        actions_json=_with_action(current, action),
         updated_at=now,
     )
-    return Resolution(done, unchanged=False, warnings=_warnings(done, given))
+    return Resolution(done, unchanged=False, warnings=_warnings(done, given), forced_until=until)
 
 
 def resolve(
@@ -644,9 +781,14 @@ def resolve(
     operator: str,
     response_json: str | None,
     now: int,
+    *,
+    settle_ms: int = 0,
+    force: bool = False,
 ) -> Effect:
     """``resolution``'s record: the store transition (``Store.update_effect``)."""
-    return resolution(effect, outcome, note, operator, response_json, now).effect
+    return resolution(
+        effect, outcome, note, operator, response_json, now, settle_ms=settle_ms, force=force
+    ).effect
 
 
 def approve(
@@ -657,8 +799,16 @@ def approve(
     ttl_ms: int,
     now: int,
     principal: str | None = None,
+    *,
+    expected_approval: str | None = None,
 ) -> Effect:
-    """Let the waiting payload of a non-replayable effect go, once, until ``now + ttl_ms``.
+    """Let the waiting request of a non-replayable effect go, once, until ``now + ttl_ms``.
+
+    The approval names the request's approval digest (``approval_digest``: its payload and
+    the headers that change what it does). ``expected_approval`` and ``expected_digest`` (the
+    payload digest) guard it: each given must be the waiting request's (else
+    PAYLOAD_CONFLICT), and the payload digest alone is enough only when that request sent no
+    such header (else BAD_REQUEST: the operator would approve headers they did not name).
 
     ``principal`` is the approving operator's authenticated principal (None without
     ``[auth]``): it may not be the one the effect was requested under (``requested_by``),
@@ -670,6 +820,7 @@ def approve(
         raise _settled_error(current, "approve")
     if principal and current.requested_by == principal:
         raise Forbidden("an operator may not approve an effect requested under their own principal")
+    wanted = wanted_approval(current)
     if expected_digest is not None and expected_digest != current.payload_digest:
         raise _rejection(
             PayloadConflict(
@@ -678,9 +829,22 @@ def approve(
             ),
             current,
         )
+    if expected_approval is not None and expected_approval != wanted:
+        raise _rejection(
+            PayloadConflict(
+                f"the effect now waits for approvalDigest {wanted}, not {expected_approval}"
+            ),
+            current,
+        )
+    if expected_approval is None and expected_digest is not None and wanted != expected_digest:
+        raise BadRequest(
+            f"approvalDigest: required, the waiting request carries effect-changing headers "
+            f"(Content-Type, Content-Encoding or preconditions) that payloadDigest does not "
+            f"cover; approve its approvalDigest {wanted}"
+        )
     return replace(
         current,
-        approval_digest=current.payload_digest,
+        approval_digest=wanted,
         approval_by=operator,
         approval_at=now,
         approval_expires_at=now + ttl_ms,
@@ -692,6 +856,7 @@ def approve(
                 "at": now,
                 "note": note,
                 "payloadDigest": current.payload_digest,
+                "approvalDigest": wanted,
                 "expiresAt": now + ttl_ms,
             },
         ),
@@ -719,9 +884,10 @@ def abort(effect: Effect | None, forward_id: str, now: int, reason: str = ABORT_
     if last is None or last.forward_id != forward_id or not waiting:
         raise _rejection(EffectSettled("no forward of this request is waiting"), current)
     ended = replace(last, ended_at=now, outcome=EffectState.NOT_APPLIED.value, reason=reason)
+    state = _state_after(current, len(current.attempts) - 1, EffectState.NOT_APPLIED)
     return replace(
-        current,
-        state=_state_after(current, len(current.attempts) - 1, EffectState.NOT_APPLIED),
+        _approval_after(current, state, reason),
+        state=state,
         deadline_at=None,
         attempts=(*current.attempts[:-1], ended),
         updated_at=now,
@@ -840,7 +1006,7 @@ def finish_probe(
 
 _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
         "payload_digest", "approval_digest", "approval_by", "probe_holder",
-        "requested_by")  # fmt: skip
+        "requested_by", "requested_digest")  # fmt: skip
 _INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
         "approval_expires_at", "probe_until", "probe_count", "next_probe_at",
         "settled_attempts")  # fmt: skip
@@ -934,6 +1100,7 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         settled_attempts=_int(get("settled_attempts")) or 0,
         actions_json=get("actions"),
         requested_by=get("requested_by"),
+        requested_digest=get("requested_digest"),
     )
 
 
@@ -941,9 +1108,13 @@ def effect_to_json(effect: Effect) -> dict[str, Any]:
     """The ledger record of the contract (``GET /v1/effects/{effectId}``), plus the approval
     waiting to be used, the probe state and the operator actions."""
     approval = None
+    wanted = wanted_approval(effect)
     if effect.approval_digest is not None:
         approval = {
-            "payloadDigest": effect.approval_digest,
+            "approvalDigest": effect.approval_digest,
+            # The payload it covers: the record's, while the approval is for its request
+            # (a record rebound to another request keeps the approval, for that one only).
+            "payloadDigest": effect.payload_digest if effect.approval_digest == wanted else None,
             "by": effect.approval_by,
             "at": effect.approval_at,
             "expiresAt": effect.approval_expires_at,
@@ -958,6 +1129,7 @@ def effect_to_json(effect: Effect) -> dict[str, Any]:
         "method": effect.method,
         "path": effect.path,
         "payloadDigest": effect.payload_digest,
+        "approvalDigest": wanted,
         "requestedBy": effect.requested_by,
         "state": effect.state.value,
         "deadlineAt": effect.deadline_at,

@@ -3,13 +3,18 @@
 A task's keys carry its id as the hash tag (``{taskId}``) so one script can touch all of them
 on one slot. Task ids cannot contain braces (the id grammar forbids them), so the tag is
 exactly the id.
+
+The Lua scripts get the same layout rendered from this module (``lua_key_helpers``), never a
+copy: ``tests/test_lua_keys.py`` fails on a key the Lua lacks or builds by hand.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
-__all__ = ["Keys"]
+__all__ = ["NOT_KEYS", "Keys", "key_names", "lua_key_helpers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,3 +182,64 @@ class Keys:
     def effect_tasks(self) -> str:
         """Hash: effectId -> taskId, to find a record from its id alone."""
         return f"{self.prefix}:effects:task"
+
+
+#: Members of ``Keys`` that build no key: the prefix itself, a SCAN pattern and its parser.
+NOT_KEYS = frozenset({"prefix", "task_pattern", "task_id_of"})
+#: Stand-ins for the prefix and the argument while a key's layout is read off its method.
+_PREFIX_MARK = "\x00prefix\x00"
+_ARG_MARK = "\x00arg\x00"
+
+
+def key_names() -> list[str]:
+    """Every key of ``Keys``, in definition order: its public methods (a key of one id) and
+    properties (one fixed key), ``NOT_KEYS`` aside."""
+    return [
+        name
+        for name, member in vars(Keys).items()
+        if not name.startswith("_")
+        and name not in NOT_KEYS
+        and (isinstance(member, property) or callable(member))
+    ]
+
+
+def _lua_concat(template: str) -> str:
+    """A key read off ``Keys`` with the stand-ins, as a Lua expression of ``P`` and ``id``."""
+    parts: list[str] = []
+    for piece in re.split(f"({_PREFIX_MARK}|{_ARG_MARK})", template):
+        if piece == _PREFIX_MARK:
+            parts.append("P")
+        elif piece == _ARG_MARK:
+            parts.append("id")
+        elif piece:
+            if not piece.isprintable():
+                raise ValueError(f"a key's literal part is not printable: {piece!r}")
+            parts.append("'" + piece.replace("\\", "\\\\").replace("'", "\\'") + "'")
+    if not template.startswith(_PREFIX_MARK):
+        raise ValueError(f"every key starts with the prefix: {template!r}")
+    return " .. ".join(parts)
+
+
+@functools.cache
+def lua_key_helpers() -> str:
+    """The key layout for the Lua scripts, rendered from this module: the scripts that build
+    keys of tasks they were not given in KEYS (``task_lib.lua`` and the scripts it serves)
+    get it before ``task_lib.lua`` (``redis_store.load_script_source``), so no Lua file
+    retypes a key and a change here reaches Lua with the next script load.
+
+    ``P`` is the key prefix (ARGV[2] of those scripts); ``K.<name>(id)`` is ``Keys.<name>``
+    for a key of one id, ``K.<name>`` the fixed key of a property."""
+    keys = Keys(prefix=_PREFIX_MARK)
+    lines = [
+        "-- The key layout, rendered from ledger/keys.py at script load "
+        "(ledger.keys.lua_key_helpers).",
+        "local P = ARGV[2]",
+        "local K = {}",
+    ]
+    for name in key_names():
+        if isinstance(vars(Keys)[name], property):
+            lines.append(f"K.{name} = {_lua_concat(getattr(keys, name))}")
+        else:
+            key = _lua_concat(getattr(keys, name)(_ARG_MARK))
+            lines.append(f"function K.{name}(id) return {key} end")
+    return "\n".join(lines) + "\n"

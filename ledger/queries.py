@@ -61,7 +61,7 @@ def is_lease_active(task: Task, now: int) -> bool:
     """Does a worker hold this task right now (CLAIMED, lease not yet expired)?
 
     Mirrors: the leases index (``index_lease`` in ``lua/common.lua``, scored by the expiry)
-    counted by ``lua/gauges.lua``, and the SQLite store's ``_ACTIVE_LEASE`` condition."""
+    counted by ``lua/gauges.lua``, and the SQL stores' ``Dialect.active_lease`` condition."""
     return (
         task.state is TaskState.CLAIMED
         and task.lease_expires_at is not None

@@ -20,7 +20,8 @@ claim epoch), from which ``claim_next.lua`` takes the best claimable task withou
 queue; each task's set of dependents, which commit, revision and cancel follow to other tasks;
 and the change feed, a stream (``{prefix}:events``) every change of a task's state, revision or
 claim generation and of an effect's state appends to. The task scripts build other tasks' keys
-from the prefix (their ARGV[2]), which is one more reason this store is single-instance only.
+from the prefix (their ARGV[2]) with the layout rendered from ``ledger.keys``
+(``lua_key_helpers``), which is one more reason this store is single-instance only.
 
 Retention (issue 17, ``ledger.retention``): ``task_lib.lua`` keeps the settled index
 (``{prefix}:settled``, COMMITTED and CANCELLED task ids by when they settled) wherever a task's
@@ -199,10 +200,17 @@ _PARK_MS = 60_000
 
 
 def load_script_source(name: str) -> str:
-    """``common.lua``, the script's libraries, then the script, as sent to Redis."""
+    """``common.lua``, the script's libraries, then the script, as sent to Redis.
+    ``task_lib.lua`` comes after the key layout rendered from ``ledger/keys.py``
+    (``keys.lua_key_helpers``): its scripts build the keys of tasks they were not given in
+    KEYS, and no Lua file retypes one."""
     folder = resources.files("fencegate.ledger") / "lua"
-    parts = ["common", *_SCRIPTS[name], name]
-    return "\n".join((folder / f"{part}.lua").read_text(encoding="utf-8") for part in parts)
+    texts = []
+    for part in ["common", *_SCRIPTS[name], name]:
+        if part == "task_lib":
+            texts.append(keys.lua_key_helpers())
+        texts.append((folder / f"{part}.lua").read_text(encoding="utf-8"))
+    return "\n".join(texts)
 
 
 def durability_warnings(config: dict[str, str]) -> list[str]:
@@ -1460,6 +1468,7 @@ class RedisStore(Store):
                 fence.principal or "",
                 "" if revision is None else revision,
                 eid,
+                request.approval_digest or "",
             ],
         )
         status = reply[0]
@@ -1475,6 +1484,8 @@ class RedisStore(Store):
             if retry:
                 error.extra["retryAfterMs"] = int(retry)
             error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
+            if code == "APPROVAL_REQUIRED":
+                error.extra["approvalDigest"] = effects.wanted_approval(effect)
             outcome = PrepareOutcome(Action.REJECT, effect, write=False, error=error)
         else:
             outcome = PrepareOutcome(Action(status), _record(reply[1]), write=False)

@@ -15,6 +15,8 @@ The record, as JSON (``Effect.response_json``), in this key order::
     bodyOmitted  true instead of the three above when the body was not kept
     bodyOmittedReason  why (too large for replay_max_bytes, or store_response_body = false)
     source       who produced the answer, when not the forward itself ("probe")
+    summary      what a replay must keep when the body was not kept (MCP: the result's
+                 ``isError`` and ``resultType``), so a failed call never replays as a success
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def response_record(
     *,
     source: str | None = None,
     omitted_reason: str | None = None,
+    summary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The record for one answer; ``body`` None: not kept (``bodyOmitted``, with
-    ``omitted_reason`` as ``bodyOmittedReason`` when given)."""
+    ``omitted_reason`` as ``bodyOmittedReason`` when given, and ``summary`` when the writer
+    knows what a replay of it must still say)."""
     record: dict[str, Any] = {
         "status": status,
         "headers": [[name, value] for name, value in headers],
@@ -50,6 +54,8 @@ def response_record(
         record["bodyOmitted"] = True
         if omitted_reason is not None:
             record["bodyOmittedReason"] = omitted_reason
+        if summary:
+            record["summary"] = summary
     else:
         record.update(
             bodySize=len(body),
@@ -68,7 +74,10 @@ def response_json(
     *,
     source: str | None = None,
     omitted_reason: str | None = None,
+    summary: dict[str, Any] | None = None,
 ) -> str:
     """``response_record`` as the JSON the stores keep in ``response_json``."""
-    record = response_record(status, headers, body, source=source, omitted_reason=omitted_reason)
+    record = response_record(
+        status, headers, body, source=source, omitted_reason=omitted_reason, summary=summary
+    )
     return json.dumps(record)

@@ -227,8 +227,12 @@ class Dialect:
         return "(state = 'PREPARED' AND deadline_at > ?)"
 
     def awaiting(self) -> str:
-        """``ledger.effects.is_awaiting_approval``: NOT_APPLIED with no attempts."""
-        return f"(state = 'NOT_APPLIED' AND {self.json_text('attempt_count')} = '0')"
+        """``ledger.effects.is_awaiting_approval``: NOT_APPLIED with no attempts, or holding
+        an approval."""
+        return (
+            f"(state = 'NOT_APPLIED' AND ({self.json_text('attempt_count')} = '0' "
+            f"OR {self.json_text('approval_digest')} IS NOT NULL))"
+        )
 
     def active_lease(self) -> str:
         """``ledger.queries.is_lease_active``: CLAIMED, unexpired. One ``?``: now."""
@@ -309,7 +313,8 @@ def dependents_of(task_id: str) -> Step[list[str]]:
 
 def _walk_for_cycle(d: Dialect, task_id: str, start: tuple[str, ...]) -> Step[None]:
     """Would ``task_id`` depending on ``start`` close a cycle? Follows ``depends_on`` from
-    ``start`` (breadth first, each task once, at most ``tasks.MAX_GRAPH_VISITS``)."""
+    ``start`` (breadth first, each task once, at most ``tasks.MAX_GRAPH_VISITS``): the mirror
+    of ``ledger.task_graph.check_no_cycle``, reading the records one by one."""
     seen: set[str] = set()
     frontier = list(start)
     while frontier:
@@ -667,7 +672,8 @@ def _cascade(
     """Cancel the open dependents of the (cancelled) tasks in ``frontier``, transitively: a
     dependent that changed passes the cancel on to its own dependents, a committed or already
     cancelled one stops it. Once ``limit`` tasks were cancelled, the tasks whose dependents
-    are still to be visited go to the ``cascades`` table for ``continue_cascades``."""
+    are still to be visited go to the ``cascades`` table for ``continue_cascades``. The
+    mirror of ``ledger.task_graph.cancel_cascade``."""
     discarded: list[tasks.Discard] = []
     cancelled = 0
     queue = list(frontier)

@@ -126,15 +126,32 @@ def encode_cursor(created_at: int, effect_id: str) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[int, str]:
+#: What ``encode_cursor`` writes: a creation time in milliseconds (ASCII digits, at most 15,
+#: which Redis' index pads to and every SQL integer holds) and an effect id.
+_EFFECT_CURSOR = re.compile(r"([0-9]{1,15}):([0-9a-f]{64})")
+
+
+def _cursor_text(cursor: str) -> str:
+    """The text inside a cursor, only if ``cursor`` is exactly what this gateway writes for it
+    (unpadded URL-safe base64 of UTF-8): the decoder alone skips stray characters and takes
+    padding, and a cursor that decodes but does not round-trip was not issued here."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        created, effect = raw.split(":", 1)
-        if len(effect) != 64 or not created.isdigit():
-            raise ValueError(raw)
-        return int(created), effect
-    except ValueError as exc:
+    except ValueError as exc:  # binascii.Error, non-ASCII input, not UTF-8
         raise BadRequest("cursor: not a cursor this gateway issued") from exc
+    if base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=") != cursor:
+        raise BadRequest("cursor: not a cursor this gateway issued")
+    return raw
+
+
+def decode_cursor(cursor: str) -> tuple[int, str]:
+    """The (createdAt, effectId) a cursor continues after. Anything else is 400 before a
+    store sees it: a number past a SQL integer (SQLite's driver raised OverflowError, a 500)
+    or an effect id with a NUL (PostgreSQL refuses it) never reaches a query."""
+    match = _EFFECT_CURSOR.fullmatch(_cursor_text(cursor))
+    if match is None:
+        raise BadRequest("cursor: not a cursor this gateway issued")
+    return int(match[1]), match[2]
 
 
 #: Most task records one ``list_tasks`` call reads before it answers (with a cursor).
@@ -149,10 +166,7 @@ def encode_task_cursor(task_id: str) -> str:
 
 def decode_task_cursor(cursor: str) -> str:
     """The task id a cursor continues after; a cursor this gateway did not issue is 400."""
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-    except ValueError as exc:
-        raise BadRequest("cursor: not a cursor this gateway issued") from exc
+    raw = _cursor_text(cursor)
     task_id = raw.removeprefix(_TASK_CURSOR)
     if task_id == raw or not _TASK_ID.fullmatch(task_id):
         raise BadRequest("cursor: not a cursor this gateway issued")

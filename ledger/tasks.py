@@ -338,7 +338,8 @@ def check_dependencies(
 ) -> None:
     """Refuse a dependency list naming the task itself, a task that does not exist or a
     cancelled one (``deps``: the store's records of ``depends_on``). Cycles through other
-    tasks are found by the store's walk (``MAX_GRAPH_VISITS``), which raises ``cycle``."""
+    tasks are found by the walk (``ledger.task_graph.check_no_cycle``, which the stores
+    mirror, at most ``MAX_GRAPH_VISITS``), which raises ``cycle``."""
     for dep in depends_on:
         if dep == task_id:
             raise BadRequest(f"dependsOn: {dep} is this task (a cycle)")

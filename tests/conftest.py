@@ -105,8 +105,24 @@ def postgres_test_url(server: PostgresServer, request: pytest.FixtureRequest | N
     return url
 
 
-#: Every store: each test that takes a store URL runs once per store (docs/stores.md).
+#: Every store: each test that takes a store URL runs once per store (docs/stores.md), unless
+#: it is marked ``one_store``.
 STORES = ["sqlite", "redis", "postgres"]
+#: Where a ``one_store`` test runs: the default store, the one a new user starts on.
+ONE_STORE = ["sqlite"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A ``one_store`` test (a protocol-layer rule: framing, headers, request hygiene, roles,
+    console, CLI rendering) holds the same on every store, so it runs on SQLite only; the
+    store-contract tests (conformance, the model test, faults, retention) stay on every store.
+    The mark narrows the store fixtures' params before pytest expands them."""
+    if metafunc.definition.get_closest_marker("one_store") is None:
+        return
+    for name in ("store_url", "any_store_url"):
+        if name in metafunc.fixturenames:
+            metafunc.definition.add_marker(pytest.mark.parametrize(name, ONE_STORE, indirect=True))
 
 
 @pytest.fixture(params=STORES)

@@ -55,8 +55,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -245,8 +247,10 @@ def build_server(record: _Record | None = None) -> tuple[MCPServer, _Record]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.mcp_server")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0, help="0: a free port the system picks")
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port-file", help="write the bound port here once bound")
+    parser.add_argument("--fd", type=int, help="serve on this bound socket (inherited)")
     parser.add_argument("--json-response", action="store_true", help="JSON answers, not SSE")
     parser.add_argument("--stateless", action="store_true", help="no handshake sessions")
     parser.add_argument("--event-store", action="store_true", help="SSE ids, Last-Event-ID resume")
@@ -264,11 +268,25 @@ def main(argv: list[str] | None = None) -> None:
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         host=args.host,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", lifespan="on")
+    if args.fd is not None:  # bound by the parent: the port was never free to take
+        sock = socket.socket(fileno=args.fd)
+    else:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    if args.port_file:
+        written = f"{args.port_file}.tmp"
+        with open(written, "w") as file:
+            file.write(str(sock.getsockname()[1]))
+        os.replace(written, args.port_file)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 class McpServerProcess:
-    """``python -m tests.mcp_server`` as a child process on a free loopback port."""
+    """``python -m tests.mcp_server`` as a child process on a loopback port: one it binds
+    (port 0) and reports in a port file, or the socket ``sock`` the test bound (and keeps
+    refusing connections until the server starts: an address a config may name first)."""
 
     def __init__(
         self,
@@ -276,12 +294,11 @@ class McpServerProcess:
         json_response: bool = False,
         stateless: bool = False,
         event_store: bool = False,
-        port: int | None = None,
+        sock: socket.socket | None = None,
         log_path: Path | None = None,
     ) -> None:
-        from tests.servers import free_port
-
-        self.port = port if port is not None else free_port()
+        self.sock = sock
+        self.port = sock.getsockname()[1] if sock is not None else 0
         self.json_response = json_response
         self.stateless = stateless
         self.event_store = event_store
@@ -298,9 +315,11 @@ class McpServerProcess:
         return f"{self.base_url}/mcp"
 
     def start(self, timeout: float = 20.0) -> McpServerProcess:
-        from tests.servers import wait_for_port
-
-        cmd = [sys.executable, "-m", "tests.mcp_server", "--port", str(self.port)]
+        port_dir = tempfile.TemporaryDirectory(prefix="mcp-server-")
+        port_file = Path(port_dir.name) / "port"
+        cmd = [sys.executable, "-m", "tests.mcp_server", "--port-file", str(port_file)]
+        if self.sock is not None:
+            cmd += ["--fd", str(self.sock.fileno())]
         if self.json_response:
             cmd.append("--json-response")
         if self.stateless:
@@ -310,13 +329,24 @@ class McpServerProcess:
         out = self.log_path.open("ab") if self.log_path is not None else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                cmd, cwd=_REPO, stdout=out, stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                cmd,
+                cwd=_REPO,
+                stdout=out,
+                stderr=out,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                pass_fds=() if self.sock is None else (self.sock.fileno(),),
             )
         finally:
             if self.log_path is not None and not isinstance(out, int):
                 out.close()
-        wait_for_port(self.port, timeout=timeout, proc=self.proc)
         deadline = time.monotonic() + timeout
+        with port_dir:
+            while not port_file.exists():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the MCP server did not bind a port")
+                time.sleep(0.02)
+            self.port = int(port_file.read_text())
         while True:  # the port opens before the lifespan (session manager) has started
             try:
                 self.executions()

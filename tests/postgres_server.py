@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import quote
 
-from tests.servers import free_port, wait_for_port
+from tests.servers import free_port
 
 __all__ = ["PostgresServer", "Setting", "default_parent", "postgres_bindir"]
 
@@ -189,6 +189,10 @@ def _close_all_at_exit() -> None:
 atexit.register(_close_all_at_exit)
 
 
+class _PortTaken(RuntimeError):
+    """PostgreSQL could not bind its port: another process took it after it was picked."""
+
+
 class PostgresServer:
     """One PostgreSQL cluster of our own: ``start``, then kill, pause, restart or promote it.
 
@@ -230,6 +234,7 @@ class PostgresServer:
         self.data_dir = self.base_dir / "data"
         self.log_path = self.base_dir / "postgres.log"
         self.port = free_port()
+        self._started = False
         self.proc: subprocess.Popen[bytes] | None = None
         #: Standbys made with ``make_standby``; ``close`` closes them too.
         self.standbys: list[PostgresServer] = []
@@ -312,7 +317,21 @@ class PostgresServer:
 
     def start(self) -> PostgresServer:
         """Start the postmaster (after ``initdb`` the first time) and wait until it accepts
-        connections, which after a crash includes recovery. Also how ``restart`` starts."""
+        connections, which after a crash includes recovery. Also how ``restart`` starts.
+
+        The port was free when it was picked (PostgreSQL cannot bind port 0 and say which it
+        got): when another process took it meanwhile, the first start tries another port (a
+        restart keeps its port: clients and standbys hold its address)."""
+        for _ in range(5):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if self._started:
+                    raise RuntimeError(f"{self!r}: its port was taken\n{self.log_tail()}") from None
+                self.port = free_port()
+        raise RuntimeError(f"{self!r} found no free port in 5 tries")
+
+    def _start_once(self) -> PostgresServer:
         if self.closed:
             raise RuntimeError(f"{self!r} is closed: its directory is gone")
         if self.running:
@@ -334,20 +353,28 @@ class PostgresServer:
         with self.log_path.open("ab") as log:
             log.write(f"--- fencegate: starting {' '.join(args)}\n".encode())
             log.flush()
+            log_from = log.tell()
             # Its own process group, apart from pytest's (a terminal's ^C is not for it).
             self.proc = self._popen(args, stdout=log, stderr=log, new_session=True)
         try:
             self._wait_ready()
         except Exception as exc:
+            exited = self.proc is not None and self.proc.poll() is not None
             self.kill()
+            with self.log_path.open("rb") as log:
+                log.seek(log_from)
+                if exited and b"Address already in use" in log.read():
+                    raise _PortTaken(self.port) from None
             raise RuntimeError(f"PostgreSQL did not start: {exc}\n{self.log_tail()}") from None
+        self._started = True
         return self
 
     def _wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         assert self.proc is not None
-        wait_for_port(self.port, timeout=timeout, proc=self.proc)
         deadline = time.monotonic() + timeout
-        isready = [str(self.bindir / "pg_isready"), "-q", "-h", "127.0.0.1",
+        # Through its own unix socket: a server of someone else's that holds the TCP port
+        # cannot answer for it.
+        isready = [str(self.bindir / "pg_isready"), "-q", "-h", str(self.base_dir),
                    "-p", str(self.port), "-U", "postgres", "-d", "postgres"]  # fmt: skip
         while True:
             if self.proc.poll() is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import redis
 
-from tests.servers import _Child, free_port, wait_for_port
+from tests.servers import PortTaken, _Child, free_port, wait_for_redis
 
 __all__ = ["MASTER_NAME", "MasterRelay", "SentinelCluster"]
 
@@ -53,30 +53,49 @@ class _Node(_Child):
         self.directory = directory / name
         self.directory.mkdir(parents=True, exist_ok=True)
         self.name = name
-        self.port = free_port()
         self.sentinel = sentinel
+        self.lines = lines
         self.config_path = self.directory / ("sentinel.conf" if sentinel else "redis.conf")
+        self.log_path = self.directory / "log.txt"
+        self._write_config(free_port())
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+
+    def _write_config(self, port: int) -> None:
+        self.port = port
         self.config_path.write_text(
             "\n".join(
                 [
                     f"port {self.port}",
                     "bind 127.0.0.1",
                     f'dir "{self.directory}"',
-                    f'logfile "{self.directory / "log.txt"}"',
-                    *lines,
+                    f'logfile "{self.log_path}"',
+                    *self.lines,
                 ]
             )
             + "\n"
         )
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> _Node:
-        args = [_binary(), str(self.config_path)]
-        if self.sentinel:
-            args.append("--sentinel")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, proc=self.proc)
-        return self
+        """Start (or restart, on its port) and wait until it answers. The port was free when
+        it was picked: taken meanwhile, the first start tries another one."""
+        for _ in range(5):
+            args = [_binary(), str(self.config_path)]
+            if self.sentinel:
+                args.append("--sentinel")
+            log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_for_redis(self.port, self.proc, self.log_path, log_from)
+            except PortTaken:
+                self.proc = None
+                if self._started:
+                    raise
+                self._write_config(free_port())
+                continue
+            self._started = True
+            return self
+        raise RuntimeError(f"{self.name} found no free port in 5 tries")
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True, socket_timeout=2)

@@ -7,6 +7,7 @@ tests can kill it, pause it with SIGSTOP and restart it on the same data.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -19,22 +20,46 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = [
     "GatewayProcess",
     "Gateways",
+    "PortTaken",
     "RedisServer",
     "free_port",
+    "refused_port",
     "wait_for_port",
+    "wait_for_redis",
     "write_gateway_config",
 ]
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Only for a server that cannot bind port 0 and
+    report the port it got (redis-server, PostgreSQL): it must start again on another port
+    when this one was taken meanwhile (``RedisServer.start`` does). Anything that cannot fail
+    over like that binds port 0 itself, or uses ``refused_port``."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+_REFUSING: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where every connection is refused, for the life of the test process:
+    a socket bound to it (so no other program can take it) that never listens. The address
+    of a dead downstream, store or gateway."""
+    if not _REFUSING:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        _REFUSING.append(sock)
+    port: int = _REFUSING[0].getsockname()[1]
+    return port
 
 
 def wait_for_port(
@@ -87,6 +112,47 @@ class _Child:
             self.proc = None
 
 
+class PortTaken(RuntimeError):
+    """A server could not bind its port: another process took it after it was picked."""
+
+
+def wait_for_redis(port: int, proc: subprocess.Popen[bytes], log: Path, log_from: int) -> None:
+    """Until the redis-server ``proc`` answers on ``port`` (not another server that holds the
+    port: its ``process_id`` must be ``proc``'s), its AOF loaded. ``PortTaken`` when it exited
+    because the port was taken (its ``log`` says so after ``log_from``)."""
+    # One try per call, briefly: a server that took the port may accept and never answer.
+    client = redis.Redis(port=port, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+    deadline = time.monotonic() + 30
+    try:
+        while True:  # the port opens before an AOF is fully loaded
+            try:
+                wait_for_port(port, timeout=30, proc=proc)
+                pid = client.info("server")["process_id"]
+            except (RuntimeError, redis.exceptions.RedisError) as exc:
+                if proc.poll() is not None and _says_port_taken(log, log_from):
+                    raise PortTaken(port) from exc
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            if pid == proc.pid:
+                return
+            # Someone else's server answers on this port: ours exits, and is told above.
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"another server answers on {port}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _says_port_taken(log: Path, log_from: int) -> bool:
+    if not log.exists():
+        return False
+    with log.open("rb") as file:
+        file.seek(log_from)
+        return b"address already in use" in file.read().lower()
+
+
 class RedisServer(_Child):
     def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
         binary = shutil.which("redis-server")
@@ -101,12 +167,34 @@ class RedisServer(_Child):
         self.port = free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self._log_from = 0
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Start (or restart, on the same port and data) and wait until it answers. The port
+        was free when it was picked: taken meanwhile, the first start tries another one (a
+        restart keeps its port: clients hold its address)."""
+        for _ in range(5):
+            self._spawn()
+            try:
+                self._wait_until_answering()
+                self._started = True
+                return self
+            except PortTaken:
+                if self._started:
+                    raise
+                self.port = free_port()
+        raise RuntimeError("redis-server found no free port in 5 tries")
+
+    def _log_size(self) -> int:
+        log = self.directory / "redis.log"
+        return log.stat().st_size if log.exists() else 0
+
+    def _spawn(self) -> None:
         args = [
             self.binary,
             "--port", str(self.port),
@@ -118,32 +206,37 @@ class RedisServer(_Child):
             "--maxmemory-policy", "noeviction",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
+        self._log_from = self._log_size()
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, proc=self.proc)
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:  # the port opens before an AOF is fully loaded
-            try:
-                client.ping()
-                break
-            except redis.exceptions.BusyLoadingError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-        return self
+
+    def _wait_until_answering(self) -> None:
+        assert self.proc is not None
+        try:
+            wait_for_redis(self.port, self.proc, self.directory / "redis.log", self._log_from)
+        except PortTaken:
+            self.proc = None
+            raise
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True)
 
 
+#: Numbers the gateways' log files (several gateways may share one config directory).
+_GATEWAY_LOGS = itertools.count(1)
+
+
 class GatewayProcess(_Child):
-    """``fencegate serve`` as a real process, as an operator would run it."""
+    """``fencegate serve`` as a real process, as an operator would run it.
+
+    ``port`` 0 (the default): the gateway binds a port the system picks and ``start`` reads
+    it from its ``gateway.listening`` line, so no port is picked first and bound later
+    (another process may take it meanwhile). Started again, it binds the port it had.
+    """
 
     def __init__(
         self,
         config_path: Path,
-        port: int,
+        port: int = 0,
         *,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
@@ -153,14 +246,32 @@ class GatewayProcess(_Child):
         self.env = {**os.environ, **(env or {})}
         self.cwd = cwd or config_path.parent
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = config_path.parent / f"gateway-{port}.log"
+        self.log_path = config_path.parent / f"gateway-{next(_GATEWAY_LOGS)}.log"
+        self._started = False
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> GatewayProcess:
+        """Start and wait for its ``gateway.listening`` line. A port given up front (an older
+        release that cannot bind port 0 and say which it got) that was taken meanwhile: the
+        first start tries another one (a restart keeps its port: clients hold its address)."""
+        for _ in range(5):
+            try:
+                self._start_once()
+            except PortTaken:
+                if self._started:
+                    raise
+                self.port = free_port()
+                continue
+            self._started = True
+            return self
+        raise RuntimeError("the gateway found no free port in 5 tries")
+
+    def _start_once(self) -> None:
         log = self.log_path.open("ab")
+        logged_before = log.tell()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -179,12 +290,35 @@ class GatewayProcess(_Child):
         )
         log.close()
         try:
-            wait_for_port(self.port, timeout=20, proc=self.proc)
+            self.port = self._bound_port(logged_before, timeout=30)
         except Exception:
+            if self.port and _says_port_taken(self.log_path, logged_before):
+                self.proc = None
+                raise PortTaken(self.port) from None
             raise RuntimeError(
                 f"gateway did not start: {self.log_path.read_text()[-2000:]}"
             ) from None
-        return self
+
+    def _bound_port(self, offset: int, timeout: float) -> int:
+        """The port of this start's first ``gateway.listening`` line (the gateway logs it once
+        it has bound, with the port it got), read from ``offset`` of its log on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.log_path.open("rb") as log:
+                log.seek(offset)
+                for line in log.read().splitlines():
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(event, dict) and event.get("event") == "gateway.listening":
+                        return int(str(event["listen"]).rsplit(":", 1)[1])
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no gateway.listening line after {timeout}s")
+            time.sleep(0.02)
 
     def log_events(self) -> list[dict[str, object]]:
         import json
@@ -211,17 +345,16 @@ def write_gateway_config(
 ) -> GatewayProcess:
     """Write ``directory/fencegate.toml`` for ``store_url`` and return its (unstarted) gateway.
 
-    The port is chosen here and written to ``server.listen``, so the file alone is enough to
-    run the gateway the way an operator would. ``downstreams`` become ``[[downstreams]]``
+    ``server.listen`` is port 0: the gateway binds a port the system picks and ``start``
+    reads it back (``GatewayProcess.port``). ``downstreams`` become ``[[downstreams]]``
     tables and ``proxy`` the ``[proxy]`` section (keys as in ``config.example.toml``);
     ``env`` is added to the gateway's environment (e.g. ``FENCEGATE_FAILPOINTS``).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     config_path = directory / "fencegate.toml"
     text = (
         "[server]\n"
-        f'listen = "127.0.0.1:{port}"\n'
+        'listen = "127.0.0.1:0"\n'
         "\n[store]\n"
         f"url = {json.dumps(store_url)}\n"
         f"timeout_ms = {timeout_ms}\n"
@@ -234,7 +367,7 @@ def write_gateway_config(
     for downstream in downstreams:
         text += "\n[[downstreams]]\n" + _toml_pairs(downstream)
     config_path.write_text(text)
-    return GatewayProcess(config_path, port, env=env)
+    return GatewayProcess(config_path, env=env)
 
 
 def _toml_pairs(values: Mapping[str, object]) -> str:

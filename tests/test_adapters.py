@@ -24,9 +24,10 @@ from fencegate.gateway.config import Config
 from fencegate.gateway.reconcile import Reconciler
 from fencegate.ledger.effects import EffectRequest, Fence
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.kind_servers import KindServers
-from tests.servers import GatewayProcess, free_port
+from tests.servers import GatewayProcess
 from tests.test_proxy import Sent, fence_headers
 
 TIMEOUT_MS = 300
@@ -84,7 +85,7 @@ def kinds_config(store_url: str, key_prefix: str, kinds: KindServers, **override
 @pytest.fixture
 async def api(store_url: str, key_prefix: str, kinds: KindServers) -> AsyncIterator[Api]:
     config = kinds_config(store_url, key_prefix, kinds)
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
@@ -211,7 +212,7 @@ async def test_reconcile_endpoint_and_background_reconciler(
     """Two gateways' reconcilers sweep the same ledger: each UNKNOWN effect is probed once."""
     config = kinds_config(store_url, key_prefix, kinds)
     store = build_test_store(config)
-    app = create_app(config, store=store)
+    app = create_app(config, store=store, forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         api = Api(client)
         await api.put("t1")
@@ -376,7 +377,7 @@ async def test_approval_is_for_one_exact_payload_and_is_used_once(
     assert wrong.status == 422 and wrong.code == "PAYLOAD_CONFLICT"
     approved = await api.client.post(
         f"/v1/effects/{effect_id}/approve",
-        json={"payloadDigest": x_digest, "note": "checked with legal"},
+        json={"approvalDigest": rec["approvalDigest"], "note": "checked with legal"},
         headers={"Fence-Operator": "carol"},
     )
     body = await approved.json()
@@ -419,10 +420,11 @@ async def test_approve_is_refused_where_no_approval_is_needed(api: Api, kinds: K
 async def test_two_gateways_do_not_both_forward_one_approval(
     store_url: str, key_prefix: str, kinds: KindServers
 ) -> None:
-    # 20 concurrent calls through two gateways: a start limit of 100 ms (margin 200) was once
-    # missed on a loaded machine, which spends the approval without sending anything.
-    config = kinds_config(store_url, key_prefix, kinds, proxy={"prepared_margin_ms": 2_000})
-    apps = [create_app(config, store=build_test_store(config)) for _ in range(2)]
+    # 20 concurrent calls through two gateways: a missed start limit (a loaded machine's
+    # slow prepare) spends the approval without sending anything; the forward clock stands
+    # still, so none is missed.
+    config = kinds_config(store_url, key_prefix, kinds)
+    apps = [create_app(config, store=build_test_store(config), forward_clock=still) for _ in "12"]
     async with (
         TestClient(TestServer(apps[0], host="127.0.0.1")) as one,
         TestClient(TestServer(apps[1], host="127.0.0.1")) as two,
@@ -459,7 +461,7 @@ async def test_outcome_overrides_and_injected_credentials(
                       "headers_from_env": {"Authorization": "FG_TEST_MAIL_TOKEN"}}],
         reconciler={"enabled": False},
     )  # fmt: skip
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         api = Api(client)
         await api.put("t1")
@@ -517,7 +519,7 @@ async def test_example_config_starts_as_it_is(tmp_path: Path) -> None:
     assert kinds == {"http", "idempotent", "probe", "conditional", "manual", "mcp"}
     copy = tmp_path / "config.example.toml"
     copy.write_text(example.read_text())
-    gateway = GatewayProcess(copy, free_port()).start()
+    gateway = GatewayProcess(copy).start()
     try:
         async with aiohttp.ClientSession() as session, session.get(f"{gateway.url}/readyz") as resp:
             assert resp.status == 200

@@ -29,6 +29,9 @@ from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (roles, token). Tokens are fixed here; a real one comes from `fencegate token new`.

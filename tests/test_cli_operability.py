@@ -28,9 +28,12 @@ from fencegate.gateway.cli import main
 from tests.api import Api
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import GatewayProcess, free_port
+from tests.servers import GatewayProcess, refused_port
 from tests.test_mtls import Pki, _ca, _signed
 from tests.test_ops_cli import Env, unknown_effect
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 
 class Cli:
@@ -75,7 +78,7 @@ async def env(
 
 
 async def test_gateway_options_before_or_after_the_command(env: Env, cli: Cli) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     before = await cli("--url", env.url, "--json", "epoch", "show")
     after = await cli("epoch", "show", "--url", env.url, "--json")
     assert before == after
@@ -178,7 +181,7 @@ async def test_a_config_that_cannot_be_used_is_named_with_what_is_wrong(
         assert err.startswith(f"fencegate: config error: {path}: {what}"), err
     # What only `serve` needs (the store's password, a readable TLS key) is not asked of the
     # operator's host: the address is taken and tried (nothing listens there: exit 3).
-    port = free_port()
+    port = refused_port()
     secrets = tmp_path / "secrets.toml"
     secrets.write_text(
         f'[server]\nlisten = "127.0.0.1:{port}"\n'
@@ -207,7 +210,7 @@ async def test_config_with_tls_and_client_certificates(
     _signed(tmp_path, "server", "localhost", "ca",
             "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth")  # fmt: skip
     _signed(tmp_path, "ops", "ops-1", "ca", "extendedKeyUsage=clientAuth")
-    port = free_port()
+    port = 0  # the gateway binds a free port; the CLI then finds it in the config
     config = tmp_path / "fencegate.toml"
     config.write_text(f"""
 [server]
@@ -227,9 +230,10 @@ certificate_cn = "ops-1"
 """)
     monkeypatch.delenv("FENCEGATE_CACERT", raising=False)
     monkeypatch.delenv("FENCEGATE_URL", raising=False)
-    url = f"https://127.0.0.1:{port}"
     cert = ["--cert", pki.path("ops.pem"), "--key", pki.path("ops.key")]
     gateway = GatewayProcess(config, port).start()
+    config.write_text(config.read_text().replace("127.0.0.1:0", f"127.0.0.1:{gateway.port}"))
+    url = f"https://127.0.0.1:{gateway.port}"
     try:
         code, out, err = await cli(
             "--config", str(config), "--cacert", pki.path("ca.pem"), *cert, "rollout", "status"

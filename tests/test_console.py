@@ -58,7 +58,10 @@ def console_config(db: Path, downstream: Downstream, auth: bool = True) -> Confi
     sections: dict[str, Any] = {
         "reconciler": {"enabled": False},
         "downstreams": [
-            {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
+            # settle_ms 0: these stories resolve NOT_APPLIED at once (no forward can land late);
+            # "queue" keeps the default, for the landing rule's console story.
+            {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS, "settle_ms": 0},
+            {"name": "queue", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
             {
                 "name": "orders",
                 "url": downstream.url,
@@ -156,11 +159,17 @@ class Env:
         assert status == 200, claim
         return claim_fence(claim, "s1")
 
-    async def unknown_effect(self, task_id: str = "t-unknown") -> tuple[str, dict[str, str]]:
+    async def unknown_effect(
+        self, task_id: str = "t-unknown", downstream: str = "api"
+    ) -> tuple[str, dict[str, str]]:
         """A forward that outlives the downstream timeout: UNKNOWN."""
         fence = await self.lease(task_id)
         status, headers, _ = await self.api(
-            "POST", f"/proxy/api/slow/{TIMEOUT_MS * 3}/pay", "worker", {"amount": 5}, fence
+            "POST",
+            f"/proxy/{downstream}/slow/{TIMEOUT_MS * 3}/pay",
+            "worker",
+            {"amount": 5},
+            fence,
         )
         assert headers["Fence-Effect-State"] == "UNKNOWN", (status, dict(headers))
         return headers["Fence-Effect-Id"], fence
@@ -450,6 +459,27 @@ async def test_resolve_records_the_principal_and_logs_as_the_api_does(env: Env) 
     assert again.status == 409 and "EFFECT_SETTLED" in again.text
 
 
+async def test_not_applied_waits_for_the_settle_time_unless_forced(env: Env) -> None:
+    effect_id, _ = await env.unknown_effect("t-queue", downstream="queue")
+    alice = await env.login(TOKENS["alice"][1])
+    page = await env.get(f"/console/effects/{effect_id}", alice)
+    assert 'id="landing-until"' in page.text and 'name="force"' in page.text
+    path = f"/console/effects/{effect_id}/resolve"
+    form = {"outcome": "NOT_APPLIED", "note": "nothing in the queue", "csrf": page.csrf}
+    early = await _confirmed(env, alice, path, form)
+    assert early.status == 409 and "EFFECT_IN_FLIGHT" in early.text and "landingUntil" in early.text
+    # The checkbox: the confirmation says what it risks, the force goes through it, the trail
+    # shows it.
+    first = await env.post(path, {**form, "force": "true"}, alice)
+    assert "forced: even if an earlier forward may still land" in first.text
+    done = await _confirmed(env, alice, path, {**form, "force": "true"})
+    assert done.status == 200 and "Resolved NOT_APPLIED" in done.text and "Forced:" in done.text
+    _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
+    assert record["state"] == "NOT_APPLIED" and record["actions"][-1]["force"] is True
+    trail = await env.get(f"/console/effects/{effect_id}", alice)
+    assert "resolve (forced: could still land until" in trail.text
+
+
 async def test_approve_shows_the_digest_and_expiry_and_records_the_approver(env: Env) -> None:
     effect_id, fence = await env.pending_email()
     alice = await env.login(TOKENS["alice"][1])
@@ -457,8 +487,9 @@ async def test_approve_shows_the_digest_and_expiry_and_records_the_approver(env:
     assert "(0 unknown, 1 awaiting)" in queue.text and effect_id in queue.text
     page = await env.get(f"/console/effects/{effect_id}", alice)
     _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
-    digest = record["payloadDigest"]
+    digest, approval = record["payloadDigest"], record["approvalDigest"]
     assert f'name="payloadDigest" value="{digest}"' in page.text and "10 min" in page.text
+    assert f'name="approvalDigest" value="{approval}"' in page.text
     path = f"/console/effects/{effect_id}/approve"
     bad = await env.post(path, {"payloadDigest": "ab" * 40, "csrf": page.csrf}, alice)
     assert bad.status == 400
@@ -466,6 +497,7 @@ async def test_approve_shows_the_digest_and_expiry_and_records_the_approver(env:
     assert stale.status == 422 and "PAYLOAD_CONFLICT" in stale.text
     with capture_logs() as logs:
         done = await _confirmed(env, alice, path, {"payloadDigest": digest, "note": "ok",
+                                                   "approvalDigest": approval,
                                                    "csrf": page.csrf})  # fmt: skip
     assert done.status == 200 and "expires at" in done.text and digest in done.text
     assert [e["operator"] for e in logs if e["event"] == "operator.approve"] == ["alice"]

@@ -25,6 +25,9 @@ from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import Sent, fence_headers
 
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
 #: Every adapter kind that uses the default outcomes (``HttpAdapter.default_outcome``).
 KINDS = ("http", "idempotent", "probe", "conditional", "manual")
 

@@ -219,6 +219,15 @@ def _lines(stream: object, into: queue.Queue[str]) -> None:
     into.put("")
 
 
+def interruptible() -> None:
+    """Give the demo a terminal's Ctrl-C: SIGINT at its default disposition, as an
+    interactive shell starts a foreground command. A suite started in the background
+    (``bash .ci/run &``) has SIGINT ignored, and a child inherits that through exec; the
+    demo, like Python itself, keeps an ignored SIGINT ignored (what a user who starts it
+    with ``&`` or ``nohup`` asked for), so the test must not hand it one."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "sqlite-file", "redis"])
 def test_demo_cleans_up_when_interrupted(
     kind: str, tmp_path: Path, redis_server: RedisServer
@@ -240,6 +249,7 @@ def test_demo_cleans_up_when_interrupted(
         text=True,
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(tmp_path)},
+        preexec_fn=interruptible,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()

@@ -31,33 +31,39 @@ import redis
 from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
-from fencegate.gateway.config import ConfigError, ProxyConfig, load_config
+from fencegate.gateway.config import ConfigError, HttpDownstream, ProxyConfig, load_config
+from fencegate.gateway.forward import Bound, ForwardWindow
 from fencegate.ledger.effects import effect_id
 from fencegate.ledger.redis_store import _SCRIPTS, load_script_source
 from tests.api import Api, Lease
+from tests.clocks import ManualClock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.relay import Blackhole, DelayRelay
-from tests.servers import GatewayProcess, Gateways, RedisServer, free_port, write_gateway_config
+from tests.servers import GatewayProcess, Gateways, RedisServer, write_gateway_config
 from tests.test_faults import gateway_api, wait_until_ready
 from tests.test_proxy import fence_headers
 from tests.test_proxy_processes import Proxied, claimed_task, effect_record, proxied
 
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
 REPO = Path(__file__).resolve().parent.parent
-#: forward_start_limit_ms in the process tests, and the margin it must stay below.
-START_LIMIT_MS = 300
-PREPARED_MARGIN_MS = 1_000
+#: forward_start_limit_ms in the process tests (the default's 1 s: a healthy forward's prepare
+#: on a loaded machine stays inside it, where 300 ms once did not), and the margin above it.
+START_LIMIT_MS = 1_000
+PREPARED_MARGIN_MS = 2_000
 #: The failpoint's stall after the prepare was answered: well past START_LIMIT_MS.
-STALL_MS = 800
+STALL_MS = 1_500
 #: The bump/cancel story needs time to see the PREPARED record and bump and cancel meanwhile.
-LONG_STALL_MS = 1_500
+LONG_STALL_MS = 2_500
 #: The downstream's timeout_ms; never reached (the downstream answers at once).
 DOWNSTREAM_TIMEOUT_MS = 2_000
 #: store.timeout_ms: generous, so a loaded machine cannot make a store step a 503 by itself.
 STORE_TIMEOUT_MS = 5_000
 #: Redis replies held back by the relay: past START_LIMIT_MS, well inside the store timeout.
-REPLY_DELAY_MS = 600
-RELAY_STORE_TIMEOUT_MS = 3_000
+REPLY_DELAY_MS = 1_300
+RELAY_STORE_TIMEOUT_MS = 4_000
 NEVER_FORWARDED = "never forwarded"
 
 
@@ -107,7 +113,7 @@ async def start(*gateways_: GatewayProcess) -> None:
 
 def twin_without_failpoint(gateway: GatewayProcess) -> GatewayProcess:
     """Another ``fencegate serve`` on the same config file and store, without failpoints."""
-    return GatewayProcess(gateway.config_path, free_port())
+    return GatewayProcess(gateway.config_path)
 
 
 def assert_refused_too_late(answer: Proxied, eid: str) -> None:
@@ -389,7 +395,7 @@ def test_serve_with_a_start_limit_not_below_the_margin_exits_with_the_message(
     )
     done = subprocess.run(
         [sys.executable, "-m", "fencegate.gateway.cli", "serve", "--config", str(bad),
-         "--listen", f"127.0.0.1:{free_port()}"],
+         "--listen", "127.0.0.1:0"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -403,6 +409,35 @@ def test_serve_with_a_start_limit_not_below_the_margin_exits_with_the_message(
 
 
 # --- 5. the forward's own timeouts stay inside the window --------------------------------------
+
+
+def test_the_window_cuts_the_bounds_to_what_its_clock_leaves() -> None:
+    """The window's rule on a clock the test moves (no forward, no race): the start is
+    allowed until L has passed since the prepare was sent, the pool wait plus connect is cut
+    to what is left of L, the whole forward to what is left of the PREPARED deadline."""
+    clock = ManualClock()
+    window = ForwardWindow(clock.now(), 300, 2_100, clock=clock.now)
+    api = HttpDownstream(name="api", url="http://api.test", timeout_ms=2_000)
+    assert window.start_left_ms() == 300
+    fresh = window.limits(api)
+    assert fresh.total == Bound.of("timeout_ms", 2_000)  # the downstream's own: shorter
+    assert fresh.connect == Bound(300, "proxy.forward_start_limit_ms=300")
+    clock.advance(0.25)
+    assert window.elapsed_ms() == pytest.approx(250)
+    assert window.start_left_ms() == pytest.approx(50)
+    late = window.limits(api)
+    assert late.connect is not None and late.connect.ms == pytest.approx(50)
+    assert late.total is not None and late.total.ms == pytest.approx(1_850)
+    assert late.total.named == "the PREPARED deadline (1850 ms left)"
+    assert late.sock_connect == fresh.sock_connect and late.read == fresh.read
+    clock.advance(0.051)
+    assert window.start_left_ms() < 0  # L has passed: the forward may no longer start
+    clock.advance(10)
+    spent = window.limits(api)  # never a bound of zero or less
+    assert spent.connect is not None and spent.connect.ms == 1.0
+    assert spent.total is not None and spent.total.ms == 1.0
+    assert ForwardWindow(5.0, 300, 2_100).clock is time.monotonic  # the gateway's default
+
 
 #: In-process gateway: the downstream's timeout and the PREPARED margin.
 TIMEOUT_MS = 600
@@ -432,7 +467,9 @@ async def windowed(
         downstreams=[{"name": "api", "url": blackhole.url, "timeout_ms": timeout_ms}],
         proxy={"prepared_margin_ms": MARGIN_MS, **proxy},
     )
-    app = create_app(config, store=build_test_store(config))
+    # The window's clock stands still: a loaded machine's slow prepare does not spend the
+    # start limit before the forward (its bounds are still cut from the whole window).
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 

@@ -307,6 +307,7 @@ async def test_resolve_records_the_principal_as_the_operator(
         assert sent.headers["Fence-Effect-State"] == "UNKNOWN"
         ids.append(sent.headers["Fence-Effect-Id"])
     resolve = {"outcome": "NOT_APPLIED", "note": "checked the downstream"}
+    Api(client).advance(60_000)  # past settle_ms (default): no forward can still land
     olivia = As(client, "olivia", **{"Fence-Operator": "mallory"})
     answer = await olivia.call("POST", f"/v1/effects/{ids[0]}/resolve", resolve)
     assert answer.status == 200 and answer.body["actions"][-1]["by"] == "olivia"

@@ -29,6 +29,9 @@ from mcp_types import CallToolResult, RequestParamsMeta, TextContent
 from tests.mcp_server import EFFECT_ID_META_KEY, McpServerProcess
 from tests.servers import GatewayProcess, Gateways, write_gateway_config
 
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
 DOWNSTREAM = "tools"
 #: The forward timeout of ``sleepy`` and ``charge`` (the tools table): far below the time the
 #: tests make them take, so their answers are lost, and far above a loopback call's, so the
@@ -95,7 +98,15 @@ def gateway(
         store_url,
         key_prefix=key_prefix,
         downstreams=[
-            {"name": DOWNSTREAM, "url": mcp_server.url, "adapter": "mcp", "timeout_ms": 10_000}
+            {
+                "name": DOWNSTREAM,
+                "url": mcp_server.url,
+                "adapter": "mcp",
+                "timeout_ms": 10_000,
+                # The module's server is the test's own: its hints (lookup's readOnlyHint,
+                # charge's idempotentHint) are what several tests are about.
+                "trust_annotations": True,
+            }
         ],
     )
     process.config_path.write_text(process.config_path.read_text() + TOOLS_TABLE)
@@ -746,3 +757,41 @@ async def test_a_stream_needs_a_lease_and_nesting_past_any_parser_is_a_parse_err
     status, text_ = await _raw(gateway, "POST", headers, deep)
     assert status == 200 and json.loads(text_)["error"]["code"] == -32700, text_[:200]
     assert mcp_server.executions() == {}
+
+
+async def test_a_failed_call_whose_answer_was_not_stored_replays_as_a_failure(
+    store_url: str, key_prefix: str, gateways: Gateways, mcp_server: McpServerProcess
+) -> None:
+    """With ``store_response_body = false`` the record keeps no body, yet a duplicate of a
+    call that failed (``isError: true``) must not be told it succeeded: the record keeps the
+    error flag and the replay carries it."""
+    process = write_gateway_config(
+        gateways.root / "gw-unstored",
+        store_url,
+        key_prefix=key_prefix,
+        downstreams=[
+            {
+                "name": DOWNSTREAM,
+                "url": mcp_server.url,
+                "adapter": "mcp",
+                "timeout_ms": 10_000,
+                "store_response_body": False,
+            }
+        ],
+    )
+    gateways.started.append(process)
+    gateway = process.start()
+    async with aiohttp.ClientSession() as http:
+        api = Coordinator(http, gateway.url)
+        lease = await api.lease()
+        call = modern_call("f-1", "fail", {"message": "card declined"})
+        first = await raw_post(gateway, lease, call, name="fail")
+        again = await raw_post(gateway, lease, {**call, "id": "f-2"}, name="fail")
+        [effect] = await api.effects(lease.task_id)
+
+    assert mcp_server.runs("fail") == 1
+    assert first["result"]["isError"] is True
+    assert again["id"] == "f-2"
+    assert again["result"]["isError"] is True
+    assert again["result"]["_meta"] == {REPLAYED: True, "fencegate/replayBody": "omitted"}
+    assert effect["state"] == "COMMITTED"

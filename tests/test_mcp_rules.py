@@ -172,8 +172,51 @@ def test_the_policy_of_a_tool(
     window: int | None,
     expected: tuple[ToolKind, int | None, str],
 ) -> None:
-    policy = mcp.policy_for(hints, kind, dedupe_window_ms=window)
+    policy = mcp.policy_for(hints, kind, dedupe_window_ms=window, trust_annotations=True)
     assert (policy.kind, policy.resend_window_ms, policy.source) == expected
+
+
+@pytest.mark.parametrize(
+    ("hints", "kind", "trusted", "expected"),
+    [
+        # Untrusted (the default): the server's hints count for nothing, a tool is an effect.
+        ({"readOnlyHint": True}, None, False, (ToolKind.EFFECT, None, "default")),
+        ({"idempotentHint": True}, None, False, (ToolKind.EFFECT, None, "default")),
+        ({}, "read_only", False, (ToolKind.READ_ONLY, None, "config")),
+        ({}, "idempotent", False, (ToolKind.IDEMPOTENT, 5_000, "config")),
+    ],
+)  # fmt: skip
+def test_annotations_of_an_untrusted_server_are_not_believed(
+    hints: dict[str, Any], kind: str | None, trusted: bool, expected: tuple[Any, ...]
+) -> None:
+    policy = mcp.policy_for(hints, kind, dedupe_window_ms=5_000, trust_annotations=trusted)
+    assert (policy.kind, policy.resend_window_ms, policy.source) == expected
+    assert mcp.policy_for(hints, kind, dedupe_window_ms=5_000).kind is policy.kind  # default
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+@pytest.mark.parametrize("kind", [None, "read_only", "effect"])
+def test_require_approval_is_always_a_recorded_call(kind: str | None, trusted: bool) -> None:
+    """A tool configured ``require_approval`` is recorded and approved whatever its kind or
+    the server's ``readOnlyHint`` say: a read-only policy would relay it unrecorded."""
+    policy = mcp.policy_for(
+        {"readOnlyHint": True}, kind, require_approval=True, trust_annotations=trusted
+    )
+    assert policy.kind is ToolKind.EFFECT and policy.require_approval
+
+
+def test_an_mcp_adapter_asks_for_annotations_only_when_it_believes_them() -> None:
+    tools = {"set": mcp.ToolOverride(kind="effect"), "mail": mcp.ToolOverride(require_approval=True,
+             approval_ttl_ms=5_000)}  # fmt: skip
+    untrusted = mcp.McpAdapter(tools=tools)
+    trusted = mcp.McpAdapter(tools=tools, trust_annotations=True)
+    assert not untrusted.needs_annotations("other") and not untrusted.needs_annotations("mail")
+    assert trusted.needs_annotations("other") and trusted.needs_annotations("mail")
+    assert not trusted.needs_annotations("set")
+    assert trusted.policy("mail", {"readOnlyHint": True}).kind is ToolKind.EFFECT
+    assert untrusted.approval_ttl("/tools/call/mail") == 5_000
+    assert untrusted.approval_ttl("/tools/call/set") is None
+    assert untrusted.approval_ttl("/tools/call/other") is None
 
 
 def test_the_annotation_cache_is_bounded() -> None:
@@ -234,3 +277,34 @@ def test_routing_headers_that_disagree_with_the_body_are_refused_before_anything
         assert mcp.routing_mismatch("2026-07-28", {**good, name: values}, body), (name, values)
     other = {"method": "tools/call", "params": {"name": "t", "_meta": {}}}
     assert mcp.routing_mismatch("2026-07-28", good, other)
+
+
+@pytest.mark.parametrize(
+    ("result", "summary"),
+    [
+        ({"isError": True, "content": [{"type": "text", "text": "declined"}]}, {"isError": True}),
+        ({"content": []}, {"isError": False}),
+        ({"isError": "yes"}, {"isError": False}),  # only the JSON true is an error flag
+        ({"resultType": "complete", "isError": True}, {"isError": True, "resultType": "complete"}),
+    ],
+)
+def test_an_answer_not_stored_still_replays_its_error_flag(
+    result: dict[str, Any], summary: dict[str, Any]
+) -> None:
+    """A failed call whose answer was too large to store must not replay as a success: the
+    record keeps the summary, and the replay says what it says."""
+    assert mcp.answer_summary({"jsonrpc": "2.0", "id": 1, "result": result}) == summary
+    again = mcp.replay(mcp.omitted_answer(summary), "req-2")
+    assert again["id"] == "req-2"
+    assert again["result"]["content"] == []
+    assert again["result"].get("isError", False) is summary["isError"]
+    assert again["result"]["_meta"][mcp.META_REPLAY_BODY] == "omitted"
+    assert again["result"]["_meta"][mcp.META_REPLAYED] is True
+
+
+def test_an_error_answer_has_no_summary_and_a_record_without_one_replays_as_before() -> None:
+    assert mcp.answer_summary({"id": 1, "error": {"code": -32603}}) == {}
+    assert mcp.omitted_answer(None)["result"] == {
+        "content": [],
+        "_meta": {mcp.META_REPLAY_BODY: "omitted"},
+    }

@@ -5,7 +5,6 @@ happened (``committed``, ``replayed``, the code)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,18 +12,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
+from tests.servers import refused_port
 from tests.test_operations import metrics, value
 from tests.test_proxy import Sent, fence_headers, task_with_lease
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on: connections to it are refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @pytest.fixture
@@ -34,12 +27,14 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
         key_prefix,
         downstreams=[
             {"name": "api", "url": downstream.url, "timeout_ms": 300},
-            {"name": "down", "url": f"http://127.0.0.1:{closed_port()}", "timeout_ms": 300},
+            {"name": "down", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": 300},
         ],
         proxy={"prepared_margin_ms": 200},
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    # The forward clock stands still: a loaded machine's slow prepare does not miss the
+    # start limit (100 ms here), which is not what these tests are about.
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from fencegate.gateway.config import Config, ConfigError, load_config
 from fencegate.gateway.request_guard import origin_allowed
-from tests.servers import GatewayProcess, free_port
+from tests.servers import GatewayProcess
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
@@ -123,7 +123,7 @@ token_sha256 = "{digest}"
 @pytest.fixture(scope="module")
 def gateway(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     directory = tmp_path_factory.mktemp("mtls-gateway")
-    port = free_port()
+    port = 0  # the system picks it when the gateway binds; GatewayProcess reads it back
     config_path = directory / "fencegate.toml"
     config_path.write_text(_config_text(pki, port, directory / "fg.db"))
     process = GatewayProcess(config_path, port).start()

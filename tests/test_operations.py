@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
 from tests.api import Api
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import RedisServer, write_gateway_config
@@ -32,8 +33,9 @@ async def gateway(store_url: str, key_prefix: str, downstream: Downstream, **pro
         proxy={"prepared_margin_ms": 200, **proxy},
         reconciler={"enabled": False},
     )  # fmt: skip
-    return TestClient(TestServer(create_app(config, store=build_test_store(config)),
-                                 host="127.0.0.1"))  # fmt: skip
+    # The forward clock stands still: a slow prepare does not miss the 100 ms start limit.
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
+    return TestClient(TestServer(app, host="127.0.0.1"))
 
 
 def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -192,7 +194,7 @@ async def test_rollout_status_is_safe_only_when_everything_settled(
         await api.call(
             "POST",
             f"/v1/effects/{unknown.headers['Fence-Effect-Id']}/resolve",
-            {"outcome": "NOT_APPLIED", "note": "checked"},
+            {"outcome": "NOT_APPLIED", "note": "checked", "force": True},  # before settle_ms
         )
         assert (await api.call("GET", "/v1/rollout")).body["safeToSwitchPools"] is False
         # ...until the last lease is gone too.

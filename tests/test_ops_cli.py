@@ -24,11 +24,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from fencegate.gateway import ops_commands
 from fencegate.gateway.app import create_app
 from fencegate.gateway.cli import main
+from fencegate.gateway.config import ServerConfig
 from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import free_port
+from tests.servers import refused_port
 
 NO_EFFECT = "0" * 64
 
@@ -177,9 +178,9 @@ async def test_list_show_and_resolve_an_unknown_effect(env: Env) -> None:
 
     shown = await env.cli("effects", "show", eid)
     assert shown.code == 0, shown.err
-    assert f"effect         {eid}" in shown.out
-    assert "state          UNKNOWN" in shown.out
-    assert "request        POST /status/500" in shown.out
+    assert f"effect          {eid}" in shown.out
+    assert "state           UNKNOWN" in shown.out
+    assert "request         POST /status/500" in shown.out
     assert "attempts (1):" in shown.out
     # The attempt's outcome and the downstream's stored answer.
     assert "UNKNOWN" in shown.out.split("attempts (1):")[1]
@@ -188,20 +189,30 @@ async def test_list_show_and_resolve_an_unknown_effect(env: Env) -> None:
     assert (await env.cli("effects", "show", eid[:12])).out == shown.out
     assert (await env.cli("effects", "show", eid, "--json")).json()["effectId"] == eid
 
-    resolved = await env.cli(
+    # The 500 came within settle_ms: the request may still land, so NOT_APPLIED is refused,
+    # saying until when and how to force it.
+    early = await env.cli(
         "effects", "resolve", eid[:12], "--outcome", "not_applied", "--note", "no charge",
         "--operator", "alice",
     )  # fmt: skip
+    assert early.code == 1 and early.out == ""
+    assert early.err.startswith("fencegate: EFFECT_IN_FLIGHT: an earlier forward"), early.err
+    assert "check the downstream after " in early.err and "--force" in early.err
+    resolved = await env.cli(
+        "effects", "resolve", eid[:12], "--outcome", "not_applied", "--note", "no charge",
+        "--operator", "alice", "--force",
+    )  # fmt: skip
     assert resolved.code == 0, resolved.err
-    assert f"effect {eid} resolved as NOT_APPLIED" in resolved.out
+    assert f"effect {eid} resolved as NOT_APPLIED (forced: " in resolved.out
     (event,) = [e for e in env.logs if e["event"] == "operator.resolve"]
     assert event["operator"] == "alice" and event["effect_id"] == eid
     after = (await env.cli("effects", "show", eid, "--json")).json()
     assert after["state"] == "NOT_APPLIED"
     assert after["actions"][-1]["by"] == "alice"
     assert after["actions"][-1]["note"] == "no charge"
+    assert after["actions"][-1]["force"] is True
     shown = await env.cli("effects", "show", eid)
-    assert "resolve" in shown.out and "alice" in shown.out and "no charge" in shown.out
+    assert "resolve (forced)" in shown.out and "alice" in shown.out and "no charge" in shown.out
 
     # The same resolution again is a no-op; the other one is refused, clearly.
     again = await env.cli(
@@ -288,15 +299,20 @@ async def test_approve_lets_a_waiting_effect_go_once(env: Env) -> None:
     assert [e["effectId"] for e in waiting.json()] == [eid]
     mixed = await env.cli("effects", "list", "--awaiting-approval", "--state", "UNKNOWN")
     assert mixed.code == 2 and "--awaiting-approval goes alone" in mixed.err
-    digest = (await env.cli("effects", "show", eid, "--json")).json()["payloadDigest"]
+    record = (await env.cli("effects", "show", eid, "--json")).json()
+    digest, approval = record["payloadDigest"], record["approvalDigest"]
 
     stale = await env.cli("effects", "approve", eid, "--payload-digest", "f" * 64)
     assert stale.code == 1
     assert stale.err.startswith("fencegate: PAYLOAD_CONFLICT: ") and digest in stale.err
+    # The request carries a Content-Type: the payload digest alone does not approve it.
+    alone = await env.cli("effects", "approve", eid, "--payload-digest", digest)
+    assert alone.code == 1 and alone.err.startswith("fencegate: BAD_REQUEST: ")
+    assert approval in alone.err
 
     approved = await env.cli(
-        "effects", "approve", eid, "--payload-digest", digest, "--note", "ticket 7",
-        "--operator", "carol",
+        "effects", "approve", eid, "--approval-digest", approval, "--payload-digest", digest,
+        "--note", "ticket 7", "--operator", "carol",
     )  # fmt: skip
     assert approved.code == 0, approved.err
     assert f"effect {eid} approved" in approved.out and digest in approved.out
@@ -467,7 +483,7 @@ async def test_url_from_config_file_and_environment(
     env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = env.url.rsplit(":", 1)[1]
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     config = tmp_path / "fencegate.toml"
     config.write_text(  # reached on loopback
         f'[server]\nlisten = "0.0.0.0:{port}"\nallowed_hosts = ["127.0.0.1"]\n'
@@ -483,8 +499,12 @@ async def test_url_from_config_file_and_environment(
     from_env = await env.cli("epoch", "show", url=False)
     assert from_env.code == 0, from_env.err
     monkeypatch.delenv("FENCEGATE_URL")
-    default = await env.cli("epoch", "show", "--timeout", "2", url=False)
-    assert default.code == 0 or "http://127.0.0.1:8700" in default.err
+    # None of them: the default, which is where `fencegate serve` listens by default. It is
+    # pointed at a port that refuses (127.0.0.1:8700 may be any program on this machine).
+    assert f"http://{ServerConfig().listen}" == ops_commands.DEFAULT_URL
+    monkeypatch.setattr(ops_commands, "DEFAULT_URL", dead)
+    default = await env.cli("epoch", "show", url=False)
+    assert default.code == 3 and f"cannot reach the gateway at {dead} " in default.err
     broken = tmp_path / "broken.toml"
     broken.write_text("[server]\nlisten = 5\n")
     bad = await env.cli("epoch", "show", "--config", str(broken), url=False)
@@ -492,7 +512,7 @@ async def test_url_from_config_file_and_environment(
 
 
 async def test_unreachable_gateway_exits_3(env: Env) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     for argv in (
         ["effects", "list"],
         ["effects", "resolve", NO_EFFECT, "--outcome", "COMMITTED", "--note", "n"],
@@ -553,7 +573,7 @@ async def test_the_installed_command_as_a_process(env: Env) -> None:
         assert proc.returncode is not None
         return Run.of(proc.returncode, out.decode(), err.decode())
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"
     ok, gone = await asyncio.gather(
         run("epoch", "show", "--json", "--url", env.url),
         run("effects", "list", "--url", dead),

@@ -26,7 +26,6 @@ from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, PutOutcome
 from tests.conftest import postgres_test_url
 from tests.postgres_server import PostgresServer
-from tests.servers import free_port
 
 POLICY = LeasePolicy(max_ttl_ms=60_000, default_max_runtime_ms=600_000)
 
@@ -147,7 +146,7 @@ def test_a_gateway_on_a_newer_schema_exits_with_the_reason(
     config = _config_file(tmp_path, f'url = "{url}"')
     done = subprocess.run(
         [sys.executable, "-m", "fencegate.gateway.cli", "serve", "--config", str(config),
-         "--listen", f"127.0.0.1:{free_port()}"],
+         "--listen", "127.0.0.1:0"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 1, done.stderr

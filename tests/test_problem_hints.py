@@ -16,9 +16,13 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.proxy_decisions import next_step, with_next_step
 from fencegate.ledger.errors import ApprovalRequired, EffectUnknown, Fenced
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import Sent, fence_headers, task_with_lease
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 EID = "ab" * 32
 RESOLVE = f"fencegate effects resolve {EID} --outcome COMMITTED|NOT_APPLIED --note '...'"
@@ -85,7 +89,9 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
         proxy={"prepared_margin_ms": 200},
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    # The forward clock stands still: a loaded machine's slow prepare does not miss the
+    # start limit (100 ms here), which is not what these tests are about.
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
@@ -135,7 +141,8 @@ async def test_approval_required_names_the_approve_command(api: Api) -> None:
     waiting = await call(api, lease, "gated", "/ok/send", "mail-1")
     assert waiting.code == "APPROVAL_REQUIRED"
     effect_id = waiting.headers["Fence-Effect-Id"]
-    digest = (await api.call("GET", f"/v1/effects/{effect_id}")).body["payloadDigest"]
-    assert f"fencegate effects approve {effect_id} --payload-digest {digest}" in detail(
+    # The request carries a Content-Type: the command names its approval digest.
+    digest = (await api.call("GET", f"/v1/effects/{effect_id}")).body["approvalDigest"]
+    assert f"fencegate effects approve {effect_id} --approval-digest {digest}" in detail(
         waiting.json
     )

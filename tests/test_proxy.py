@@ -21,9 +21,10 @@ from fencegate.gateway.config import Config
 from fencegate.ledger.effects import EffectRequest, EffectState, Fence, effect_id, payload_digest
 from fencegate.ledger.errors import FencegateError
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import free_port
+from tests.servers import refused_port
 
 TIMEOUT_MS = 400
 # A call that outlives "brief"'s timeout: the timeout stories go through "brief"; every other
@@ -39,18 +40,19 @@ def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Con
         downstreams=[  # type: ignore[arg-type]
             {"name": "api", "url": downstream.url, "timeout_ms": 10_000, "replay_max_bytes": 1024},
             {"name": "brief", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
-            {"name": "dead", "url": f"http://127.0.0.1:{free_port()}", "timeout_ms": TIMEOUT_MS},
+            {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": TIMEOUT_MS},
             {"name": "small", "url": downstream.url, "max_body_bytes": 2048},
         ],
-        # A start limit of 750 ms: a loaded machine answering 50 racing prepares late must
-        # not turn this file's stories into "could not start in time" refusals.
+        # A start limit of 750 ms (the fixture's forward clock stands still, so a loaded
+        # machine answering 50 racing prepares late cannot spend it).
         proxy={"prepared_margin_ms": 1_500},
     )
 
 
 @pytest.fixture
 async def api(proxy_config: Config) -> AsyncIterator[Api]:
-    app = create_app(proxy_config, store=build_test_store(proxy_config))
+    # "Could not start in time" is tests/test_forward_window.py's story, not this file's.
+    app = create_app(proxy_config, store=build_test_store(proxy_config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
@@ -299,7 +301,8 @@ async def test_late_completion_never_clobbers_a_newer_record(api: Api) -> None:
     resolved = await api.call(
         "POST",
         f"/v1/effects/{first.effect.effect_id}/resolve",
-        {"outcome": "NOT_APPLIED", "note": "checked the downstream: nothing there"},
+        # force: within settle_ms of the presumed-dead forward (tests/test_resolve_landing.py)
+        {"outcome": "NOT_APPLIED", "note": "checked the downstream: nothing there", "force": True},
     )
     assert resolved.status == 200
     second = await api.store.prepare_effect(request, 10_000)
@@ -714,7 +717,8 @@ async def test_resolve_unknown_as_not_applied_lets_the_effect_go_again(
     answer = await api.call(
         "POST",
         f"/v1/effects/{eid}/resolve",
-        {"outcome": "NOT_APPLIED", "note": "not in the downstream"},
+        # force: within settle_ms of the 500 (tests/test_resolve_landing.py)
+        {"outcome": "NOT_APPLIED", "note": "not in the downstream", "force": True},
     )
     assert answer.status == 200 and answer.body["state"] == "NOT_APPLIED"
     again = await send(api, lease, "/ok/pay", body={"x": 1})

@@ -34,7 +34,7 @@ from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
 from tests.downstream import Downstream
 from tests.postgres_server import PostgresServer
-from tests.servers import GatewayProcess, Gateways, RedisServer, free_port, write_gateway_config
+from tests.servers import GatewayProcess, Gateways, RedisServer, write_gateway_config
 from tests.test_faults import (
     NO_HANG_S,
     gateway_api,
@@ -167,7 +167,7 @@ async def crash_rig(
         proxy={"prepared_margin_ms": PREPARED_MARGIN_MS},
         env={"FENCEGATE_FAILPOINTS": failpoint} if failpoint else None,
     )
-    standby = GatewayProcess(gateway.config_path, free_port())
+    standby = GatewayProcess(gateway.config_path)
     gateways.started += [gateway, standby]
     await asyncio.gather(asyncio.to_thread(gateway.start), asyncio.to_thread(standby.start))
     return CrashRig(gateway, standby)
@@ -571,7 +571,8 @@ async def test_lost_answer_takeover_through_another_gateway_cannot_repeat_or_cha
         timeout_ms=STORE_TIMEOUT_MS,
         key_prefix=key_prefix,
         downstreams=[api_downstream(downstream, timeout_ms)],
-        proxy={"prepared_margin_ms": 200},
+        # A start limit of 1 s (not 100 ms): a loaded machine's prepare stays inside it.
+        proxy={"prepared_margin_ms": 2_000},
     )
     path = f"/slow/{3 * timeout_ms}/pay"
     x = {"to": "alice", "amount": 10}

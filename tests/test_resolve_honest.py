@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
 from tests.api import Answer, Api
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import Sent, send, task_with_lease
@@ -29,7 +30,9 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
         proxy={"prepared_margin_ms": 200},
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    # The forward clock stands still: a loaded machine's slow prepare does not miss the
+    # start limit (100 ms here), which is not what these tests are about.
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
@@ -130,7 +133,9 @@ async def test_not_applied_repeats_are_no_ops_and_take_no_response(api: Api) -> 
     _, effect_id = await unknown_effect(api, "t-not")
     refused = await resolve(api, effect_id, "NOT_APPLIED", response={"status": 200})
     assert refused.status == 400 and "only with outcome COMMITTED" in refused.body["detail"]
-    first = await resolve(api, effect_id, "NOT_APPLIED")
+    # force: within settle_ms of the timeout (tests/test_resolve_landing.py); a repeat without
+    # it is still the same resolution.
+    first = await resolve(api, effect_id, "NOT_APPLIED", force=True)
     assert first.body["unchanged"] is False and first.body["warnings"] == []
     again = await resolve(api, effect_id, "NOT_APPLIED")
     assert again.status == 200 and again.body["unchanged"] is True

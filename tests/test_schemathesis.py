@@ -26,7 +26,6 @@ from schemathesis.specs.openapi.checks import (
 from fencegate.gateway.app import create_app
 from fencegate.gateway.request_guard import ConnectionSlots, GuardedSite, handler_factory
 from tests.conftest import build_test_store, make_config
-from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,22 +52,23 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         # Long-polls (waitFor, a queue claim's waitMs) answer within the client's timeout.
         tasks={"max_wait_ms": 200},
     )
-    port = free_port()
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(create_app(config, store=build_test_store(config)))
 
-    async def start() -> None:
+    async def start() -> int:
         # The listener `fencegate serve` uses: its parser-level refusals (a request line
         # over aiohttp's 8190 bytes, which the fuzzer's long query strings reach) are
         # problem+json too, as the document says; a plain TCPSite answers them as text.
         await runner.setup()
         assert runner.server is not None
         factory = handler_factory(runner.server, ConnectionSlots(1000))
-        await GuardedSite(runner, "127.0.0.1", port, factory).start()
+        site = GuardedSite(runner, "127.0.0.1", 0, factory)
+        await site.start()
+        return site.port  # the one the system picked
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
+    port = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=30)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -30,8 +30,11 @@ from fencegate.gateway.limits import OpenRequests, TokenBucket, retry_after_seco
 from fencegate.gateway.principals import Scope, scope_refusal
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import GatewayProcess, free_port
+from tests.servers import GatewayProcess
 from tests.test_auth import Env, auth_section
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 # --- the scope decision -------------------------------------------------------------------------
 
@@ -341,7 +344,7 @@ def _eventually(check: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def test_sighup_reloads_the_principals(tmp_path: Path) -> None:
-    port = free_port()
+    port = 0  # the system picks it when the gateway binds; GatewayProcess reads it back
     path = tmp_path / "fencegate.toml"
     head = (
         f'[server]\nlisten = "127.0.0.1:{port}"\n'

@@ -32,9 +32,13 @@ from fencegate.gateway.config import Config
 from fencegate.ledger.effects import effect_id
 from fencegate.ledger.errors import ERRORS_BY_CODE as GATEWAY_CODES
 from fencegate.ledger.store import Store
+from tests.clocks import ManualClock
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
-from tests.servers import Gateways, free_port
+from tests.servers import Gateways, free_port, refused_port
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 #: The downstreams' timeout: well above what a loaded 2-core machine needs for a first
 #: connection on loopback (400 ms was not, once), well below what the slow paths ask for.
@@ -65,7 +69,7 @@ def gateway_config(store_url: str, key_prefix: str, downstream: Downstream) -> C
         key_prefix,
         downstreams=[
             {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
-            {"name": "dead", "url": f"http://127.0.0.1:{free_port()}", "timeout_ms": TIMEOUT_MS},
+            {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": TIMEOUT_MS},
             {"name": "small", "url": downstream.url, "max_body_bytes": 1024},
             {"name": "bank", "url": downstream.url, "adapter": "manual", "require_approval": True},
         ],
@@ -116,6 +120,10 @@ async def bad_request(env: Env) -> object:
 
 async def not_found(env: Env) -> object:
     return await env.client.call("GET", "/v1/no-such-route")
+
+
+async def method_not_allowed(env: Env) -> object:
+    return await env.client.call("DELETE", "/healthz")
 
 
 async def no_such_task(env: Env) -> object:
@@ -270,7 +278,7 @@ async def store_unavailable(env: Env) -> object:
             locker.execute("ROLLBACK")
             locker.close()
     # Redis: a gateway whose Redis is down.
-    dead = make_config(f"redis://127.0.0.1:{free_port()}/0", "x")
+    dead = make_config(f"redis://127.0.0.1:{refused_port()}/0", "x")
     async with running_gateway(dead) as (url, _, _), Client(url) as client:
         return await client.put_task("t1", "in-1")
 
@@ -288,6 +296,7 @@ async def downstream_timeout(env: Env) -> object:
 SCENARIOS: dict[str, Scenario] = {
     "BAD_REQUEST": bad_request,
     "NOT_FOUND": not_found,
+    "METHOD_NOT_ALLOWED": method_not_allowed,
     "NO_SUCH_TASK": no_such_task,
     "NO_SUCH_EFFECT": no_such_effect,
     "NO_SUCH_DOWNSTREAM": no_such_downstream,
@@ -370,7 +379,7 @@ async def test_operator_side_approve_reconcile_resolve_list(env: Env) -> None:
     assert wire_id is not None
     record = await env.client.get_effect(wire_id)
     approved = await env.client.approve_effect(
-        wire_id, "checked with the customer", payload_digest=record["payloadDigest"],
+        wire_id, "checked with the customer", approval_digest=record["approvalDigest"],
         operator="ops-alice",
     )  # fmt: skip
     assert approved["approval"]["by"] == "ops-alice"
@@ -385,10 +394,15 @@ async def test_operator_side_approve_reconcile_resolve_list(env: Env) -> None:
         await env.client.reconcile_effect(refund_id)
     unknown = await env.client.list_effects(state="UNKNOWN", task_id="t1")
     assert [e["effectId"] for e in unknown] == [refund_id]
+    # The refund may still land (settle_ms): refused, saying until when; force settles it.
+    with pytest.raises(fencegate.EffectInFlight) as early:
+        await env.client.resolve_effect(refund_id, "NOT_APPLIED", "not in the refunds console")
+    assert isinstance(early.value.problem["landingUntil"], int)
+    assert early.value.retry_after is not None and early.value.retry_after > 0
     settled = await env.client.resolve_effect(
-        refund_id, "NOT_APPLIED", "not in the refunds console", operator="ops-bob"
+        refund_id, "NOT_APPLIED", "not in the refunds console", operator="ops-bob", force=True
     )
-    assert settled["state"] == "NOT_APPLIED"
+    assert settled["state"] == "NOT_APPLIED" and settled["actions"][-1]["force"] is True
     with pytest.raises(fencegate.EffectSettled):
         await env.client.resolve_effect(refund_id, "COMMITTED", "changed my mind")
     # NOT_APPLIED: the same payload may go again, under the same key.
@@ -476,16 +490,17 @@ async def test_requests_carry_the_fence_and_answer_replays(env: Env) -> None:
 
 async def test_wait_in_flight_gets_the_replay_and_is_bounded(env: Env) -> None:
     lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
-    first = asyncio.create_task(pay(lease, path="/slow/300/pay"))
+    # The first forward runs 500 ms (half the 1 s timeout): the bounded wait gives up long
+    # before it ends (a replay would mean it waited it out).
+    first = asyncio.create_task(pay(lease, path="/slow/500/pay"))
     await env.downstream.arrived.wait()
-    started = time.monotonic()
     with pytest.raises(fencegate.EffectInFlight):
         await lease.request(
-            "api", "POST", "/slow/300/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=0.1
+            "api", "POST", "/slow/500/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=0.1
         )
-    assert time.monotonic() - started < 0.25
+    assert not first.done()
     waited = await lease.request(
-        "api", "POST", "/slow/300/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=5
+        "api", "POST", "/slow/500/pay", slot="s1", json={"slot": "s1"}, wait_in_flight=10
     )
     original = await first
     assert waited.replayed and not original.replayed and waited.body == original.body
@@ -496,19 +511,27 @@ async def test_wait_in_flight_gets_the_replay_and_is_bounded(env: Env) -> None:
 
 
 async def test_guarded_lease_stays_alive_through_a_long_body(env: Env) -> None:
+    """The body outlives three TTLs on the worker's clock and on the store's (moved together,
+    a fifth of a period at a time): the renewals keep the lease, by both clocks."""
     await new_task(env)
-    # A TTL a loaded 2-core machine can keep renewing (a renewal stalled for over 600 ms
-    # loses it), short enough that the body outlives three of them.
-    ttl_ms = 900
-    started = time.monotonic()
-    async with env.client.claim("t1", owner="w1", ttl_ms=ttl_ms) as lease:
-        assert lease.renew_interval == pytest.approx(0.3)
-        for i in range(16):  # 3.2 s: over three TTLs
-            await pay(lease, slot=f"s{i}")
-            await asyncio.sleep(0.2)
+    step_ms = CLOCKED_TTL_MS // 15
+    async with (
+        clocked_client(env) as (worker, clock),
+        worker.claim("t1", owner="w1", ttl_ms=CLOCKED_TTL_MS) as lease,
+    ):
+        assert lease.renew_interval == pytest.approx(CLOCKED_TTL_MS / 3000)
+        first_expiry = lease.lease_expires_at
+        for i in range(48):  # 48 steps: over three TTLs, an effect every third
+            if i % 3 == 0:
+                await pay(lease, slot=f"s{i // 3}")
+            await asyncio.wait_for(clock.someone_asleep(), 30)  # no renewal in flight
+            clock.advance(step_ms / 1000)
+            env.advance(step_ms)
+        await asyncio.wait_for(clock.someone_asleep(), 30)
         assert lease.expires_in > 0 and lease.lost is None
+        # Renewed within the last period: the store's expiry moved with its clock.
+        assert lease.lease_expires_at > first_expiry + 48 * step_ms - CLOCKED_TTL_MS / 3
         done = await lease.commit({"slots": 16})
-    assert time.monotonic() - started > 3 * ttl_ms / 1000
     assert lease.committed == done
     record = await env.client.get_task("t1")
     assert record.state == "COMMITTED" and record.claim_generation == 1
@@ -536,47 +559,67 @@ async def _cancel(env: Env) -> set[str]:
 TRIGGERS = {"takeover": _takeover, "bump": _bump, "cancel": _cancel}
 
 
+#: The TTL of the tests on a hand-moved clock: its renewal period is ten of the clock's
+#: seconds, which pass only when the test says so; in real time it only bounds how long one
+#: renewal (a loopback call) may take before the lease gives up on it.
+CLOCKED_TTL_MS = 30_000
+
+
+@contextlib.asynccontextmanager
+async def clocked_client(env: Env) -> AsyncIterator[tuple[Client, ManualClock]]:
+    """A worker's client whose leases read and sleep on a clock the test moves by hand."""
+    clock = ManualClock()
+    async with Client(env.url, timeout=10, clock=clock) as worker:
+        yield worker, clock
+
+
 @pytest.mark.parametrize("busy", [False, True], ids=["quiet-body", "busy-body"])
 @pytest.mark.parametrize("trigger", sorted(TRIGGERS))
 async def test_refused_renewal_cancels_the_body_within_one_period(
     env: Env, trigger: str, busy: bool
 ) -> None:
-    """A quiet body (asleep) is cancelled by the renewal loop; a busy one (an effect every
-    30 ms) by whichever refusal comes first. Nothing it starts after the refusal reaches the
-    downstream, and the lease refuses to send anything more."""
+    """A quiet body (waiting) is cancelled by the renewal loop once one renewal period has
+    passed on the worker's clock; a busy one (an effect after another) by whichever refusal
+    comes first. Nothing it starts after the refusal reaches the downstream, and the lease
+    refuses to send anything more."""
     await new_task(env)
-    started_at: dict[str, float] = {}
-    # The refusal starts between these two instants (the trigger's first and last step).
-    changing_from = changed_by = 0.0
-    expected: set[str] = set()
+    started: list[tuple[str, bool]] = []  # (slot, started after the refusal was in place)
+    refused = False
+    entered = asyncio.Event()
+    holder: list[Lease] = []
 
-    async def operator() -> None:
-        nonlocal changing_from, changed_by, expected
-        await asyncio.sleep(0.25)
-        changing_from = time.monotonic()
+    async def body(worker: Client) -> None:
+        async with worker.claim("t1", owner="w1", ttl_ms=CLOCKED_TTL_MS) as lease:
+            holder.append(lease)
+            entered.set()
+            for i in range(10_000):
+                if not busy:
+                    await asyncio.Event().wait()  # until cancelled
+                started.append((f"s{i}", refused))
+                await pay(lease, slot=f"s{i}")
+
+    async with clocked_client(env) as (worker, clock):
+        acting = asyncio.create_task(body(worker))
+        await asyncio.wait_for(entered.wait(), 30)
+        await asyncio.wait_for(clock.someone_asleep(), 30)  # the renewal loop waits a period
+        if busy:
+            while len(env.sent_keys()) < 3:  # it was sending before
+                assert not acting.done(), acting
+                await asyncio.sleep(0.01)
         expected = await TRIGGERS[trigger](env)
-        changed_by = time.monotonic()
-
-    acting: asyncio.Task[None] | None = None
-    with pytest.raises(LeaseLost) as lost:
-        async with env.client.claim("t1", owner="w1", ttl_ms=300) as lease:
-            acting = asyncio.create_task(operator())
-            for i in range(1000):
-                if busy:
-                    started_at[f"s{i}"] = time.monotonic()
-                    await pay(lease, slot=f"s{i}")
-                await asyncio.sleep(0.03 if busy else 30)
-    gone_at = time.monotonic()
-    assert acting is not None
-    await acting
+        refused = True
+        (lease,) = holder
+        if not busy:  # nothing has asked the gateway since: the body still runs
+            await asyncio.sleep(0)
+            assert not acting.done() and lease.lost is None
+        clock.advance(lease.renew_interval)  # one period, on the worker's clock
+        with pytest.raises(LeaseLost) as lost:
+            await asyncio.wait_for(acting, 30)  # a bound on a stuck test, not a timing
     assert lost.value.code in expected, lost.value
     assert isinstance(lost.value.__cause__, ProblemError)
     assert lease.lost is not None
-    assert changing_from > 0 and gone_at - changing_from <= lease.renew_interval + 0.3
-    late = {effect_id("t1", 1, "main", s) for s, at in started_at.items() if at > changed_by}
+    late = {effect_id("t1", 1, "main", slot) for slot, after in started if after}
     assert not late & set(env.sent_keys())
-    if busy:
-        assert len(env.sent_keys()) >= 3  # it was sending before
     with pytest.raises(LeaseLost):
         await pay(lease, slot="after")
     assert effect_id("t1", 1, "main", "after") not in env.sent_keys()
@@ -598,23 +641,44 @@ async def test_worker_that_stalls_past_its_lease_sends_nothing(env: Env) -> None
 async def test_lease_is_lost_when_no_renewal_gets_through(
     store_url: str, key_prefix: str, downstream: Downstream
 ) -> None:
+    """Every renewal fails (the gateway is gone): the body is stopped once the lease runs out
+    by the worker's clock, which counts from the moment the claim was sent, so before the
+    store would let anyone else in, and not long before (the margin: a tenth of the TTL, at
+    most 200 ms). The test moves the worker's clock a little at a time, each time once the
+    renewal loop waits again."""
     config = gateway_config(store_url, key_prefix, downstream)
-    async with running_gateway(config) as (url, _, server), Client(url) as client:
+    clock = ManualClock()
+    step_s = 0.05
+    async with running_gateway(config) as (url, _, server), Client(url, clock=clock) as client:
         await client.put_task("t1", "in-1")
-        stopped_at_ms = 0.0
-        with pytest.raises(LeaseLost) as lost:
-            async with client.claim("t1", owner="w1", ttl_ms=400) as lease:
-                await asyncio.sleep(0.15)
-                await server.close()  # the gateway is gone: every renewal fails
+        stopped_at: list[float] = []
+        claim_sent_at = clock.now()  # the clock stands still until the test moves it
+
+        async def body() -> None:
+            async with client.claim("t1", owner="w1", ttl_ms=CLOCKED_TTL_MS) as lease:
+                holder.append(lease)
                 try:
-                    await asyncio.sleep(30)
+                    await asyncio.Event().wait()
                 finally:  # the body is stopped here (not after the lease's own clean-up)
-                    stopped_at_ms = time.time() * 1000
+                    stopped_at.append(clock.now())
+
+        holder: list[Lease] = []
+        acting = asyncio.create_task(body())
+        await asyncio.wait_for(clock.someone_asleep(), 30)
+        await server.close()  # the gateway is gone: every renewal fails
+        while not acting.done():
+            clock.advance(step_s)
+            sleeping = asyncio.ensure_future(clock.someone_asleep())
+            await asyncio.wait([sleeping, acting], timeout=30, return_when="FIRST_COMPLETED")
+            sleeping.cancel()
+        with pytest.raises(LeaseLost) as lost:
+            await acting
+    assert len(holder) == 1
     assert lost.value.cause is None
     assert "ran out" in lost.value.reason
-    # The body stopped before the store would let anyone else in (the store's clock is this
-    # host's wall clock, on both stores), and not long before.
-    assert lease.lease_expires_at - 200 <= stopped_at_ms <= lease.lease_expires_at
+    lease_ends = claim_sent_at + CLOCKED_TTL_MS / 1000
+    (stopped,) = stopped_at
+    assert lease_ends - 0.2 <= stopped <= lease_ends - 0.2 + step_s
 
 
 async def test_body_without_commit_hands_the_task_back(env: Env) -> None:
@@ -764,7 +828,7 @@ async def test_sdk_timeout_below_the_downstreams_says_whose_it_is_and_the_retry_
 async def test_no_answer_names_the_gateway_and_the_error_class() -> None:
     """A gateway that is not there: the message says which URL and what failed (by class
     when the error has no text), so "unreachable" can be told from a timeout."""
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{refused_port()}"
     async with Client(url, timeout=2) as client:
         with pytest.raises(fencegate.GatewayUnreachable) as raised:
             await client.get_epoch()
@@ -797,26 +861,35 @@ async def test_the_docs_runnable_example_runs(
     script = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert script is not None
     (tmp_path / "worker.py").write_text(script.group(1))
-    payments_port = free_port()
-    config = make_config(
-        f"sqlite:///{tmp_path / 'fencegate.db'}",
-        key_prefix,
-        downstreams=[
-            {"name": "payments", "url": f"http://127.0.0.1:{payments_port}", "timeout_ms": 5000}
-        ],
-    )
-    outputs = []
-    async with running_gateway(config) as (url, _, _):
-        env = {**os.environ, "FENCEGATE_URL": url, "PAYMENTS_PORT": str(payments_port)}
-        for _ in range(2):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "worker.py", cwd=tmp_path, env=env,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+
+    async def run_once() -> str:
+        """One run of the script, with a gateway (on the same store file) that forwards to
+        the port the script's payments API binds. That port was free a moment ago (the script
+        binds it itself, as the doc says): taken meanwhile, the run fails before it touched
+        anything, and goes again on another port."""
+        for _ in range(5):
+            payments_port = free_port()
+            config = make_config(
+                f"sqlite:///{tmp_path / 'fencegate.db'}",
+                key_prefix,
+                downstreams=[{"name": "payments", "url": f"http://127.0.0.1:{payments_port}",
+                              "timeout_ms": 5000}],
             )  # fmt: skip
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+            async with running_gateway(config) as (url, _, _):
+                env = {**os.environ, "FENCEGATE_URL": url, "PAYMENTS_PORT": str(payments_port)}
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "worker.py", cwd=tmp_path, env=env,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                )  # fmt: skip
+                out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+            if proc.returncode != 0 and b"address already in use" in err.lower():
+                continue
             assert proc.returncode == 0, err.decode()
-            outputs.append(out.decode())
-    first, second = outputs
+            return out.decode()
+        raise AssertionError("no free port for the payments API in 5 tries")
+
+    first = await run_once()
+    second = await run_once()
     assert "claimed generation 1" in first
     assert "replayed: False" in first and "retried: replayed: True calls: 1" in first
     assert "committed:" in first and "task: COMMITTED sha256:" in first

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,7 +38,10 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import token_sha256
 from tests.conftest import build_test_store, make_config
 from tests.mcp_server import EFFECT_ID_META_KEY, McpServerProcess
-from tests.servers import free_port, wait_for_port
+from tests.servers import free_port
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 SDK_DOC = Path(__file__).parent.parent / "docs" / "sdk.md"
 #: One principal with what an agent needs: create its task, hold the lease, read the ledger.
@@ -270,6 +274,36 @@ def doc_block(section: str, language: str, starts: str) -> str:
     raise AssertionError(f"{section}: no {language} block starting {starts!r}")
 
 
+def start_tools(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """The doc's ``tools.py`` on ``$TOOLS_PORT``, once it says it listens there (uvicorn's
+    "running on" line: a connect alone could reach another program that took the port). The
+    port was free a moment ago (the script binds it itself, as the doc says): taken
+    meanwhile, it exits, and starts again on another one."""
+    for attempt in range(5):
+        port = free_port()
+        log = directory / f"tools-{attempt}.log"
+        with log.open("wb") as out:
+            tools = subprocess.Popen(
+                [sys.executable, "tools.py"], cwd=directory,
+                env={**os.environ, "TOOLS_PORT": str(port), "PYTHONUNBUFFERED": "1"},
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            text = log.read_text(errors="replace")
+            if f"running on http://127.0.0.1:{port}" in text.lower():
+                return tools, port
+            if tools.poll() is not None:
+                if "address already in use" in text.lower():
+                    break
+                raise AssertionError(f"tools.py exited with {tools.returncode}:\n{text}")
+            if time.monotonic() > deadline:
+                tools.kill()
+                raise AssertionError(f"tools.py never said it listens:\n{text}")
+            time.sleep(0.05)
+    raise AssertionError("no free port for tools.py in 5 tries")
+
+
 async def test_the_docs_mcp_example_runs(tmp_path: Path) -> None:
     """docs/sdk.md's MCP section as a user runs it: its config, its stand-in MCP server and its
     agent (as scripts, the agent twice), with the token in ``$FENCEGATE_TOKEN``."""
@@ -277,17 +311,12 @@ async def test_the_docs_mcp_example_runs(tmp_path: Path) -> None:
     (downstream,) = tomllib.loads(doc_block(section, "toml", "[[downstreams]]"))["downstreams"]
     (tmp_path / "tools.py").write_text(doc_block(section, "python", '"""tools.py'))
     (tmp_path / "agent.py").write_text(doc_block(section, "python", '"""agent.py'))
-    tools_port = free_port()
     assert downstream["url"] == "http://127.0.0.1:9100/mcp"
+    tools, tools_port = start_tools(tmp_path)
     downstream["url"] = f"http://127.0.0.1:{tools_port}/mcp"
     env = {**os.environ, "TOOLS_PORT": str(tools_port), "FENCEGATE_TOKEN": TOKEN}
-    tools = subprocess.Popen(
-        [sys.executable, "tools.py"], cwd=tmp_path, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     outputs = []
     try:
-        wait_for_port(tools_port, timeout=20, proc=tools)
         async with gateway(tmp_path, [downstream]) as url:
             for _ in range(2):
                 agent = await asyncio.create_subprocess_exec(

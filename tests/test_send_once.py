@@ -41,7 +41,8 @@ from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import Sent, fence_headers
 
-pytestmark = pytest.mark.timeout(10)
+#: The guard is the client's, the same on every store: SQLite only (docs/stores.md).
+pytestmark = [pytest.mark.timeout(10), pytest.mark.one_store]
 
 #: How the downstream ends a connection after applying the request, or that it answers.
 FIN, RST, ANSWER = "fin", "rst", "answer"
@@ -294,14 +295,14 @@ def assert_unknown_504(sent: Sent) -> str:
 
 async def approve(api: Api, lease: Lease, method: str, target: str, data: bytes | None) -> None:
     """A manual downstream with require_approval: the first call waits, an operator approves
-    its exact digest (nothing reaches the downstream meanwhile)."""
+    its exact request (nothing reaches the downstream meanwhile)."""
     waiting = await call(api, lease, method, target, data=data)
     assert waiting.status == 409 and waiting.code == "APPROVAL_REQUIRED", waiting.body
     effect_id = waiting.headers["Fence-Effect-Id"]
-    digest = (await record(api, effect_id))["payloadDigest"]
+    digest = (await record(api, effect_id))["approvalDigest"]
     approved = await api.client.post(
         f"/v1/effects/{effect_id}/approve",
-        json={"payloadDigest": digest},
+        json={"approvalDigest": digest},
         headers={"Fence-Operator": "carol"},
     )
     assert approved.status == 200, await approved.text()

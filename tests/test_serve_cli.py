@@ -22,7 +22,10 @@ import pytest
 
 from fencegate import Client
 from tests.downstream import Downstream
-from tests.servers import GatewayProcess, Gateways, RedisServer, free_port, write_gateway_config
+from tests.servers import GatewayProcess, Gateways, RedisServer, refused_port, write_gateway_config
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
 
 
 def serve(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -51,13 +54,16 @@ def test_check_reaches_the_store_prints_the_summary_and_never_binds(
     )  # fmt: skip
     with socket.socket() as holder:
         holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.bind(("127.0.0.1", gateway.port))
+        holder.bind(("127.0.0.1", 0))
         holder.listen()
+        held = holder.getsockname()[1]
+        config = gateway.config_path.read_text()
+        gateway.config_path.write_text(config.replace("127.0.0.1:0", f"127.0.0.1:{held}"))
         done = serve("--check", "--config", str(gateway.config_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert f"config: {gateway.config_path}" in out, out
-    assert f"listen: http://127.0.0.1:{gateway.port} (not bound by --check)" in out, out
+    assert f"listen: http://127.0.0.1:{held} (not bound by --check)" in out, out
     assert "payments: url=http://127.0.0.1:9000/v1 adapter=http timeout_ms=7000" in out, out
     assert "bank: url=http://127.0.0.1:9001 adapter=manual timeout_ms=10000" in out, out
     assert out.rstrip().endswith("ok (the config is valid and the store answers)"), out
@@ -66,7 +72,7 @@ def test_check_reaches_the_store_prints_the_summary_and_never_binds(
     assert "Traceback" not in done.stderr, done.stderr
     # The port was never ours: it is free again once the holder lets go.
     with socket.socket() as again:
-        again.bind(("127.0.0.1", gateway.port))
+        again.bind(("127.0.0.1", held))
 
 
 @pytest.mark.parametrize(
@@ -111,7 +117,7 @@ def test_a_console_secret_too_short_to_sign_with_is_refused_at_start_up(tmp_path
 
 def test_check_exits_1_when_the_redis_store_cannot_be_reached(tmp_path: Path) -> None:
     path = tmp_path / "fencegate.toml"
-    closed = free_port()
+    closed = refused_port()
     path.write_text(f"[store]\nurl = 'redis://:pw-secret@127.0.0.1:{closed}/0'\ntimeout_ms = 300\n")
     started = time.monotonic()
     done = serve("--check", "--config", str(path), cwd=tmp_path)

@@ -29,6 +29,9 @@ from fencegate.gateway.config import Config
 from tests.api import Api, Lease
 from tests.conftest import build_test_store, make_config
 
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
 #: The gateway's form: metrics ``name;dur=ms`` (one decimal), ", " between them.
 OURS = re.compile(r"[a-z]+;dur=\d+\.\d(, [a-z]+;dur=\d+\.\d)*")
 #: What the downstream of these tests says about itself on every answer.

@@ -614,9 +614,32 @@ CASES = [
         "encoded-backslash", lambda c: get(c, "/proxy/api/a%5c..%5cadmin"), [Sent(None, b"", 400)]
     ),
     Case(
-        "double-encoded",  # one decode at the downstream: %2e%2e, a name, not a segment
+        "double-encoded",  # a downstream that decodes twice reads .. (issue 25)
         lambda c: get(c, "/proxy/api/a/%252e%252e/%252fadmin"),
-        [Sent(f"{BASE}/a/%252e%252e/%252fadmin", b"", 200)],
+        [Sent(None, b"", 400)],
+    ),
+    Case(
+        "double-encoded-name",  # %252f decodes to a slash, but no piece is a dot segment
+        lambda c: get(c, "/proxy/api/a/b%252fc"),
+        [Sent(f"{BASE}/a/b%252fc", b"", 200)],
+    ),
+    Case(
+        "path-parameter-dot-dot", lambda c: get(c, "/proxy/api/a/..;/admin"), [Sent(None, b"", 400)]
+    ),
+    Case(
+        "path-parameter-encoded",
+        lambda c: get(c, "/proxy/api/a/%2e%2e;x=1/admin"),
+        [Sent(None, b"", 400)],
+    ),
+    Case(
+        "percent-u-dot-dot",
+        lambda c: get(c, "/proxy/api/a/%u002e%u002e/admin"),
+        [Sent(None, b"", 400)],
+    ),
+    Case(
+        "fullwidth-dot-dot",
+        lambda c: get(c, "/proxy/api/a/%EF%BC%8E%EF%BC%8E/admin"),
+        [Sent(None, b"", 400)],
     ),
     Case("fragment", lambda c: get(c, "/proxy/api/frag#/../../admin"), [Sent(None, b"", 400)]),
     Case(

@@ -8,8 +8,9 @@ finding a forward) are held to their pure definitions in ``ledger.queries`` and
 
 Task flow: tasks may name the queue ``q`` (claimed with ``claim_next``) and depend on one
 another; the steps that touch several tasks (a commit releasing its dependents, a revision
-sending them back to WAITING, a cancel cascading) are walked here over the model's tasks with
-the per-task rules of ``ledger.tasks``, and every task is compared after every step.
+sending them back to WAITING, a cancel cascading) are walked over the model's tasks by their
+one owner, ``ledger.task_graph``, which the SQL steps and the Lua scripts mirror, and every
+task is compared after every step.
 
 Timing: no real time at all. The SQLite store reads a fake host clock (``ClockSources``) and
 the Redis scripts a pinned instant (``RedisStore.clock_pinned_ms``); both move only when the
@@ -44,7 +45,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from fencegate.ledger import effects, queries, tasks
+from fencegate.ledger import effects, queries, task_graph, tasks
 from fencegate.ledger.clock import ClockSources
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import FencegateError
@@ -269,14 +270,13 @@ class LeaseMachine(RuleBasedStateMachine):
     def by_id(self, task_id: str) -> str:
         return next(name for name, tid in self.ids.items() if tid == task_id)
 
-    def dependents(self, task_id: str) -> list[str]:
-        """Names of the tasks that depend on ``task_id``, in task id order (as stored)."""
-        found = [
-            (t.task_id, name)
-            for name, t in self.model_tasks.items()
-            if t is not None and task_id in t.depends_on
-        ]
-        return [name for _, name in sorted(found)]
+    def graph(self) -> dict[str, Task | None]:
+        """The model's records by task id: what ``ledger.task_graph`` walks."""
+        return {t.task_id: t for t in self.model_tasks.values() if t is not None}
+
+    def keep_changed(self, changed: dict[str, Task]) -> None:
+        for task_id, task in changed.items():
+            self.keep(self.by_id(task_id), task)
 
     def model_put(
         self,
@@ -289,7 +289,8 @@ class LeaseMachine(RuleBasedStateMachine):
         depends_on: tuple[str, ...] | None,
     ) -> tuple[Task, tasks.PutOutcome]:
         """The put step of every store: the dependencies' records, the cycle walk for new
-        dependencies of an existing task, the put, then a committed task's dependents."""
+        dependencies of an existing task, the put, then a committed task's dependents (the
+        walks: ``ledger.task_graph``, which the stores' SQL and Lua mirror)."""
         if found is not None and found.input_digest == digest:
             return found, tasks.PutOutcome.UNCHANGED
         before = found.depends_on if found is not None else ()
@@ -298,18 +299,7 @@ class LeaseMachine(RuleBasedStateMachine):
         tasks.check_dependencies(task_id, deps_now, deps)
         added = [d for d in deps_now if d not in before]
         if added and found is not None:
-            seen: set[str] = set()
-            frontier = list(added)
-            while frontier:
-                current = frontier.pop(0)
-                if current in seen:
-                    continue
-                seen.add(current)
-                record = self.model_tasks[self.by_id(current)]
-                for dep in record.depends_on if record else ():
-                    if dep == task_id:
-                        raise tasks.cycle(task_id, current)
-                    frontier.append(dep)
+            task_graph.check_no_cycle(self.graph(), task_id, added)
         task, put_outcome = tasks.put(
             found,
             task_id,
@@ -322,14 +312,11 @@ class LeaseMachine(RuleBasedStateMachine):
             deps=deps,
         )
         if found is not None and found.state is tasks.TaskState.COMMITTED:
-            discarded = list(task.discarded)
             self.keep(self.by_id(task_id), task)
-            for name in self.dependents(task_id):
-                changed = tasks.dependency_revised(self.model_tasks[name], task_id, self.now)
-                if changed:
-                    discarded += changed.discarded
-                    self.keep(name, changed)
-            task = replace(task, discarded=tuple(discarded))
+            changed = task_graph.revise_dependents(self.graph(), task_id, self.now)
+            self.keep_changed(changed)
+            revised = (d for t in changed.values() for d in t.discarded)
+            task = replace(task, discarded=(*task.discarded, *revised))
         return task, put_outcome
 
     @rule(
@@ -575,12 +562,7 @@ class LeaseMachine(RuleBasedStateMachine):
             self.same_task(model[0], stored[0])
             self.keep(name, model[0])
             if not model[1]:  # the first commit releases its dependents
-                for dependent in self.dependents(model[0].task_id):
-                    changed = tasks.dependency_committed(
-                        self.model_tasks[dependent], model[0], self.now
-                    )
-                    if changed:
-                        self.keep(dependent, changed)
+                self.keep_changed(task_graph.release_dependents(self.graph(), model[0], self.now))
 
     @rule(kind=st.sampled_from(["cancel", "bump_epoch"]), name=st.sampled_from(TASKS))
     def disrupt(self, kind: str, name: str) -> None:
@@ -599,26 +581,18 @@ class LeaseMachine(RuleBasedStateMachine):
             self.keep(name, model)
 
     def model_cancel(self, name: str) -> Task:
-        """Cancel, then the open dependents, transitively (breadth first, each once)."""
+        """Cancel, then the open dependents, transitively (``task_graph.cancel_cascade``,
+        up to the store's ``max_cascade``: more than the model's tasks, so none is left)."""
         found = self.model_tasks[name]
         task = tasks.cancel(found, self.now)
         if found is None or found.state is tasks.TaskState.CANCELLED:
             return task
         self.keep(name, task)
-        discarded = list(task.discarded)
-        seen = {name}
-        frontier = self.dependents(task.task_id)
-        while frontier:
-            current = frontier.pop(0)
-            if current in seen:
-                continue
-            seen.add(current)
-            changed = tasks.cancel_dependent(self.model_tasks[current], self.now)
-            if changed:
-                self.keep(current, changed)
-                discarded += changed.discarded
-                frontier += self.dependents(changed.task_id)
-        return replace(task, discarded=tuple(discarded))
+        limit = self.store.max_cascade
+        cascade = task_graph.cancel_cascade(self.graph(), [task.task_id], self.now, limit)
+        assert not cascade.pending
+        self.keep_changed(cascade.changed)
+        return replace(task, discarded=(*task.discarded, *cascade.discarded))
 
     def bump_epoch(self) -> None:
         stored = self.run(self.store.bump_epoch())
@@ -666,6 +640,8 @@ class LeaseMachine(RuleBasedStateMachine):
         resend=st.sampled_from([None, 2 * STEP_MS, 2 * STEP_MS]),
         approval=st.sampled_from([False, False, True]),
         tamper=st.sampled_from(["none"] * 8 + ["generation", "cancel", *PRINCIPAL_TAMPERS]),
+        # The request's approval digest: none (the payload digest), or one of its headers'.
+        headers=st.sampled_from([None, None, "h1", "h2"]),
     )
     def prepare(
         self,
@@ -676,6 +652,7 @@ class LeaseMachine(RuleBasedStateMachine):
         resend: int | None,
         approval: bool,
         tamper: str,
+        headers: str | None,
     ) -> None:
         # Mostly a claim that is still current (only those can produce effects), sometimes any.
         current = [
@@ -697,7 +674,15 @@ class LeaseMachine(RuleBasedStateMachine):
                 ident.principal,
             )
             return EffectRequest(
-                fence, "main", slot, "api", "POST", "/pay", payload, f"fwd-{self.forwards}"
+                fence,
+                "main",
+                slot,
+                "api",
+                "POST",
+                "/pay",
+                payload,
+                f"fwd-{self.forwards}",
+                None if headers is None else f"{payload}+{headers}",
             )
 
         task = self.model_tasks[name]
@@ -748,16 +733,20 @@ class LeaseMachine(RuleBasedStateMachine):
             [EffectState.COMMITTED, EffectState.NOT_APPLIED, EffectState.UNKNOWN]
         ),
         response=st.sampled_from([None, '{"status":200}']),
+        # A forward that certainly sent nothing keeps its approval (``effects.sent_nothing``).
+        reason=st.sampled_from(["r", "r", "connect failed: X", "never sent: pool"]),
     )
-    def complete(self, data: st.DataObject, outcome: EffectState, response: str | None) -> None:
+    def complete(
+        self, data: st.DataObject, outcome: EffectState, response: str | None, reason: str
+    ) -> None:
         index = data.draw(st.integers(0, len(self.pending) - 1))
         eid, seq, handle = self.pending.pop(index)
         model, applied = effects.complete(
-            self.model_effects[eid], seq, handle.model_attempt, outcome, "r", response, self.now
+            self.model_effects[eid], seq, handle.model_attempt, outcome, reason, response, self.now
         )
         stored, stored_applied = self.run(
             self.store.complete_effect(
-                self.ids[handle.task], eid, seq, handle.store_attempt, outcome, "r", response
+                self.ids[handle.task], eid, seq, handle.store_attempt, outcome, reason, response
             )
         )
         assert applied == stored_applied
@@ -821,14 +810,26 @@ class LeaseMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):  # the principal it was requested under, if any
             principal = self.model_effects[eid].requested_by
         expected = data.draw(st.sampled_from(["p1", "p2"])) if guard else None
+        # The approval digest the operator names, or none (then, with ``expected``, the
+        # payload digest alone: refused when the request sent effect-changing headers).
+        named = data.draw(st.sampled_from([None, None, "p1", "p1+h1", "p2+h2"]))
         operator = principal or "op"
         code, model, stored = self.both(
             lambda: effects.approve(
-                self.model_effects[eid], operator, "ok", expected, ttl, self.now, principal
+                self.model_effects[eid],
+                operator,
+                "ok",
+                expected,
+                ttl,
+                self.now,
+                principal,
+                expected_approval=named,
             ),
             self.store.update_effect(
                 eid,
-                lambda e, now: effects.approve(e, operator, "ok", expected, ttl, now, principal),
+                lambda e, now: effects.approve(
+                    e, operator, "ok", expected, ttl, now, principal, expected_approval=named
+                ),
             ),
         )
         event(f"approve {code}")
@@ -905,6 +906,15 @@ class LeaseMachine(RuleBasedStateMachine):
             if risky:
                 stored = self.run(self.store.get_effect(eid))
                 assert stored.state is not EffectState.NOT_APPLIED, (eid, attempts, stored)
+
+    @invariant()
+    def an_approval_is_used_by_a_forward_that_may_have_sent(self) -> None:
+        """An approval stays on a record only while no forward under it may have been sent:
+        an effect that is (or reads) UNKNOWN or COMMITTED holds none."""
+        for model in self.model_effects.values():
+            view = effects.effective(model, self.now)
+            if view.state in (EffectState.UNKNOWN, EffectState.COMMITTED):
+                assert view.approval_digest is None, view
 
     @invariant()
     def ledgers_agree(self) -> None:

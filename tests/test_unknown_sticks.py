@@ -258,8 +258,12 @@ async def test_operator_resolve_not_applied_resets_the_history(api: Api, late: L
     await late.settled()
     late.answer_delay_ms, late.apply_after_ms = 0, 0
     assert (await call(api, a, "POST", "plain/orders", body={"item": "book"})).status == 409
+    # The operator knows the queue dropped it, so it cannot land later: force (settle_ms has
+    # not passed yet, tests/test_resolve_landing.py).
     resolved = await api.call(
-        "POST", f"/v1/effects/{effect_id}/resolve", {"outcome": "NOT_APPLIED", "note": "no order"}
+        "POST",
+        f"/v1/effects/{effect_id}/resolve",
+        {"outcome": "NOT_APPLIED", "note": "no order", "force": True},
     )
     assert resolved.status == 200 and resolved.body["state"] == "NOT_APPLIED"
 

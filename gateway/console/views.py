@@ -28,7 +28,7 @@ import jinja2
 import structlog
 from aiohttp import web
 
-from fencegate.adapters import ManualAdapter, ProbeAdapter
+from fencegate.adapters import ProbeAdapter
 from fencegate.gateway.api_models import check_task_id, parse_body
 from fencegate.gateway.auth import auth_state
 from fencegate.gateway.console import CONSOLE, ROUTES
@@ -47,6 +47,7 @@ from fencegate.gateway.ledger_api import (
     check_effect_id,
     reconcile_as,
     resolve_as,
+    settle_ms_of,
     shown_record,
 )
 from fencegate.gateway.operations import rollout_json
@@ -58,7 +59,7 @@ from fencegate.gateway.principals import (
 )
 from fencegate.gateway.request_guard import origin_allowed
 from fencegate.gateway.state import ADAPTERS, CONFIG, METRICS, STORE
-from fencegate.ledger.effects import Effect, EffectState, is_awaiting_approval
+from fencegate.ledger.effects import Effect, EffectState, is_awaiting_approval, landing_until
 from fencegate.ledger.errors import (
     BadRequest,
     FencegateError,
@@ -496,11 +497,7 @@ def _body_text(response: dict[str, Any] | None) -> str | None:
 async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) -> dict[str, Any]:
     record = shown_record(viewer.principal, effect)
     adapter = request.app[ADAPTERS].get(effect.downstream)
-    approval_ttl_ms = (
-        adapter.approval_ttl_ms
-        if isinstance(adapter, ManualAdapter) and adapter.require_approval
-        else None
-    )
+    approval_ttl_ms = adapter.approval_ttl(effect.path) if adapter is not None else None
     return {
         "effect": record,
         "body_text": _body_text(record.get("response")),
@@ -510,6 +507,8 @@ async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) 
         "approval_ttl_ms": approval_ttl_ms,
         "can_probe": isinstance(adapter, ProbeAdapter) and adapter.probe is not None,
         "is_unknown": effect.state is EffectState.UNKNOWN,
+        # Until then an earlier forward may still land: NOT_APPLIED only with force.
+        "landing_until": landing_until(effect, settle_ms_of(request.app, effect)),
         "now": await request.app[STORE].now_ms(),
     }
 
@@ -539,8 +538,10 @@ def _done(
 async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
     effect_id = check_effect_id(request.match_info["effect_id"])
     fields = {"outcome": form.get("outcome", ""), "note": form.get("note", "")}
+    if form.get("force") == "true":
+        fields["force"] = "true"  # the checkbox; carried through the confirm page
     # The JSON API's model and limits: a note is required, 1 to 2000 characters.
-    body = parse_body(json.dumps(fields).encode(), ResolveBody)
+    body = parse_body(json.dumps({**fields, "force": "force" in fields}).encode(), ResolveBody)
     back = f"{PREFIX}/effects/{effect_id}"
     if form.get("confirm") != "yes":
         effect = await request.app[STORE].get_effect(effect_id)
@@ -549,6 +550,9 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
             if body.outcome == "NOT_APPLIED"
             else "the call happened: duplicates get an empty answer, never a second send"
         )
+        if body.force and body.outcome == "NOT_APPLIED":
+            meaning += (" (forced: even if an earlier forward may still land at the "
+                        "downstream, which would then run it twice; recorded)")  # fmt: skip
         what = (f"Resolve effect {effect_id[:12]}... (task {effect.task_id}, "
                 f"{effect.downstream} {effect.method} {effect.path}) as {body.outcome}: "
                 f"{meaning}.")  # fmt: skip
@@ -557,6 +561,9 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
     lines = [f"Effect is now {effect.state.value}.", f"Recorded by {viewer.name}: {body.note}"]
     if done.unchanged:
         lines.append("It was already resolved this way: nothing new was recorded.")
+    elif done.forced_until is not None:
+        lines.append(f"Forced: an earlier forward could still land at the downstream until "
+                     f"{_ts(done.forced_until)}.")  # fmt: skip
     lines.extend(done.warnings)
     return _done(request, viewer, f"Resolved {body.outcome}", lines, back)
 
@@ -564,24 +571,29 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
 @_action
 async def approve(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
     effect_id = check_effect_id(request.match_info["effect_id"])
-    digest = form.get("payloadDigest", "")
-    if not digest:
-        raise BadRequest("payloadDigest: the console approves an exact digest")
-    fields = {"payloadDigest": digest, "note": form.get("note", "")}
+    # The page sends the request's approvalDigest (its payload and effect-changing headers)
+    # and its payloadDigest: the API checks both against what still waits.
+    fields = {k: form[k] for k in ("approvalDigest", "payloadDigest") if form.get(k)}
+    if not fields:
+        raise BadRequest("approvalDigest: the console approves an exact digest")
+    fields["note"] = form.get("note", "")
     body = parse_body(json.dumps(fields).encode(), ApproveBody)
     back = f"{PREFIX}/effects/{effect_id}"
     if form.get("confirm") != "yes":
         effect = await request.app[STORE].get_effect(effect_id)
         adapter = request.app[ADAPTERS].get(effect.downstream)
-        ttl = adapter.approval_ttl_ms if isinstance(adapter, ManualAdapter) else None
-        what = (f"Approve payload {digest} of effect {effect_id[:12]}... (task "
-                f"{effect.task_id}, {effect.downstream} {effect.method} {effect.path}). "
-                f"The agent's next call with exactly this payload is sent once; the approval "
-                f"expires {_duration(ttl)} after you confirm.")  # fmt: skip
+        ttl = adapter.approval_ttl(effect.path) if adapter is not None else None
+        named = body.approvalDigest or body.payloadDigest
+        what = (f"Approve request {named} (payload {body.payloadDigest or 'as it waits'}) of "
+                f"effect {effect_id[:12]}... (task {effect.task_id}, {effect.downstream} "
+                f"{effect.method} {effect.path}). The agent's next call with exactly this "
+                f"payload and these headers is sent once; the approval expires "
+                f"{_duration(ttl)} after you confirm.")  # fmt: skip
         return _confirm(request, viewer, "Approve this send?", what, fields, back)
     effect = await approve_as(request.app, effect_id, viewer.name, viewer.principal, body)
     lines = [
-        f"Approved payload {effect.approval_digest} as {viewer.name}.",
+        f"Approved request {effect.approval_digest} (payload {effect.payload_digest}) as "
+        f"{viewer.name}.",
         f"The approval expires at {_ts(effect.approval_expires_at)}.",
     ]
     return _done(request, viewer, "Approved", lines, back)

@@ -28,6 +28,7 @@ e[p .. 'ended_at'] = s(now)
 e[p .. 'outcome'] = outcome
 e[p .. 'reason'] = reason
 e.state = state_after(e, seq, outcome)
+approval_after(e, e.state, reason)
 e.deadline_at = nil
 if response ~= '' then e.response = response end
 e.updated_at = s(now)

@@ -10,9 +10,31 @@ local function is_overdue(e, now)
   return e.state == 'PREPARED' and e.deadline_at ~= nil and now >= tonumber(e.deadline_at)
 end
 
--- Mirror of ledger.effects.is_awaiting_approval: NOT_APPLIED with no attempts.
+-- Mirror of ledger.effects.is_awaiting_approval: NOT_APPLIED with no attempts, or holding an
+-- approval.
 local function is_awaiting_approval(e)
-  return e.state == 'NOT_APPLIED' and e.attempt_count == '0'
+  return e.state == 'NOT_APPLIED' and (e.attempt_count == '0' or e.approval_digest ~= nil)
+end
+
+-- Mirror of ledger.effects.sent_nothing (SENT_NOTHING_PREFIXES): the forward that ended with
+-- this reason certainly sent nothing.
+local SENT_NOTHING_PREFIXES = {'connect failed', 'never sent', 'never forwarded'}
+local function sent_nothing(reason)
+  if reason == nil then return false end
+  for _, prefix in ipairs(SENT_NOTHING_PREFIXES) do
+    if string.sub(reason, 1, #prefix) == prefix then return true end
+  end
+  return false
+end
+
+-- Mirror of ledger.effects._approval_after: the approval a forward went under is used up
+-- unless the effect is NOT_APPLIED and the forward certainly sent nothing.
+local function approval_after(e, state, reason)
+  if state == 'NOT_APPLIED' and sent_nothing(reason) then return end
+  e.approval_digest = nil
+  e.approval_by = nil
+  e.approval_at = nil
+  e.approval_expires_at = nil
 end
 
 -- Mirror of ledger.effects.effective: a PREPARED past its deadline reads as UNKNOWN.
@@ -25,6 +47,7 @@ local function expire_effect(e, now)
     e[p .. 'reason'] = DEADLINE_REASON
     e.state = 'UNKNOWN'
     e.deadline_at = nil
+    approval_after(e, 'UNKNOWN', DEADLINE_REASON)
     e.updated_at = s(now)
     return true
   end

@@ -14,7 +14,9 @@
 -- ARGV[16] the caller's principal ('' for none): checked against the claim's
 -- (check_principal), recorded as requested_by, and never the consumer of its own approval,
 -- ARGV[17] the task revision the gateway believes this claim is for ('' when it does not
--- know), ARGV[18] the effectId the gateway computed from that revision (ledger.effects.effect_id)
+-- know), ARGV[18] the effectId the gateway computed from that revision (ledger.effects.effect_id),
+-- ARGV[19] the request's approval digest (ledger.effects.approval_digest; '' when it is the
+-- payload digest)
 -- Returns {'FORWARD'|'REPLAY', record}, {'REJECT', code, detail, retryAfterMs or '', record},
 -- or {'ERR', code, detail} when the claim itself is refused; record is the effect record as
 -- stored (cjson text): one bulk string instead of ~50 field/value pairs to build and parse.
@@ -36,6 +38,13 @@ local forward_id = ARGV[15]
 local principal = ARGV[16]
 local requester = nil
 if principal ~= '' then requester = principal end
+-- What an approval must name (ledger.effects.prepare: wanted, requested_digest).
+local wanted = digest
+local requested = nil
+if ARGV[19] ~= nil and ARGV[19] ~= '' and ARGV[19] ~= digest then
+  wanted = ARGV[19]
+  requested = ARGV[19]
+end
 
 local epoch = scheduler(scheduler_key)
 -- Only the fields this step reads: prepare never writes the task.
@@ -89,30 +98,37 @@ local in_window = resend_window ~= ''
   and now < tonumber(e.created_at) + tonumber(resend_window)
 if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) then
   local moved = changed or not same or requester ~= e.requested_by
+    or requested ~= e.requested_digest
   if moved then e.updated_at = s(now) end
   e.downstream = downstream
   e.method = method
   e.path = path
   e.payload_digest = digest
   e.requested_by = requester
+  e.requested_digest = requested
   local approver = nil
   if require_approval then
-    local approved = e.approval_digest == digest and e.approval_expires_at ~= nil
+    local approved = e.approval_digest == wanted and e.approval_expires_at ~= nil
       and now < tonumber(e.approval_expires_at)
       and not (requester ~= nil and e.approval_by == requester)
     if not approved then
       local stored = raw
       if moved then stored = save_effect(index, effects_key, e, prior) end
       if not stored then stored = cjson.encode(e) end
-      return {'REJECT', 'APPROVAL_REQUIRED', 'an operator must approve payloadDigest ' .. digest
+      -- ledger.effects._naming
+      local naming = 'payloadDigest ' .. digest
+      if requested then
+        naming = 'approvalDigest ' .. wanted .. ' (payloadDigest ' .. digest
+          .. ' and its effect-changing headers)'
+      end
+      return {'REJECT', 'APPROVAL_REQUIRED', 'an operator must approve ' .. naming
         .. ': POST /v1/effects/' .. eid .. '/approve', '', stored}
     end
     approver = e.approval_by
+  else
+    approval_after(e, 'PREPARED', nil)
   end
-  e.approval_digest = nil
-  e.approval_by = nil
-  e.approval_at = nil
-  e.approval_expires_at = nil
+  -- An approval stays on the record while its forward runs (complete.lua: approval_after).
   e.probe_holder = nil
   e.probe_until = nil
   local i = tonumber(e.attempt_count)

@@ -63,7 +63,7 @@ for _, d in ipairs(deps_now) do
   deps[d] = rec
 end
 
--- The cycle check (ledger.sql_steps._walk_for_cycle): follow depends_on from the added
+-- The cycle check (mirror of ledger.task_graph.check_no_cycle): follow depends_on from the added
 -- dependencies, breadth first, each task once; only a task that exists can close a cycle.
 if found and #added > 0 then
   local limit = tonumber(ARGV[10])

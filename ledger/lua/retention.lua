@@ -25,9 +25,8 @@ local now = now_ms(ARGV[1])
 local settled_ms, tombstone_ms, limit = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local forget_at = now + tombstone_ms
 
--- Keys built from the prefix as ledger/keys.py builds them (effects, effect_tombstone).
-local function effects_key(id) return P .. ':{' .. id .. '}:effects' end
-local function effect_tombstone_key(effect_id) return P .. ':effect-tombstone:' .. effect_id end
+-- Keys of other records, from the layout rendered from ledger/keys.py (`K`, task_lib.lua).
+local effects_key, effect_tombstone_key = K.effects, K.effect_tombstone
 
 -- What a decision and a deletion need of a task (the rest goes with the hash).
 local TASK_FIELDS = {'task_id', 'state', 'revision', 'claim_generation', 'cancel_generation',

@@ -3,24 +3,23 @@
 -- dependencies, cost, discarded attempts) and of the change feed (ledger/events.py).
 --
 -- Every script with this library receives the key prefix as ARGV[2] (after the test clock),
--- and builds the keys of other tasks, queues and the event stream from it exactly as
--- ledger/keys.py does. That is what lets one script follow a dependency or a queue to tasks
--- it was not given in KEYS: fencegate supports a single Redis (or a primary with replicas),
--- not Cluster (see ledger/redis_store.py).
-local P = ARGV[2]
+-- and builds the keys of other tasks, queues and the event stream from it with `K`, the key
+-- layout rendered from ledger/keys.py just before this file (ledger.keys.lua_key_helpers;
+-- no Lua file retypes a key). That is what lets one script follow a dependency or a queue to
+-- tasks it was not given in KEYS: fencegate supports a single Redis (or a primary with
+-- replicas), not Cluster (see ledger/redis_store.py).
 
-local function task_key(id) return P .. ':{' .. id .. '}:task' end
-local function dependents_key(id) return P .. ':{' .. id .. '}:dependents' end
-local function queue_key(q, kind) return P .. ':queue:{' .. q .. '}:' .. kind end
-local EVENTS = P .. ':events'
+local task_key, dependents_key = K.task, K.dependents
+local QUEUE_KEYS = {ready = K.queue_ready, held = K.queue_held, epochs = K.queue_epochs}
+local function queue_key(q, kind) return QUEUE_KEYS[kind](q) end
+local EVENTS = K.events
 -- Set of cancelled tasks whose dependents a cascade has still to visit (continue_cascades).
-local CASCADES = P .. ':cascades'
+local CASCADES = K.cascades
 -- Retention (ledger.retention): the settled index (taskId by due_at, kept by task_changed),
--- a task's tombstone and the tombstones' forget_at index (ledger/keys.py: settled,
--- tombstone, task_tombstones).
-local SETTLED = P .. ':settled'
-local function tombstone_key(id) return P .. ':{' .. id .. '}:tombstone' end
-local TASK_TOMBSTONES = P .. ':tombstones:tasks'
+-- a task's tombstone and the tombstones' forget_at index.
+local SETTLED = K.settled
+local tombstone_key = K.tombstone
+local TASK_TOMBSTONES = K.task_tombstones
 
 -- States the dependency rules change (ledger.tasks._OPEN).
 local OPEN = {WAITING = true, READY = true, CLAIMED = true}
@@ -330,7 +329,8 @@ end
 
 -- Apply `rule` (a dependency rule of ledger/tasks.py, as a function of the dependent's record
 -- that changes it in place and says whether it did) to every dependent of `task_id`, in task
--- id order as the SQL stores do, and save the ones it changed.
+-- id order as the SQL stores do, and save the ones it changed (mirror of
+-- ledger.task_graph.release_dependents and revise_dependents).
 local function update_dependents(leases, task_id, rule)
   for _, id in ipairs(sorted_members(dependents_key(task_id))) do
     local key = task_key(id)
@@ -347,7 +347,7 @@ local function update_dependents(leases, task_id, rule)
 end
 
 -- Cancel the open dependents of the (cancelled) tasks in `frontier`, breadth first, each once
--- (ledger.sql_steps._cascade): a dependent that changed passes the cancel on to its own
+-- (mirror of ledger.task_graph.cancel_cascade): a dependent that changed passes the cancel on to its own
 -- dependents; a committed or already cancelled one stops it. Once `limit` tasks were
 -- cancelled, the tasks whose dependents are still to be visited go to CASCADES.
 -- Returns how many it cancelled.

@@ -1,0 +1,230 @@
+"""``server.max_connections_per_peer`` (issue 25): one client may not hold every connection
+slot with connections that never authenticate.
+
+Before, a single unauthenticated client could open ``server.max_connections`` idle
+connections (or keep-alive ``GET /healthz`` ones, which ``[auth]`` leaves open) and every
+other client got ``503 TOO_MANY_CONNECTIONS``. Now the connections from one peer address that
+have not yet carried an authenticated request (without ``[auth]``: a complete request) are
+bounded; one more from that address is 503 with ``Retry-After`` and a detail naming the
+per-peer limit, while other addresses, and connections that did authenticate, are not held to
+it. The bookkeeping (``ConnectionSlots``) is checked alone; the rest against a real ``fencegate
+serve`` over raw sockets (the bound lives in its listener, not in the app).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fencegate.gateway.auth import token_sha256
+from fencegate.gateway.request_guard import ConnectionSlots
+from tests.servers import GatewayProcess
+
+#: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
+pytestmark = pytest.mark.one_store
+
+PER_PEER = 3
+TOKEN = "tok-peer-observer-0123456789"
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+EPOCH = (
+    b"GET /v1/epoch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    + f"Fence-Authorization: Bearer {TOKEN}\r\n\r\n".encode()
+)
+
+
+# --- the bookkeeping ----------------------------------------------------------------------
+
+
+def test_slots_count_unvouched_connections_per_peer() -> None:
+    slots = ConnectionSlots(100, 2)
+    assert slots.admit("10.0.0.1") and slots.admit("10.0.0.1")
+    assert not slots.admit("10.0.0.1")  # the third unvouched one from that address
+    assert slots.admit("10.0.0.2")  # another address has its own bound
+    slots.vouched("10.0.0.1")
+    assert slots.admit("10.0.0.1")
+    assert slots.admit(None)  # no address (a Unix socket): not bounded per peer
+    for _ in range(2):
+        slots.vouched("10.0.0.1")
+    slots.vouched("10.0.0.2")
+    assert slots.unvouched == {}  # nothing left behind for addresses that went away
+
+
+@pytest.mark.parametrize("authenticated", [True, False])
+def test_the_refusal_names_the_per_peer_limit(authenticated: bool) -> None:
+    head, _, body = ConnectionSlots(10, 7, authenticated=authenticated).peer_busy.partition(
+        b"\r\n\r\n"
+    )
+    assert head.startswith(b"HTTP/1.1 503 ") and b"\r\nRetry-After: 1" in head
+    problem = json.loads(body)
+    assert problem["code"] == "TOO_MANY_CONNECTIONS" and problem["status"] == 503
+    assert "server.max_connections_per_peer = 7" in problem["detail"]
+    assert ("authenticated" in problem["detail"]) is authenticated
+
+
+# --- a real gateway -----------------------------------------------------------------------
+
+
+def _gateway(tmp_path: Path, auth: bool) -> GatewayProcess:
+    port = 0  # the system picks it when the gateway binds; GatewayProcess reads it back
+    path = tmp_path / "fencegate.toml"
+    text = (
+        f'[server]\nlisten = "127.0.0.1:{port}"\nmax_connections = 50\n'
+        f"max_connections_per_peer = {PER_PEER}\nidle_timeout_ms = 60000\n"
+        f'[store]\nurl = "sqlite:///{tmp_path / "gw.db"}"\n'
+    )
+    if auth:
+        text += (
+            '[[auth.principals]]\nname = "watcher"\nroles = ["observer", "operator"]\n'
+            f'token_sha256 = "{token_sha256(TOKEN)}"\n'
+        )
+    path.write_text(text)
+    return GatewayProcess(path, port).start()
+
+
+@pytest.fixture
+def authed(tmp_path: Path) -> Iterator[GatewayProcess]:
+    process = _gateway(tmp_path, auth=True)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def open_gateway(tmp_path: Path) -> Iterator[GatewayProcess]:
+    process = _gateway(tmp_path, auth=False)
+    yield process
+    process.stop()
+
+
+class Connections:
+    """Raw client connections, closed at the end."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.held: list[socket.socket] = []
+
+    def open(self, source: str = "127.0.0.1") -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5,
+                                        source_address=(source, 0))  # fmt: skip
+        self.held.append(sock)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.held:
+            sock.close()
+
+
+@pytest.fixture
+def connections() -> Iterator[Any]:
+    made: list[Connections] = []
+
+    def make(port: int) -> Connections:
+        made.append(Connections(port))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.close()
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One answer (head and Content-Length bytes of body) from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    while len(body) < int(headers.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def _ask(sock: socket.socket, request: bytes) -> int:
+    sock.sendall(request)
+    return _answer(sock)[0]
+
+
+def _refused(sock: socket.socket) -> str:
+    """The detail of the 503 a refused connection is sent at once (before any request)."""
+    status, headers, body = _answer(sock)
+    assert status == 503 and headers["retry-after"] == "1", (status, headers, body)
+    problem = json.loads(body)
+    assert problem["code"] == "TOO_MANY_CONNECTIONS"
+    detail: str = problem["detail"]
+    return detail
+
+
+def _admitted_within(group: Connections, seconds: float = 10.0) -> socket.socket:
+    """A new connection that is served (the gateway sees a closed one go asynchronously):
+    tried again until one is, within a bounded wait."""
+    deadline = time.monotonic() + seconds
+    while True:
+        sock = group.open()
+        try:
+            sock.sendall(HEALTHZ)
+            status = _answer(sock)[0]
+        except OSError:  # refused and closed before the request went out
+            status = 503
+        if status == 200 or time.monotonic() > deadline:
+            assert status == 200
+            return sock
+        time.sleep(0.05)
+
+
+def test_idle_healthz_connections_of_one_client_cannot_hold_every_slot(
+    authed: GatewayProcess, connections: Any
+) -> None:
+    """The red-team's attack: keep-alive ``GET /healthz`` connections (open without a token
+    under ``[auth]``). The fourth from one address is refused, naming the per-peer limit."""
+    group: Connections = connections(authed.port)
+    held = [group.open() for _ in range(PER_PEER)]
+    for sock in held:
+        assert _ask(sock, HEALTHZ) == 200  # answered, and kept open
+    detail = _refused(group.open())
+    assert "server.max_connections_per_peer = 3" in detail and "authenticated" in detail
+    # Another address is not held to this one's bound ...
+    other = group.open(source="127.0.0.2")
+    assert _ask(other, HEALTHZ) == 200
+    # ... and a connection that carried an authenticated request no longer counts: the
+    # address may open one more.
+    assert _ask(held[0], EPOCH) == 200
+    fresh = group.open()
+    assert _ask(fresh, HEALTHZ) == 200
+    assert _refused(group.open())  # full again: held[1], held[2] and fresh are unvouched
+    # An authenticated connection stays vouched for whatever it sends next.
+    assert _ask(held[0], HEALTHZ) == 200
+    # Closing an unvouched connection frees its place.
+    held[1].close()
+    _admitted_within(group)
+    events = [e for e in authed.log_events() if e["event"] == "http.peer_connections_refused"]
+    assert events and events[0]["limit"] == PER_PEER and events[0]["peer"] == "127.0.0.1"
+
+
+def test_without_auth_a_complete_request_vouches_for_its_connection(
+    open_gateway: GatewayProcess, connections: Any
+) -> None:
+    group: Connections = connections(open_gateway.port)
+    idle = [group.open() for _ in range(PER_PEER)]  # no request at all: never vouched for
+    detail = _refused(group.open())
+    assert "complete request" in detail and "server.max_connections_per_peer" in detail
+    assert _ask(idle[0], HEALTHZ) == 200  # a complete request: vouched for
+    assert _ask(group.open(), HEALTHZ) == 200  # so one more is served (and vouched for)
+    group.open()  # idle: idle[1], idle[2] and this one are the three unvouched
+    # A request whose headers never finish does not vouch.
+    idle[1].sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    assert _refused(group.open())
