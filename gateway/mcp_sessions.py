@@ -24,14 +24,13 @@ import base64
 import hashlib
 import hmac
 import json
-import os
-import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
 import structlog
 from aiohttp import web
 
+from fencegate.gateway import env_secrets
 from fencegate.gateway.principals import principal_of
 
 __all__ = [
@@ -50,7 +49,7 @@ log = structlog.get_logger("fencegate.auth")
 #: The environment variable that holds the session-binding key (any string, 32+ characters).
 SECRET_ENV: Final = "FENCEGATE_SESSION_SECRET"
 #: The shortest secret taken: anyone holding a session id of their own can try keys offline.
-MIN_SECRET: Final = 32
+MIN_SECRET: Final = env_secrets.MIN_SECRET
 _HEADER: Final = "Mcp-Session-Id"
 _MCP_ROUTE: Final = "/mcp/{downstream}"
 #: base64url of a SHA-256 digest, unpadded.
@@ -62,29 +61,18 @@ _SERVER_ID: Any = (
 )
 
 
+_PURPOSE = "it binds MCP sessions to their principal"
+
+
 def secret_problem(environ: Mapping[str, str]) -> str | None:
     """Why ``FENCEGATE_SESSION_SECRET`` cannot be used, or None (unset is fine: random)."""
-    value = environ.get(SECRET_ENV, "")
-    if value and len(value) < MIN_SECRET:
-        return (
-            f"{SECRET_ENV}: at least {MIN_SECRET} characters (it binds MCP sessions to their "
-            f"principal; this one has {len(value)}), e.g. python3 -c 'import secrets; "
-            "print(secrets.token_urlsafe(32))'"
-        )
-    return None
+    return env_secrets.secret_problem(SECRET_ENV, _PURPOSE, environ)
 
 
 def session_key(environ: Mapping[str, str] | None = None) -> tuple[bytes, bool]:
     """The HMAC key and whether it came from the environment (False: random, this process
     only). ValueError for a secret too short."""
-    environ = environ if environ is not None else os.environ
-    problem = secret_problem(environ)
-    if problem is not None:
-        raise ValueError(problem)
-    value = environ.get(SECRET_ENV, "")
-    if value:
-        return hashlib.sha256(b"fencegate mcp session\0" + value.encode()).digest(), True
-    return secrets.token_bytes(32), False
+    return env_secrets.env_key(SECRET_ENV, _PURPOSE, b"fencegate mcp session\0", environ)
 
 
 class SessionIds:

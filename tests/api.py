@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.state import STORE
 from fencegate.ledger.store import Store
@@ -47,6 +49,16 @@ class Lease:
     cancel_generation: int
     lease_expires_at: int
     input_digest: str
+
+    def fence_headers(self) -> dict[str, str]:
+        """The ``Fence-*`` headers of a call under this lease."""
+        return {
+            "Fence-Task": self.task_id,
+            "Fence-Attempt": self.attempt_id,
+            "Fence-Generation": str(self.claim_generation),
+            "Fence-Epoch": str(self.scheduler_epoch),
+            "Fence-Cancel": str(self.cancel_generation),
+        }
 
     def identity(self, **override: Any) -> dict[str, Any]:
         ident = {
@@ -143,3 +155,26 @@ class Api:
 
     async def cancel(self, task_id: str) -> Answer:
         return await self.call("POST", f"/v1/tasks/{task_id}/cancel")
+
+
+async def mcp_lease(client: TestClient[Any, Any]) -> tuple[str, dict[str, str]]:
+    """A claimed task and the headers of a raw ``/mcp`` call under its lease."""
+    api = Api(client)
+    task = f"t-{os.urandom(4).hex()}"
+    assert (await api.put(task)).status == 201
+    lease = await api.claim(task)
+    return task, {
+        **lease.fence_headers(),
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+    }
+
+
+class ServeLikeServer(TestServer):
+    """A test server that, as ``fencegate serve`` (``web.AppRunner`` in ``cli._run``), does
+    not cancel a handler whose client left (``TestServer`` does): the handler sees it go, and
+    a forward it started goes on and is recorded."""
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)

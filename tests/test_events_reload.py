@@ -27,6 +27,7 @@ from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.cli import reload_auth
 from fencegate.gateway.state import EVENTS
 from fencegate.ledger.store import Store
+from tests.api import ServeLikeServer
 from tests.conftest import build_test_store, make_config
 
 #: name -> (roles, token, task_prefixes or None)
@@ -61,15 +62,6 @@ def auth_section() -> dict[str, Any]:
             for name, (roles, token, prefixes) in PRINCIPALS.items()
         ]
     }
-
-
-class ServeLikeServer(TestServer):
-    """A test server that, as ``fencegate serve`` (``web.AppRunner`` in ``cli._run``), does
-    not cancel a handler whose client left (``TestServer`` does): the handler sees it go."""
-
-    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
-        kwargs["handler_cancellation"] = False
-        return await super()._make_runner(**kwargs)
 
 
 @dataclass

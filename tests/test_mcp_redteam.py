@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -29,14 +28,14 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
 from fencegate.adapters import mcp
 from fencegate.gateway.app import create_app
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import MAX_JSON_DEPTH, canonical_body, json_depth
-from tests.api import Api
+from tests.api import Api, ServeLikeServer, mcp_lease
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import api, proxy_config, send, task_with_lease
@@ -145,15 +144,6 @@ async def server() -> AsyncIterator[RedTeamMcp]:
     await counting.runner.cleanup()
 
 
-class ServeLikeServer(TestServer):
-    """As ``fencegate serve`` (``web.AppRunner``): a handler whose agent left is not cancelled
-    (``TestServer`` cancels it), so the call goes on and its outcome is recorded."""
-
-    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
-        kwargs["handler_cancellation"] = False
-        return await super()._make_runner(**kwargs)
-
-
 @pytest.fixture
 async def gw(
     store_url: str, key_prefix: str, server: RedTeamMcp
@@ -168,23 +158,6 @@ async def gw(
     app = create_app(config, store=build_test_store(config))
     async with TestClient(ServeLikeServer(app, host="127.0.0.1")) as client:
         yield client
-
-
-async def lease(client: TestClient[Any, Any]) -> tuple[str, dict[str, str]]:
-    """A claimed task and the headers of a call under its lease."""
-    api_ = Api(client)
-    task = f"t-{os.urandom(4).hex()}"
-    assert (await api_.put(task)).status == 201
-    claimed = await api_.claim(task)
-    return task, {
-        "Fence-Task": task,
-        "Fence-Attempt": claimed.attempt_id,
-        "Fence-Generation": str(claimed.claim_generation),
-        "Fence-Epoch": str(claimed.scheduler_epoch),
-        "Fence-Cancel": str(claimed.cancel_generation),
-        "Content-Type": "application/json",
-        "Accept": "application/json, text/event-stream",
-    }
 
 
 async def post(
@@ -244,7 +217,7 @@ async def test_a_message_in_another_charset_is_refused_before_anything_is_record
     gw: TestClient[Any, Any], server: RedTeamMcp, content_type: str
 ) -> None:
     """A ``ping`` in UTF-8 may be a ``tools/call charge`` in UTF-7: neither goes out."""
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     headers["Content-Type"] = content_type
     for body in (CHARGE, b'{"jsonrpc":"2.0","id":7,"method":"ping"}'):
         status, answer = await post(gw, headers, body)
@@ -261,7 +234,7 @@ async def test_a_message_in_another_charset_is_refused_before_anything_is_record
 async def test_the_server_gets_application_json_and_never_the_agents_parameters(
     gw: TestClient[Any, Any], server: RedTeamMcp
 ) -> None:
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     for content_type in ACCEPTED_TYPES:
         headers["Content-Type"] = content_type
         status, answer = await post(gw, headers, b'{"jsonrpc":"2.0","id":1,"method":"ping"}')
@@ -277,7 +250,7 @@ async def test_a_body_that_is_not_utf8_is_a_parse_error(
     gw: TestClient[Any, Any], server: RedTeamMcp
 ) -> None:
     """``json.loads`` of bytes would read UTF-16 too; the server reads UTF-8."""
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     for body in (CHARGE.decode().encode("utf-16"), CHARGE.decode().encode("utf-16-le")):
         status, answer = await post(gw, headers, body)
         assert (status, answer["error"]["code"]) == (200, -32700), answer
@@ -333,7 +306,7 @@ DEEP_CASES = [
 async def test_a_deep_message_is_refused_before_anything_is_recorded(
     gw: TestClient[Any, Any], server: RedTeamMcp, case: str, raw: str, status: int
 ) -> None:
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     got, answer = await post(gw, headers, raw.encode())
     assert got == status, (case, answer)
     assert answer["error"]["code"] == -32600
@@ -395,7 +368,7 @@ async def test_an_agent_that_does_not_read_does_not_hold_the_forward_past_its_de
 ) -> None:
     """The forward ends by its PREPARED deadline (recorded UNKNOWN or COMMITTED), so the
     landing rule holds: the operator's NOT_APPLIED is refused, a retry does not run."""
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     body = call("flood", {"n": 1})
     window_s = (TIMEOUT_MS + MARGIN_MS) / 1000
     agent = await _silent_agent(gw, headers, body)
@@ -426,7 +399,7 @@ async def test_an_agent_that_does_not_read_a_relayed_answer_does_not_hold_the_co
     bounded by the downstream's ``timeout_ms``, then the agent's connection is closed and the
     server's request ends (before, the pooled connection was held for as long as the agent
     stayed silent)."""
-    _, headers = await lease(gw)
+    _, headers = await mcp_lease(gw)
     body = json.dumps({"jsonrpc": "2.0", "id": 4, "method": "resources/read",
                        "params": {"uri": "big://"}}).encode()  # fmt: skip
     agent = await _silent_agent(gw, headers, body)
@@ -445,7 +418,7 @@ FORGED = {"fencegate/effectId": "forged", "fencegate/fencingToken": "9.9",
 async def test_fencegate_meta_keys_never_reach_the_server_on_a_relayed_message(
     gw: TestClient[Any, Any], server: RedTeamMcp
 ) -> None:
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     bodies = [
         call("lookup", {"q": 1}, _meta=FORGED),  # a read-only tool: relayed, not recorded
         json.dumps(
@@ -480,7 +453,7 @@ async def test_fencegate_meta_keys_never_reach_the_server_on_a_relayed_message(
 async def test_a_repeated_routing_header_is_refused_and_nothing_sent(
     gw: TestClient[Any, Any], server: RedTeamMcp, name: str, values: list[str]
 ) -> None:
-    task, plain = await lease(gw)
+    task, plain = await mcp_lease(gw)
     headers: CIMultiDict[str] = CIMultiDict((k, v) for k, v in plain.items() if k != name)
     for value in values:
         headers.add(name, value)
@@ -502,7 +475,7 @@ async def test_an_integer_outside_the_safe_range_is_refused(
     gw: TestClient[Any, Any], server: RedTeamMcp
 ) -> None:
     """An approved ``amount: 9007199254740993`` ran as ...992 on a Go server."""
-    task, headers = await lease(gw)
+    task, headers = await mcp_lease(gw)
     for amount in ("9007199254740993", "-9007199254740993", "1" + "0" * 30):
         body = b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"charge",' \
                b'"arguments":{"amount":' + amount.encode() + b"}}}"  # fmt: skip

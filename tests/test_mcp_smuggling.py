@@ -35,7 +35,7 @@ from fencegate.adapters.base import Outgoing
 from fencegate.adapters.mcp import McpAdapter
 from fencegate.gateway.app import create_app
 from fencegate.ledger.payloads import StrictJsonError, strict_loads
-from tests.api import Api
+from tests.api import mcp_lease
 from tests.conftest import build_test_store, make_config
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
@@ -276,23 +276,6 @@ async def gw(
         yield client
 
 
-async def fence(client: TestClient[Any, Any]) -> tuple[str, dict[str, str]]:
-    """A claimed task and the headers of a call under its lease."""
-    api = Api(client)
-    task = f"t-{os.urandom(4).hex()}"
-    assert (await api.put(task)).status == 201
-    lease = await api.claim(task)
-    return task, {
-        "Fence-Task": task,
-        "Fence-Attempt": lease.attempt_id,
-        "Fence-Generation": str(lease.claim_generation),
-        "Fence-Epoch": str(lease.scheduler_epoch),
-        "Fence-Cancel": str(lease.cancel_generation),
-        "Content-Type": "application/json",
-        "Accept": "application/json, text/event-stream",
-    }
-
-
 async def post(
     client: TestClient[Any, Any], headers: dict[str, str], body: bytes
 ) -> tuple[int, dict[str, Any]]:
@@ -309,7 +292,7 @@ async def recorded(client: TestClient[Any, Any], task: str) -> list[dict[str, An
 
 async def test_an_honest_call_goes_through(gw: TestClient[Any, Any], server: CountingMcp) -> None:
     """The control: the counting server and the ledger see a call the rule lets through."""
-    task, headers = await fence(gw)
+    task, headers = await mcp_lease(gw)
     status, answer = await post(gw, headers, HONEST)
     assert (status, answer.get("result")) == (200, {"content": [{"type": "text", "text": "ok"}]})
     assert len(server.bodies) == 1
@@ -323,7 +306,7 @@ _ALL = [(c, json.dumps(m).encode()) for c, m in SMUGGLED] + DUPLICATED
 async def test_a_smuggled_message_is_refused_and_nothing_is_recorded_or_sent(
     gw: TestClient[Any, Any], server: CountingMcp, case: str, body: bytes
 ) -> None:
-    task, headers = await fence(gw)
+    task, headers = await mcp_lease(gw)
     status, answer = await post(gw, headers, body)
     assert status == 200, answer
     assert answer["id"] == 7
@@ -337,7 +320,7 @@ async def test_a_smuggling_message_without_an_id_is_refused_with_400(
     gw: TestClient[Any, Any], server: CountingMcp
 ) -> None:
     """A notification to the gateway (no ``id``), a call to Go (``Id`` and ``Method``)."""
-    task, headers = await fence(gw)
+    task, headers = await mcp_lease(gw)
     message = {"jsonrpc": "2.0", "method": "notifications/initialized", "Id": 5,
                "Method": "tools/call", "params": {"name": "charge", "arguments": REAL}}  # fmt: skip
     status, answer = await post(gw, headers, json.dumps(message).encode())
@@ -364,7 +347,7 @@ async def test_a_smuggling_message_without_an_id_is_refused_with_400(
 async def test_a_non_finite_number_is_invalid_params_and_nothing_is_sent(
     gw: TestClient[Any, Any], server: CountingMcp, raw: bytes
 ) -> None:
-    task, headers = await fence(gw)
+    task, headers = await mcp_lease(gw)
     status, answer = await post(gw, headers, raw)
     assert (status, answer["id"], answer["error"]["code"]) == (200, 7, -32602), answer
     assert answer["error"]["data"]["code"] == "BAD_REQUEST"
@@ -376,7 +359,7 @@ async def test_a_non_finite_number_is_invalid_params_and_nothing_is_sent(
 async def test_a_non_finite_id_counts_as_no_id(
     gw: TestClient[Any, Any], server: CountingMcp, raw_id: bytes
 ) -> None:
-    task, headers = await fence(gw)
+    task, headers = await mcp_lease(gw)
     raw = b'{"jsonrpc":"2.0","id":' + raw_id + b',"method":"tools/call","params":{"name":"charge"}}'
     status, answer = await post(gw, headers, raw)
     assert (status, answer["id"], answer["error"]["code"]) == (400, None, -32602), answer
@@ -485,7 +468,7 @@ async def test_without_the_rule_the_ledger_records_one_call_and_go_runs_another(
     """The hole as it was: with the rule switched off, ``Arguments`` is recorded as a call of
     ``charge`` with no arguments (the digest an operator would approve) and Go charges 1000."""
     monkeypatch.setattr(mcp, "refusal", lambda parsed: None)
-    task, headers = await fence(go_gw)
+    task, headers = await mcp_lease(go_gw)
     message = call({"name": "charge", "Arguments": REAL})
     status, answer = await post(go_gw, headers, json.dumps(message).encode())
     assert status == 200 and "result" in answer, answer
@@ -501,7 +484,7 @@ async def test_without_the_rule_the_ledger_records_one_call_and_go_runs_another(
 async def test_with_the_rule_go_runs_nothing_the_gateway_did_not_record(
     go_gw: TestClient[Any, Any], go_server: str, case: str, body: bytes
 ) -> None:
-    task, headers = await fence(go_gw)
+    task, headers = await mcp_lease(go_gw)
     status, answer = await post(go_gw, headers, body)
     assert (status, answer["error"]["code"]) == (200, -32600), answer
     assert await go_record(go_server) == {"posts": 0, "executions": []}

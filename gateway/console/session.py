@@ -18,7 +18,6 @@ import binascii
 import hashlib
 import hmac
 import json
-import os
 import re
 import secrets
 import time
@@ -29,6 +28,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from fencegate.gateway import env_secrets
 from fencegate.gateway.auth import Authenticator
 from fencegate.gateway.principals import Principal
 from fencegate.ledger.errors import FencegateError, Unauthenticated
@@ -61,34 +61,19 @@ SESSION_KEY: Any = (
 )
 
 
-#: The shortest secret taken: anyone holding a cookie (an observer's own) can try keys
-#: offline, so a guessable secret would let them forge an operator's session.
-MIN_SECRET = 32
+MIN_SECRET = env_secrets.MIN_SECRET
+_PURPOSE = "it signs console sessions"
 
 
 def secret_problem(environ: Mapping[str, str]) -> str | None:
     """Why ``FENCEGATE_CONSOLE_SECRET`` cannot be used, or None (unset is fine: random)."""
-    value = environ.get(SECRET_ENV, "")
-    if value and len(value) < MIN_SECRET:
-        return (
-            f"{SECRET_ENV}: at least {MIN_SECRET} characters (it signs console sessions; "
-            f"this one has {len(value)}), e.g. python3 -c 'import secrets; "
-            "print(secrets.token_urlsafe(32))'"
-        )
-    return None
+    return env_secrets.secret_problem(SECRET_ENV, _PURPOSE, environ)
 
 
 def console_key(environ: Mapping[str, str] | None = None) -> tuple[bytes, bool]:
     """The signing key and whether it came from the environment (False: random, this
     process only). ValueError for a secret too short to sign with."""
-    environ = environ if environ is not None else os.environ
-    problem = secret_problem(environ)
-    if problem is not None:
-        raise ValueError(problem)
-    value = environ.get(SECRET_ENV, "")
-    if value:
-        return hashlib.sha256(value.encode()).digest(), True
-    return secrets.token_bytes(32), False
+    return env_secrets.env_key(SECRET_ENV, _PURPOSE, environ=environ)
 
 
 def _b64(raw: bytes) -> str:
