@@ -170,6 +170,22 @@ async def mcp_lease(client: TestClient[Any, Any]) -> tuple[str, dict[str, str]]:
     }
 
 
+async def mcp_post(
+    client: TestClient[Any, Any], downstream: str, headers: Any, body: bytes
+) -> tuple[int, dict[str, Any]]:
+    """One raw POST to ``/mcp/{downstream}``: its status and JSON answer."""
+    async with client.post(f"/mcp/{downstream}", data=body, headers=headers) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def task_effects(client: TestClient[Any, Any], task: str) -> list[dict[str, Any]]:
+    """The ledger's effects of a task, as an operator lists them."""
+    async with client.get("/v1/effects", params={"taskId": task, "limit": "100"}) as resp:
+        assert resp.status == 200
+        effects: list[dict[str, Any]] = (await resp.json())["effects"]
+        return effects
+
+
 class ServeLikeServer(TestServer):
     """A test server that, as ``fencegate serve`` (``web.AppRunner`` in ``cli._run``), does
     not cancel a handler whose client left (``TestServer`` does): the handler sees it go, and

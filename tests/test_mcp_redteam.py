@@ -35,7 +35,7 @@ from fencegate.adapters import mcp
 from fencegate.gateway.app import create_app
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import MAX_JSON_DEPTH, canonical_body, json_depth
-from tests.api import Api, ServeLikeServer, mcp_lease
+from tests.api import Api, ServeLikeServer, mcp_lease, mcp_post, task_effects
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import api, proxy_config, send, task_with_lease
@@ -163,15 +163,7 @@ async def gw(
 async def post(
     client: TestClient[Any, Any], headers: Any, body: bytes
 ) -> tuple[int, dict[str, Any]]:
-    async with client.post(f"/mcp/{DOWNSTREAM}", data=body, headers=headers) as resp:
-        return resp.status, await resp.json(content_type=None)
-
-
-async def recorded(client: TestClient[Any, Any], task: str) -> list[dict[str, Any]]:
-    async with client.get("/v1/effects", params={"taskId": task, "limit": "100"}) as resp:
-        assert resp.status == 200
-        effects: list[dict[str, Any]] = (await resp.json())["effects"]
-        return effects
+    return await mcp_post(client, DOWNSTREAM, headers, body)
 
 
 def call(name: str, arguments: Any, request_id: Any = 7, **params: Any) -> bytes:
@@ -228,7 +220,7 @@ async def test_a_message_in_another_charset_is_refused_before_anything_is_record
     status, answer = await post(gw, headers, b'{"jsonrpc":"2.0","method":"notifications/x"}')
     assert (status, answer["id"]) == (400, None)
     assert server.posts == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 async def test_the_server_gets_application_json_and_never_the_agents_parameters(
@@ -243,7 +235,7 @@ async def test_the_server_gets_application_json_and_never_the_agents_parameters(
     status, answer = await post(gw, headers, CHARGE)
     assert status == 200 and "result" in answer, answer
     assert [content_type for content_type, _ in server.posts] == ["application/json"] * 5
-    assert [e["state"] for e in await recorded(gw, task)] == ["COMMITTED"]
+    assert [e["state"] for e in await task_effects(gw, task)] == ["COMMITTED"]
 
 
 async def test_a_body_that_is_not_utf8_is_a_parse_error(
@@ -255,7 +247,7 @@ async def test_a_body_that_is_not_utf8_is_a_parse_error(
         status, answer = await post(gw, headers, body)
         assert (status, answer["error"]["code"]) == (200, -32700), answer
     assert server.posts == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 def test_a_json_digest_refuses_a_body_in_another_charset() -> None:
@@ -313,7 +305,7 @@ async def test_a_deep_message_is_refused_before_anything_is_recorded(
     assert answer["id"] == (7 if status == 200 else None)
     assert "deeper than 64" in answer["error"]["data"]["detail"]
     assert server.posts == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 def test_the_depth_bound_and_a_shallow_identity() -> None:
@@ -356,7 +348,7 @@ async def _settled(client: TestClient[Any, Any], task: str, within_s: float) -> 
     """The task's one effect once it is no longer PREPARED (fails after ``within_s``)."""
     end = time.monotonic() + within_s
     while True:
-        effects = await recorded(client, task)
+        effects = await task_effects(client, task)
         if effects and effects[0]["state"] != "PREPARED":
             return effects[0]
         assert time.monotonic() < end, f"still {effects} after {within_s} s"
@@ -438,7 +430,7 @@ async def test_fencegate_meta_keys_never_reach_the_server_on_a_relayed_message(
         assert status == 200
     metas = [message["params"]["_meta"] for message in server.sent()]
     assert metas == [{"progressToken": 3}] * 3
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 # --- 6. repeated headers ---------------------------------------------------------------------
@@ -465,7 +457,7 @@ async def test_a_repeated_routing_header_is_refused_and_nothing_sent(
         assert answer["error"]["data"]["code"] == "BAD_REQUEST"
         assert "more than once" in answer["error"]["data"]["detail"]
     assert server.posts == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 # --- 4. integers a double does not hold ------------------------------------------------------
@@ -483,7 +475,7 @@ async def test_an_integer_outside_the_safe_range_is_refused(
         assert (status, answer["error"]["code"]) == (200, -32602), answer
         assert "2^53" in answer["error"]["data"]["detail"]
     assert server.posts == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
     status, answer = await post(gw, headers, call("charge", {"amount": 2**53 - 1}))
     assert status == 200 and "result" in answer, answer
     assert server.runs == 1

@@ -35,7 +35,7 @@ from fencegate.adapters.base import Outgoing
 from fencegate.adapters.mcp import McpAdapter
 from fencegate.gateway.app import create_app
 from fencegate.ledger.payloads import StrictJsonError, strict_loads
-from tests.api import mcp_lease
+from tests.api import mcp_lease, mcp_post, task_effects
 from tests.conftest import build_test_store, make_config
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
@@ -277,17 +277,9 @@ async def gw(
 
 
 async def post(
-    client: TestClient[Any, Any], headers: dict[str, str], body: bytes
+    client: TestClient[Any, Any], headers: Any, body: bytes
 ) -> tuple[int, dict[str, Any]]:
-    async with client.post(f"/mcp/{DOWNSTREAM}", data=body, headers=headers) as resp:
-        return resp.status, await resp.json(content_type=None)
-
-
-async def recorded(client: TestClient[Any, Any], task: str) -> list[dict[str, Any]]:
-    async with client.get("/v1/effects", params={"taskId": task, "limit": "100"}) as resp:
-        assert resp.status == 200
-        effects: list[dict[str, Any]] = (await resp.json())["effects"]
-        return effects
+    return await mcp_post(client, DOWNSTREAM, headers, body)
 
 
 async def test_an_honest_call_goes_through(gw: TestClient[Any, Any], server: CountingMcp) -> None:
@@ -296,7 +288,7 @@ async def test_an_honest_call_goes_through(gw: TestClient[Any, Any], server: Cou
     status, answer = await post(gw, headers, HONEST)
     assert (status, answer.get("result")) == (200, {"content": [{"type": "text", "text": "ok"}]})
     assert len(server.bodies) == 1
-    assert [e["state"] for e in await recorded(gw, task)] == ["COMMITTED"]
+    assert [e["state"] for e in await task_effects(gw, task)] == ["COMMITTED"]
 
 
 _ALL = [(c, json.dumps(m).encode()) for c, m in SMUGGLED] + DUPLICATED
@@ -313,7 +305,7 @@ async def test_a_smuggled_message_is_refused_and_nothing_is_recorded_or_sent(
     assert answer["error"]["code"] == -32600
     assert answer["error"]["data"]["code"] == "BAD_REQUEST"
     assert server.bodies == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 async def test_a_smuggling_message_without_an_id_is_refused_with_400(
@@ -327,7 +319,7 @@ async def test_a_smuggling_message_without_an_id_is_refused_with_400(
     assert (status, answer["id"], answer["error"]["code"]) == (400, None, -32600), answer
     assert answer["error"]["data"]["code"] == "BAD_REQUEST"
     assert server.bodies == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 @pytest.mark.parametrize(
@@ -352,7 +344,7 @@ async def test_a_non_finite_number_is_invalid_params_and_nothing_is_sent(
     assert (status, answer["id"], answer["error"]["code"]) == (200, 7, -32602), answer
     assert answer["error"]["data"]["code"] == "BAD_REQUEST"
     assert server.bodies == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 @pytest.mark.parametrize("raw_id", [b"1e400", b"NaN", b"-Infinity"])
@@ -365,7 +357,7 @@ async def test_a_non_finite_id_counts_as_no_id(
     assert (status, answer["id"], answer["error"]["code"]) == (400, None, -32602), answer
     assert answer["error"]["data"]["code"] == "BAD_REQUEST"
     assert server.bodies == []
-    assert await recorded(gw, task) == []
+    assert await task_effects(gw, task) == []
 
 
 # --- a real Go server (slow set): what the rule prevents -----------------------------------------
@@ -472,7 +464,7 @@ async def test_without_the_rule_the_ledger_records_one_call_and_go_runs_another(
     message = call({"name": "charge", "Arguments": REAL})
     status, answer = await post(go_gw, headers, json.dumps(message).encode())
     assert status == 200 and "result" in answer, answer
-    [effect] = await recorded(go_gw, task)
+    [effect] = await task_effects(go_gw, task)
     assert effect["payloadDigest"] == digest_of(call({"name": "charge", "arguments": {}}))
     assert effect["payloadDigest"] != digest_of(call({"name": "charge", "arguments": REAL}))
     runs = (await go_record(go_server))["executions"]
@@ -488,11 +480,11 @@ async def test_with_the_rule_go_runs_nothing_the_gateway_did_not_record(
     status, answer = await post(go_gw, headers, body)
     assert (status, answer["error"]["code"]) == (200, -32600), answer
     assert await go_record(go_server) == {"posts": 0, "executions": []}
-    assert await recorded(go_gw, task) == []
+    assert await task_effects(go_gw, task) == []
     # and the honest call runs once, with exactly what was recorded
     status, answer = await post(go_gw, headers, HONEST)
     assert status == 200 and "result" in answer, answer
-    [effect] = await recorded(go_gw, task)
+    [effect] = await task_effects(go_gw, task)
     assert effect["payloadDigest"] == digest_of(call({"name": "charge", "arguments": REAL}))
     assert [r["charge"] for r in (await go_record(go_server))["executions"]] == [REAL]
 
