@@ -186,6 +186,18 @@ async def task_effects(client: TestClient[Any, Any], task: str) -> list[dict[str
         return effects
 
 
+async def serve_app(app: web.Application, **runner: Any) -> tuple[web.AppRunner, str]:
+    """A small aiohttp downstream on a port the system picks: its runner (clean it up) and
+    its base URL."""
+    started = web.AppRunner(app, access_log=None, **runner)
+    await started.setup()
+    site = web.TCPSite(started, "127.0.0.1", 0)
+    await site.start()
+    assert site._server is not None
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    return started, f"http://127.0.0.1:{port}"
+
+
 class ServeLikeServer(TestServer):
     """A test server that, as ``fencegate serve`` (``web.AppRunner`` in ``cli._run``), does
     not cancel a handler whose client left (``TestServer`` does): the handler sees it go, and

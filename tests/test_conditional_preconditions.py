@@ -25,7 +25,7 @@ from fencegate.adapters.kinds import ALWAYS_MS
 from fencegate.adapters.preconditions import connection_listed, makes_resend_safe, reaching
 from fencegate.gateway.app import create_app
 from fencegate.gateway.http_rules import downstream_request_headers
-from tests.api import Api
+from tests.api import Api, serve_app
 from tests.conftest import build_test_store, make_config
 from tests.test_adapters import call, record
 
@@ -180,13 +180,7 @@ class Documents:
     async def start(self) -> Documents:
         app = web.Application()
         app.router.add_patch("/docs/{name}", self._write)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        assert site._server is not None
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve_app(app, shutdown_timeout=0.5)
         return self
 
 

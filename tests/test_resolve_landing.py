@@ -33,7 +33,7 @@ from fencegate.ledger.effects import Effect, EffectAttempt, EffectState
 from fencegate.ledger.errors import EffectInFlight, EffectSettled
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import ClaimRequest
-from tests.api import Api
+from tests.api import Api, serve_app
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import Sent, send, task_with_lease
@@ -265,13 +265,7 @@ class GatedDownstream:
     async def start(self) -> GatedDownstream:
         app = web.Application()
         app.router.add_post("/pay", self._pay)
-        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        assert site._server is not None
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve_app(app, shutdown_timeout=0.5)
         return self
 
     async def land(self) -> None:

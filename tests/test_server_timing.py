@@ -26,7 +26,7 @@ from multidict import CIMultiDictProxy
 from bench.proxy import call_parts, parse_server_timing, timing_breakdown
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config
-from tests.api import Api, Lease
+from tests.api import Api, Lease, serve_app
 from tests.conftest import build_test_store, make_config
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
@@ -61,13 +61,7 @@ class TimedDownstream:
     async def start(self) -> TimedDownstream:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        assert site._server is not None
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{port}"
+        self.runner, self.url = await serve_app(app)
         return self
 
 
