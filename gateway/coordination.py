@@ -17,6 +17,8 @@ import structlog
 from aiohttp import web
 from multidict import MultiMapping
 
+from fencegate.gateway import answers
+from fencegate.gateway.answers import reply
 from fencegate.gateway.api_models import (
     ClaimBody,
     CommitBody,
@@ -49,7 +51,6 @@ from fencegate.ledger.tasks import (
     Scheduler,
     Task,
     TaskState,
-    task_to_json,
 )
 
 __all__ = [
@@ -158,10 +159,6 @@ async def _holding(
     return result
 
 
-def _scheduler_json(scheduler: Scheduler) -> dict[str, Any]:
-    return {"schedulerEpoch": scheduler.epoch, "claimsPaused": scheduler.claims_paused}
-
-
 def _principal(request: web.Request) -> str | None:
     """The caller's principal name, bound to the claims it makes (None without ``[auth]``)."""
     principal = principal_of(request)
@@ -213,28 +210,7 @@ def _claim_answer(request: web.Request, task: Task, queue: str | None = None) ->
         owner=task.owner,
         lease_expires_at=task.lease_expires_at,
     )
-    return web.json_response(
-        {
-            "taskId": task.task_id,
-            "attemptId": task.attempt_id,
-            "claimGeneration": task.claim_generation,
-            "schedulerEpoch": task.claim_epoch,
-            "cancelGeneration": task.cancel_generation,
-            "leaseExpiresAt": task.lease_expires_at,
-            "grantedTtlMs": task.lease_expires_at - task.attempt_started_at,
-            "revision": task.revision,
-            "inputDigest": task.input_digest,
-            "queue": task.queue,
-            "dependencies": _provenance(task),
-        }
-    )
-
-
-def _provenance(task: Task) -> list[dict[str, str]]:
-    return [
-        {"taskId": dep.task_id, "commitId": dep.commit_id, "resultDigest": dep.result_digest}
-        for dep in task.dep_commits
-    ]
+    return reply(answers.ClaimGranted.of(task))
 
 
 def client_gone(request: web.Request) -> bool:
@@ -359,7 +335,7 @@ async def renew(request: web.Request) -> web.Response:
         request, "renew", fields, lambda: request.app[STORE].renew(task_id, req), cost, "renew"
     )
     log.info("renew.granted", lease_expires_at=task.lease_expires_at, **fields)
-    return web.json_response({"leaseExpiresAt": task.lease_expires_at})
+    return reply(answers.Renewed.model_construct(leaseExpiresAt=task.lease_expires_at))
 
 
 @routes.post(r"/v1/tasks/{task_id:.+}/release")
@@ -383,7 +359,7 @@ async def release(request: web.Request) -> web.Response:
         cost,
     )
     log.info("release.done", **fields)
-    return web.json_response({"taskId": task.task_id, "state": task.state.value})
+    return reply(answers.Released.model_construct(taskId=task.task_id, state=task.state))
 
 
 @routes.post(r"/v1/tasks/{task_id:.+}/commit")
@@ -435,7 +411,9 @@ async def commit(request: web.Request) -> web.Response:
         result_digest=body.resultDigest,
         **fields,
     )
-    return web.json_response({"outcome": "COMMITTED", "commitId": task.commit.commit_id})
+    return reply(
+        answers.Committed.model_construct(outcome="COMMITTED", commitId=task.commit.commit_id)
+    )
 
 
 @routes.post(r"/v1/tasks/{task_id:.+}/cancel")
@@ -448,7 +426,7 @@ async def cancel(request: web.Request) -> web.Response:
         request, "cancel", {"task": task_id}, lambda: request.app[STORE].cancel(task_id)
     )
     log.info("task.cancelled", task=task_id, cancel_generation=task.cancel_generation)
-    return web.json_response({"cancelGeneration": task.cancel_generation})
+    return reply(answers.Cancelled.model_construct(cancelGeneration=task.cancel_generation))
 
 
 @routes.put(r"/v1/tasks/{task_id:.+}")
@@ -491,7 +469,7 @@ async def put_task(request: web.Request) -> web.Response:
         queue=task.queue,
     )
     status = 201 if outcome is PutOutcome.CREATED else 200
-    return web.json_response(task_to_json(task), status=status)
+    return reply(answers.Task.of(task), status=status)
 
 
 def _check_dependency_scope(request: web.Request, depends_on: tuple[str, ...]) -> None:
@@ -563,12 +541,11 @@ async def list_tasks(request: web.Request) -> web.Response:
     store reads a bounded number of records per call."""
     wanted, limit, after = _task_filter(request)
     found, last = await request.app[STORE].list_tasks(wanted, limit, after)
-    return web.json_response(
-        {
-            "tasks": [task_to_json(task) for task in found],
-            "nextCursor": encode_task_cursor(last) if last is not None else None,
-        }
+    page = answers.TaskPage.model_construct(
+        tasks=[answers.Task.of(task) for task in found],
+        nextCursor=encode_task_cursor(last) if last is not None else None,
     )
+    return reply(page)
 
 
 _WAIT_QUERY = frozenset({"waitFor", "waitMs"})
@@ -603,7 +580,7 @@ async def get_task(request: web.Request) -> web.Response:
     store = request.app[STORE]
     task = await store.get_task(task_id)
     if wanted is None or task.state is wanted or wait_ms == 0:
-        return web.json_response(task_to_json(task))
+        return reply(answers.Task.of(task))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_ms / 1000
     # Past tasks.max_waiters(_per_principal): 503 (logged wait.refused), never a record at
@@ -621,30 +598,30 @@ async def get_task(request: web.Request) -> web.Response:
             task = await store.get_task(task_id)
         if task.state is not wanted:
             waiter.check()  # refused by a reload before it waited at all
-    return web.json_response(task_to_json(task))
+    return reply(answers.Task.of(task))
 
 
 @routes.get("/v1/epoch")
 async def get_epoch(request: web.Request) -> web.Response:
-    return web.json_response(_scheduler_json(await request.app[STORE].get_scheduler()))
+    return reply(answers.Scheduler.of(await request.app[STORE].get_scheduler()))
 
 
 @routes.post("/v1/epoch/bump")
 async def bump_epoch(request: web.Request) -> web.Response:
     scheduler = await bump_epoch_now(request.app[STORE], acting_operator(request))
-    return web.json_response(_scheduler_json(scheduler))
+    return reply(answers.Scheduler.of(scheduler))
 
 
 @routes.post("/v1/claims/pause")
 async def pause_claims(request: web.Request) -> web.Response:
     scheduler = await set_claims_paused(request.app[STORE], True, acting_operator(request))
-    return web.json_response(_scheduler_json(scheduler))
+    return reply(answers.Scheduler.of(scheduler))
 
 
 @routes.post("/v1/claims/resume")
 async def resume_claims(request: web.Request) -> web.Response:
     scheduler = await set_claims_paused(request.app[STORE], False, acting_operator(request))
-    return web.json_response(_scheduler_json(scheduler))
+    return reply(answers.Scheduler.of(scheduler))
 
 
 async def bump_epoch_now(store: Store, by: str) -> Scheduler:

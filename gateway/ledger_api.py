@@ -16,13 +16,15 @@ import structlog
 from aiohttp import web
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
+from fencegate.gateway import answers
+from fencegate.gateway.answers import reply
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.auth import sees_stored_bodies
 from fencegate.gateway.principals import Principal, acting_operator, principal_of
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, STORE
 from fencegate.ledger import effects, responses
-from fencegate.ledger.effects import DEFAULT_SETTLE_MS, Effect, EffectState, effect_to_json
+from fencegate.ledger.effects import DEFAULT_SETTLE_MS, Effect, EffectState
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "resolve_as",
     "routes",
     "settle_ms_of",
+    "shown",
     "shown_record",
 ]
 
@@ -74,26 +77,20 @@ class ResolveBody(ApiBody):
     force: StrictBool = False
 
 
-#: What a reader without the operator role does not see of a stored answer: the body, and its
-#: digest (a short secret could be guessed from it). ``bodySize`` stays.
-_WITHHELD = ("bodyBase64", "bodyDigest")
-
-
-def shown_record(principal: Principal | None, effect: Effect) -> dict[str, Any]:
+def shown(principal: Principal | None, effect: Effect) -> answers.Effect:
     """The record as this reader may see it: observers get the stored answer without its
     body (``bodyWithheld: true``); operators, and everyone without ``[auth]``, all of it.
     The JSON API and the console both show records through this, so they withhold alike."""
-    record = effect_to_json(effect)
-    response = record.get("response")
-    if isinstance(response, dict) and not sees_stored_bodies(principal):
-        for name in _WITHHELD:
-            response.pop(name, None)
-        response["bodyWithheld"] = True
-    return record
+    return answers.Effect.of(effect, withhold_body=not sees_stored_bodies(principal))
 
 
-def _shown(request: web.Request, effect: Effect) -> dict[str, Any]:
-    return shown_record(principal_of(request), effect)
+def shown_record(principal: Principal | None, effect: Effect) -> dict[str, Any]:
+    """``shown`` as JSON-ready data (what the console renders)."""
+    return shown(principal, effect).wire()
+
+
+def _shown(request: web.Request, effect: Effect) -> answers.Effect:
+    return shown(principal_of(request), effect)
 
 
 def check_effect_id(effect_id: str) -> str:
@@ -134,9 +131,10 @@ async def list_effects(request: web.Request) -> web.Response:
         if others:
             raise BadRequest(f"awaitingApproval=true takes only limit, not {', '.join(others)}")
         waiting = await request.app[STORE].awaiting_approval(int(raw_limit))
-        return web.json_response(
-            {"effects": [_shown(request, e) for e in waiting], "nextCursor": None}
+        page = answers.EffectPage.model_construct(
+            effects=[_shown(request, e) for e in waiting], nextCursor=None
         )
+        return reply(page)
     found, next_cursor = await request.app[STORE].list_effects(
         state=EffectState(state) if state else None,
         task_id=task_id,
@@ -144,15 +142,16 @@ async def list_effects(request: web.Request) -> web.Response:
         limit=int(raw_limit),
         cursor=cursor,
     )
-    return web.json_response(
-        {"effects": [_shown(request, e) for e in found], "nextCursor": next_cursor}
+    page = answers.EffectPage.model_construct(
+        effects=[_shown(request, e) for e in found], nextCursor=next_cursor
     )
+    return reply(page)
 
 
 @routes.get("/v1/effects/{effect_id}")
 async def show_effect(request: web.Request) -> web.Response:
     effect = await request.app[STORE].get_effect(_effect_id(request))
-    return web.json_response(_shown(request, effect))
+    return reply(_shown(request, effect))
 
 
 @routes.post("/v1/effects/{effect_id}/resolve")
@@ -161,9 +160,9 @@ async def resolve_effect(request: web.Request) -> web.Response:
     operator = acting_operator(request)
     body = parse_body(await request.read(), ResolveBody)
     effect, done = await resolve_as(request.app, effect_id, operator, body)
-    answer = {**effect_to_json(effect), "unchanged": done.unchanged,
-              "warnings": list(done.warnings)}  # fmt: skip
-    return web.json_response(answer)
+    return reply(
+        answers.Resolved.of(effect, unchanged=done.unchanged, warnings=list(done.warnings))
+    )
 
 
 async def resolve_as(
@@ -238,7 +237,7 @@ async def reconcile_effect(request: web.Request) -> web.Response:
     if raw.strip() not in (b"", b"{}"):
         raise BadRequest("reconcile takes no body (or an empty JSON object)")
     effect = await reconcile_as(request.app, effect_id, operator)
-    return web.json_response(effect_to_json(effect))
+    return reply(answers.Effect.of(effect))
 
 
 async def reconcile_as(app: web.Application, effect_id: str, operator: str) -> Effect:
@@ -253,7 +252,7 @@ async def approve_effect(request: web.Request) -> web.Response:
     raw = await request.read()
     body = parse_body(raw, ApproveBody) if raw.strip() else ApproveBody()
     effect = await approve_as(request.app, effect_id, operator, principal_of(request), body)
-    return web.json_response(effect_to_json(effect))
+    return reply(answers.Effect.of(effect))
 
 
 async def approve_as(

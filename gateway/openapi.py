@@ -1,8 +1,10 @@
 """The OpenAPI 3.1 document of the gateway's HTTP API, served at ``GET /openapi.json``.
 
 Request bodies come from the pydantic models the handlers parse with (``api_models``,
-``ledger_api``), so the document cannot drift from what is accepted; answers are written out
-here from docs/PROTOCOL.md. ``docs/openapi.json`` is this document, rendered by
+``ledger_api``), and answers from the models the handlers build them with (``answers``), so
+the document cannot drift from what is accepted or sent; the enums in it are the ledger's.
+Written out here: the paths and operations, problem+json (which codes each answer may carry)
+and the two probes' answers. ``docs/openapi.json`` is this document, rendered by
 ``python -m fencegate.gateway.openapi > docs/openapi.json``; ``tests/test_openapi.py`` checks
 that the file, the served document and the app's routes agree, and that real answers validate.
 """
@@ -16,10 +18,12 @@ from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
+from fencegate.gateway import answers
 from fencegate.gateway.api_models import (
-    MAX_PRIORITY,
-    MAX_SAFE_INT,
+    QUEUE_PATTERN,
     ClaimBody,
     CommitBody,
     PutTaskBody,
@@ -29,6 +33,7 @@ from fencegate.gateway.api_models import (
 )
 from fencegate.gateway.coordination import MAX_TASK_PAGE
 from fencegate.gateway.ledger_api import MAX_PAGE, ApproveBody, ResolveBody
+from fencegate.ledger.effects import EffectState
 
 __all__ = ["document", "document_bytes", "serve"]
 
@@ -42,14 +47,10 @@ def _ref(name: str) -> Schema:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-_COUNTER: Schema = {"type": "integer", "minimum": 0, "maximum": MAX_SAFE_INT}
 _TIME: Schema = {"type": "integer", "description": "ms since the Unix epoch, store time"}
 _TEXT: Schema = {"type": "string"}
 _HEX64: Schema = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
+_QUEUE: Schema = {"type": "string", "pattern": f"^{QUEUE_PATTERN.pattern}$"}
 
 
 def _object(required: dict[str, Schema], optional: dict[str, Schema] | None = None) -> Schema:
@@ -87,284 +88,64 @@ _PROBLEM: Schema = _object(
     },
 )
 
-_COMMIT: Schema = _object(
-    {
-        "commitId": _TEXT,
-        "attemptId": _TEXT,
-        "claimGeneration": _COUNTER,
-        "resultDigest": _TEXT,
-        "committedAt": _TIME,
-    },
-    {"result": {}},
-)
-
-_TASK_STATE: Schema = {"enum": ["WAITING", "READY", "CLAIMED", "COMMITTED", "CANCELLED"]}
-_QUEUE: Schema = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,100}$"}
-_PROVENANCE: Schema = {
-    "type": "array",
-    "description": "the canonical commit of each dependency this revision builds on, in "
-    "dependsOn order (shorter than dependsOn while the task is WAITING)",
-    "items": _object({"taskId": _TEXT, "commitId": _TEXT, "resultDigest": _TEXT}),
-}
-
-_TASK: Schema = _object(
-    {
-        "taskId": _TEXT,
-        "state": _TASK_STATE,
-        "revision": {"type": "integer", "minimum": 1},
-        "inputDigest": _TEXT,
-        "claimGeneration": _COUNTER,
-        "attemptId": _nullable(_TEXT),
-        "owner": _nullable(_TEXT),
-        "leaseExpiresAt": _nullable(_TIME),
-        "cancelGeneration": _COUNTER,
-        "schedulerEpoch": _nullable(_COUNTER),
-        "commit": _nullable(_ref("CommitRecord")),
-    },
-    {
-        "maxRuntimeMs": _nullable({"type": "integer", "minimum": 1}),
-        "attemptStartedAt": _nullable(_TIME),
-        "principal": _nullable(_TEXT),
-        "createdAt": _TIME,
-        "updatedAt": _TIME,
-        "queue": _nullable(_QUEUE),
-        "priority": {"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY},
-        "dependsOn": {"type": "array", "items": _TEXT},
-        "dependencies": _PROVENANCE,
-        "cost": {
-            "type": "object",
-            "description": "what the current (or last) attempt reported spending, per unit",
-            "additionalProperties": {"type": "number", "minimum": 0},
-        },
-    },
-)
-
-_CLAIM: Schema = _object(
-    {
-        "taskId": _TEXT,
-        "attemptId": _TEXT,
-        "claimGeneration": _COUNTER,
-        "schedulerEpoch": _COUNTER,
-        "cancelGeneration": _COUNTER,
-        "leaseExpiresAt": _TIME,
-        "grantedTtlMs": {"type": "integer", "minimum": 0},
-        "revision": {"type": "integer", "minimum": 1},
-        "inputDigest": _TEXT,
-    },
-    {"queue": _nullable(_QUEUE), "dependencies": _PROVENANCE},
-)
-
-_EVENT: Schema = {
-    "oneOf": [
-        _object(
-            {
-                "type": {"const": "task"},
-                "taskId": _TEXT,
-                "state": _TASK_STATE,
-                "queue": _nullable(_TEXT),
-                "revision": {"type": "integer", "minimum": 1},
-                "claimGeneration": _COUNTER,
-                "at": _TIME,
-            }
-        ),
-        _object(
-            {
-                "type": {"const": "effect"},
-                "effectId": _HEX64,
-                "taskId": _TEXT,
-                "state": {"enum": ["PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]},
-                "downstream": _TEXT,
-                "at": _TIME,
-            }
-        ),
-    ],
-    "description": "the data of one server-sent event of GET /v1/events (its id is the "
-    "event's position, its event name the type)",
-}
-
-_SCHEDULER: Schema = _object({"schedulerEpoch": _COUNTER, "claimsPaused": {"type": "boolean"}})
-
-_STORED_RESPONSE: Schema = _object(
-    {
-        "status": {"type": "integer", "minimum": 100, "maximum": 599},
-        "headers": {
-            "type": "array",
-            "items": {
-                "type": "array",
-                "prefixItems": [{"type": "string"}, {"type": "string"}],
-                "minItems": 2,
-                "maxItems": 2,
-            },
-        },
-    },
-    {
-        "bodySize": {"type": "integer", "minimum": 0},
-        "bodyDigest": _HEX64,
-        "bodyBase64": {"type": "string", "contentEncoding": "base64"},
-        "bodyOmitted": {"const": True},
-        "bodyOmittedReason": {"type": "string"},
-        "bodyWithheld": {"const": True},
-        "source": {"type": "string"},
-    },
-)
-
-_EFFECT_STATE: Schema = {"enum": ["PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]}
-
-_EFFECT: Schema = _object(
-    {
-        "effectId": _HEX64,
-        "taskId": _TEXT,
-        "revision": {"type": "integer", "minimum": 1},
-        "node": _TEXT,
-        "slot": _TEXT,
-        "downstream": _TEXT,
-        "method": _TEXT,
-        "path": _TEXT,
-        "payloadDigest": _TEXT,
-        "approvalDigest": {
-            **_TEXT,
-            "description": "what an approval names: SHA-256 of payloadDigest and the request's "
-            "Content-Type, Content-Encoding and preconditions (payloadDigest when none was sent)",
-        },
-        "state": _EFFECT_STATE,
-        "attempts": {
-            "type": "array",
-            "items": _object(
-                {
-                    "attemptId": _TEXT,
-                    "claimGeneration": _COUNTER,
-                    "startedAt": _TIME,
-                    "endedAt": _nullable(_TIME),
-                    "outcome": _nullable({"type": "string"}),
-                },
-                {"reason": _nullable(_TEXT), "approvedBy": _nullable(_TEXT)},
-            ),
-        },
-        "response": _nullable(_ref("StoredResponse")),
-        "createdAt": _TIME,
-        "updatedAt": _TIME,
-    },
-    {
-        "deadlineAt": _nullable(_TIME),
-        "requestedBy": _nullable(_TEXT),
-        "approval": _nullable(
-            _object(
-                {
-                    "approvalDigest": _TEXT,
-                    "payloadDigest": _nullable(_TEXT),
-                    "by": _TEXT,
-                    "at": _TIME,
-                    "expiresAt": _TIME,
-                }
-            )
-        ),
-        "probes": _object({"count": _COUNTER, "nextAt": _nullable(_TIME)}),
-        "actions": {
-            "type": "array",
-            "items": _object(
-                {
-                    "action": {"enum": ["resolve", "approve", "reconcile"]},
-                    "by": _TEXT,
-                    "at": _TIME,
-                },
-                {
-                    "force": {
-                        "const": True,
-                        "description": "resolve: NOT_APPLIED forced before landingUntil",
-                    },
-                    "landingUntil": _TIME,
-                },
-            ),
-        },
-    },
-)
-
-_ANSWERS: dict[str, Schema] = {
+#: The answers written out here rather than generated: problem+json (``gateway/problems.py``
+#: builds it from each error's own members) and the two probes (``gateway/app.py``).
+_WRITTEN: dict[str, Schema] = {
     "Problem": _PROBLEM,
-    "CommitRecord": _COMMIT,
-    "Task": _TASK,
-    "ClaimGranted": _CLAIM,
-    "Renewed": _object({"leaseExpiresAt": _TIME}),
-    "Released": _object({"taskId": _TEXT, "state": {"enum": ["READY", "WAITING"]}}),
-    "Event": _EVENT,
-    "Committed": _object({"outcome": {"const": "COMMITTED"}, "commitId": _TEXT}),
-    "Cancelled": _object({"cancelGeneration": _COUNTER}),
-    "Scheduler": _SCHEDULER,
-    "Rollout": _object(
-        {
-            "schedulerEpoch": _COUNTER,
-            "claimsPaused": {"type": "boolean"},
-            "activeLeases": _COUNTER,
-            "preparedEffects": _COUNTER,
-            "unknownEffects": _COUNTER,
-            "awaitingApproval": _COUNTER,
-            "safeToSwitchPools": {"type": "boolean"},
-        }
-    ),
-    "StoreStats": _object(
-        {
-            "tasks": _object(
-                {
-                    "total": _COUNTER,
-                    "claimed": _COUNTER,
-                    "settled": _COUNTER,
-                    "dueToExpire": _COUNTER,
-                }
-            ),
-            "effects": _object(
-                {
-                    "total": _COUNTER,
-                    "prepared": _COUNTER,
-                    "unknown": _COUNTER,
-                    "awaitingApproval": _COUNTER,
-                }
-            ),
-            "tombstones": _object({"tasks": _COUNTER, "effects": _COUNTER}),
-            "events": _COUNTER,
-            "bytes": _nullable(_COUNTER),
-            "bytesDetail": {"type": "object", "additionalProperties": _COUNTER},
-            "retention": _object({"enabled": {"type": "boolean"}, "settledMs": _COUNTER}),
-        }
-    ),
-    "StoredResponse": _STORED_RESPONSE,
-    "Effect": _EFFECT,
-    "EffectPage": _object(
-        {
-            "effects": {"type": "array", "items": _ref("Effect")},
-            "nextCursor": _nullable({"type": "string"}),
-        }
-    ),
-    "TaskPage": _object(
-        {
-            "tasks": {"type": "array", "items": _ref("Task")},
-            "nextCursor": _nullable({"type": "string"}),
-        }
-    ),
-    "Resolved": {
-        "allOf": [
-            _ref("Effect"),
-            _object(
-                {
-                    "unchanged": {
-                        "type": "boolean",
-                        "description": "true: this repeated the resolution that settled the "
-                        "effect; nothing was recorded",
-                    },
-                    "warnings": {
-                        "type": "array",
-                        "items": {"type": "string"},
-                        "description": "what duplicates of the call will be answered, when "
-                        "the operator should know (no response stored: an empty 204)",
-                    },
-                }
-            ),
-        ]
-    },
     "Health": _object({"status": {"const": "ok"}, "version": _TEXT}),
     "Ready": _object(
         {"status": {"const": "ready"}, "store": {"enum": ["sqlite", "redis", "postgres"]}}
     ),
 }
+
+#: The answers of the JSON API, generated from the models the handlers build them with;
+#: the schemas they refer to (nested records, the ledger's enums) come along.
+_ANSWERS: tuple[type[BaseModel], ...] = (
+    answers.CommitRecord,
+    answers.Task,
+    answers.ClaimGranted,
+    answers.Renewed,
+    answers.Released,
+    answers.Event,
+    answers.Committed,
+    answers.Cancelled,
+    answers.Scheduler,
+    answers.Rollout,
+    answers.StoreStats,
+    answers.StoredResponse,
+    answers.Effect,
+    answers.EffectPage,
+    answers.TaskPage,
+    answers.Resolved,
+)
+
+
+class _AnswerSchema(GenerateJsonSchema):
+    """An answer's schema says what is sent. A model's default is never sent (an answer holds
+    what its handler set; a member with a default is one clients must do without), so it is
+    left out rather than promised."""
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+
+def _add_answer_schemas(schemas: dict[str, Schema]) -> None:
+    """The answers' schemas into ``schemas``; a name that two different schemas would take
+    (two models of one name) fails the document rather than losing one of them."""
+
+    def add(name: str, schema: Schema) -> None:
+        if schemas.setdefault(name, schema) != schema:
+            raise RuntimeError(f"two schemas are named {name}")
+
+    for answer in _ANSWERS:
+        generated = answer.model_json_schema(
+            ref_template=_REF, mode="serialization", schema_generator=_AnswerSchema
+        )
+        defs = generated.pop("$defs", {})
+        add(answer.__name__, generated)
+        for def_name, schema in defs.items():
+            add(def_name, schema)
+
 
 _REQUESTS: tuple[type[BaseModel], ...] = (
     PutTaskBody,
@@ -407,9 +188,7 @@ _EFFECT_CODES = ("EFFECT_IN_FLIGHT", "EFFECT_UNKNOWN", "EFFECT_SETTLED", "APPROV
 _PROBLEM_ANSWERS: dict[str, Any] = {}
 _PROXY_HEADERS: dict[str, Any] = {
     "Fence-Effect-Id": {"schema": {"type": "string"}},
-    "Fence-Effect-State": {
-        "schema": {"enum": ["NONE", "PREPARED", "UNKNOWN", "COMMITTED", "NOT_APPLIED"]}
-    },
+    "Fence-Effect-State": {"schema": {"enum": ["NONE", *(state.value for state in EffectState)]}},
     "Fence-Replayed": {"schema": {"enum": ["true", "false"]}},
 }
 
@@ -504,7 +283,7 @@ _WAIT_QUERY = [
         "name": "waitFor",
         "in": "query",
         "description": "answer as soon as the task is in this state (a long-poll)",
-        "schema": _TASK_STATE,
+        "schema": _ref("TaskState"),
     },
     {
         "name": "waitMs",
@@ -525,7 +304,7 @@ _OK_EFFECT = {
 def _task_paths() -> dict[str, Any]:
     ident = {"parameters": [_TASK_ID]}
     query = [
-        {"name": "state", "in": "query", "schema": _TASK_STATE},
+        {"name": "state", "in": "query", "schema": _ref("TaskState")},
         {"name": "owner", "in": "query", "schema": {"type": "string", "minLength": 1,
                                                     "maxLength": 200}},
         {
@@ -724,7 +503,7 @@ def _scheduler_paths() -> dict[str, Any]:
 
 def _ledger_paths() -> dict[str, Any]:
     query = [
-        {"name": "state", "in": "query", "schema": _EFFECT_STATE},
+        {"name": "state", "in": "query", "schema": _ref("EffectState")},
         {
             "name": "taskId",
             "in": "query",
@@ -1041,7 +820,8 @@ def document() -> dict[str, Any]:
         generated = model.model_json_schema(ref_template=_REF, mode="validation")
         schemas.update(generated.pop("$defs", {}))
         schemas[model.__name__] = generated
-    schemas.update(_ANSWERS)
+    schemas.update(_WRITTEN)
+    _add_answer_schemas(schemas)
     paths: dict[str, Any] = {
         **_operation_paths(),
         **_task_paths(),

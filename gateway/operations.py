@@ -11,29 +11,28 @@ from typing import Any
 
 from aiohttp import web
 
+from fencegate.gateway import answers
+from fencegate.gateway.answers import reply
 from fencegate.gateway.state import STORE
 from fencegate.ledger.store import Store
 
-__all__ = ["rollout_json", "routes"]
+__all__ = ["rollout", "rollout_json", "routes"]
 
 routes = web.RouteTableDef()
 
 
 @routes.get("/v1/rollout")
 async def rollout_status(request: web.Request) -> web.Response:
-    return web.json_response(await rollout_json(request.app[STORE]))
+    return reply(await rollout(request.app[STORE]))
 
 
-async def rollout_json(store: Store) -> dict[str, Any]:
+async def rollout(store: Store) -> answers.Rollout:
     """The rollout checklist (the JSON API's answer, and the console's Fleet page)."""
     gauges = await store.gauges()
     scheduler = await store.get_scheduler()
-    return {
-        "schedulerEpoch": scheduler.epoch,
-        "claimsPaused": scheduler.claims_paused,
-        "activeLeases": gauges.active_leases,
-        "preparedEffects": gauges.prepared_effects,
-        "unknownEffects": gauges.unknown_effects,
-        "awaitingApproval": gauges.awaiting_approval,
-        "safeToSwitchPools": gauges.settled,
-    }
+    return answers.Rollout.of(scheduler, gauges)
+
+
+async def rollout_json(store: Store) -> dict[str, Any]:
+    """``rollout`` as JSON-ready data (what the console renders)."""
+    return (await rollout(store)).wire()

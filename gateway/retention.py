@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 import structlog
 from aiohttp import web
 
+from fencegate.gateway import answers
+from fencegate.gateway.answers import reply
 from fencegate.gateway.state import CONFIG, METRICS, STORE
 from fencegate.ledger.errors import FencegateError
-from fencegate.ledger.retention import StoreStats
 
-__all__ = ["retention_loop", "routes", "stats_to_json"]
+__all__ = ["retention_loop", "routes"]
 
 log = structlog.get_logger("fencegate.retention")
 routes = web.RouteTableDef()
@@ -32,34 +32,12 @@ routes = web.RouteTableDef()
 MAX_STEPS_PER_PASS = 1_000
 
 
-def stats_to_json(stats: StoreStats, settled_ms: int, enabled: bool) -> dict[str, Any]:
-    return {
-        "tasks": {
-            "total": stats.tasks,
-            "claimed": stats.claimed_tasks,
-            "settled": stats.settled_tasks,
-            "dueToExpire": stats.due_tasks,
-        },
-        "effects": {
-            "total": stats.effects,
-            "prepared": stats.prepared_effects,
-            "unknown": stats.unknown_effects,
-            "awaitingApproval": stats.awaiting_approval,
-        },
-        "tombstones": {"tasks": stats.task_tombstones, "effects": stats.effect_tombstones},
-        "events": stats.events,
-        "bytes": stats.bytes,
-        "bytesDetail": stats.bytes_detail,
-        "retention": {"enabled": enabled, "settledMs": settled_ms},
-    }
-
-
 @routes.get("/v1/store/stats")
 async def store_stats(request: web.Request) -> web.Response:
     config = request.app[CONFIG].retention
     stats = await request.app[STORE].store_stats(config.settled_ms)
     request.app[METRICS].set_store_stats(stats)
-    return web.json_response(stats_to_json(stats, config.settled_ms, config.enabled))
+    return reply(answers.StoreStats.of(stats, config.settled_ms, config.enabled))
 
 
 async def retention_loop(app: web.Application) -> AsyncIterator[None]:

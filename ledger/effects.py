@@ -74,7 +74,6 @@ __all__ = [
     "effect_from_fields",
     "effect_id",
     "effect_to_fields",
-    "effect_to_json",
     "effective",
     "expire",
     "finish_probe",
@@ -1102,53 +1101,3 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         requested_by=get("requested_by"),
         requested_digest=get("requested_digest"),
     )
-
-
-def effect_to_json(effect: Effect) -> dict[str, Any]:
-    """The ledger record of the contract (``GET /v1/effects/{effectId}``), plus the approval
-    waiting to be used, the probe state and the operator actions."""
-    approval = None
-    wanted = wanted_approval(effect)
-    if effect.approval_digest is not None:
-        approval = {
-            "approvalDigest": effect.approval_digest,
-            # The payload it covers: the record's, while the approval is for its request
-            # (a record rebound to another request keeps the approval, for that one only).
-            "payloadDigest": effect.payload_digest if effect.approval_digest == wanted else None,
-            "by": effect.approval_by,
-            "at": effect.approval_at,
-            "expiresAt": effect.approval_expires_at,
-        }
-    return {
-        "effectId": effect.effect_id,
-        "taskId": effect.task_id,
-        "revision": effect.revision,
-        "node": effect.node,
-        "slot": effect.slot,
-        "downstream": effect.downstream,
-        "method": effect.method,
-        "path": effect.path,
-        "payloadDigest": effect.payload_digest,
-        "approvalDigest": wanted,
-        "requestedBy": effect.requested_by,
-        "state": effect.state.value,
-        "deadlineAt": effect.deadline_at,
-        "attempts": [
-            {
-                "attemptId": a.attempt_id,
-                "claimGeneration": a.claim_generation,
-                "startedAt": a.started_at,
-                "endedAt": a.ended_at,
-                "outcome": a.outcome,
-                "reason": a.reason,
-                "approvedBy": a.approved_by,
-            }
-            for a in effect.attempts
-        ],
-        "response": json.loads(effect.response_json) if effect.response_json else None,
-        "approval": approval,
-        "probes": {"count": effect.probe_count, "nextAt": effect.next_probe_at},
-        "actions": json.loads(effect.actions_json) if effect.actions_json else [],
-        "createdAt": effect.created_at,
-        "updatedAt": effect.updated_at,
-    }

@@ -557,31 +557,37 @@ class _AutoPipeline:
                 marked = (marked, int(meta[1] or 0))
         return replies, acked, marked
 
-    def _mark_lost(self, floor: int, marked: Any) -> tuple[bool, int | None]:
-        """Did this batch's INCR answer at or below ``floor``, the highest mark seen before
-        the batch was sent? Only this gateway writes its mark, and every mark it saw before
-        sending was applied before this INCR ran: a reply at or below it means the server
-        answering now lacks writes this gateway had acknowledged (a failover to a replica
-        that had not received them, a restore). A restart that loses nothing (AOF, fsync
-        always) keeps the mark, so it never trips this. A loss that an operator's
-        acknowledgement made after this gateway's last good write already covers (``acks``
-        grew since) is not raised again: that acknowledgement fenced every claim before it.
-        Also the highest mark to keep if the batch is answered (None: keep the one held)."""
-        if not isinstance(marked, tuple) or not isinstance(marked[0], int):
+    def _mark_lost(self, floor: int, marks: Sequence[Any]) -> tuple[bool, int | None]:
+        """Did an INCR of this batch answer at or below ``floor``, the highest mark seen
+        before the batch was sent? Only this gateway writes its mark, and every mark it saw
+        before sending was applied before each INCR of the batch ran: a reply at or below it
+        means the server answering now lacks writes this gateway had acknowledged (a failover
+        to a replica that had not received them, a restore). Every INCR counts: after NOSCRIPT
+        (every first batch on a promoted replica, which has no scripts) the re-send INCRs
+        again, one above the first, and that second INCR alone would hide one lost batch. A
+        restart that loses nothing (AOF, fsync always) keeps the mark, so it never trips
+        this. A loss that an operator's acknowledgement made after this gateway's last good
+        write already covers (``acks`` grew since) is not raised again: that acknowledgement
+        fenced every claim before it. Also the highest mark to keep if the batch is answered
+        (None: keep the one held)."""
+        answered = [m for m in marks if isinstance(m, tuple) and isinstance(m[0], int)]
+        if not answered:
             return False, None  # the INCR itself failed: the batch's own errors say so
-        mark, acks = marked
+        lowest = min(mark for mark, _ in answered)
+        highest = max(mark for mark, _ in answered)
+        acks = max(acks for _, acks in answered)
         covered = self.acks_seen is not None and acks > self.acks_seen
         self.acks_seen = acks
-        if mark > floor or covered:
-            return False, mark if covered else max(self.highest_mark, mark)
+        if lowest > floor or covered:
+            return False, highest if covered else max(self.highest_mark, highest)
         if self.regressed is None:
-            self.regressed = (floor, mark)
+            self.regressed = (floor, lowest)
             self.acks_at_refusal = acks
             log.error(
                 "store.regressed",
                 store="redis",
                 highest_seen=floor,
-                found=mark,
+                found=lowest,
                 reason="the Redis store lacks writes this gateway saw acknowledged: claims "
                 "and effect records may be lost; writes are refused until `fencegate "
                 "failover ack` (docs/operations.md, 'Redis failover')",
@@ -613,6 +619,7 @@ class _AutoPipeline:
                 replies, acked, marked = await self._send(
                     [queued.command for queued in live], wait, mark
                 )
+                marks = [marked]
                 again = [
                     i
                     for i, reply in enumerate(replies)
@@ -622,14 +629,14 @@ class _AutoPipeline:
                     replies, acked, resent_mark = await self._load_and_resend(
                         live, replies, again, acked
                     )
-                    marked = resent_mark if resent_mark is not None else marked
+                    marks.append(resent_mark)
         except asyncio.CancelledError:  # the loop is shutting down
             self._fail(live, RedisConnectionError("the store call's pipeline was cancelled"))
             raise
         except Exception as exc:  # the round trip failed: nobody in the batch got an answer
             self._fail(live, exc)
             return
-        lost, highest = self._mark_lost(floor, marked) if mark else (False, None)
+        lost, highest = self._mark_lost(floor, marks) if mark else (False, None)
         if lost:
             self._fail(live, regressed_error(self.regressed))
             return
@@ -866,9 +873,10 @@ class RedisStore(Store):
         """Fail closed after lost writes. A gateway that finds its own writes lost (its write
         mark went back, ``_AutoPipeline``) raises the store-wide flag (``meta`` ``regressed``)
         at once; every gateway learns it from the answer to its next write batch (the flag is
-        read after the writes, in the same pipeline) and then refuses writes
-        (``StoreRegressed``) until ``acknowledge_failover`` takes it down, which a refusing
-        gateway looks for at most once a second (``look``: now)."""
+        read after the writes, in the same pipeline), refuses that batch's answers
+        (``_script``) and every write after (``StoreRegressed``) until
+        ``acknowledge_failover`` takes it down, which a refusing gateway looks for at most
+        once a second (``look``: now)."""
         batcher = self._single
         await self._raise_flag()
         now = time.monotonic()
@@ -933,6 +941,13 @@ class RedisStore(Store):
         clock = self._clock_arg()
         try:
             reply = await self._call(lambda: self._eval(name, keys_, [clock, *args]))
+            if name not in _READ_ONLY_SCRIPTS and self.regressed:
+                # Checked again after the answer, before it goes out: the flag read after
+                # this script in the same pipeline, or a loss another batch of this gateway
+                # found while this one was in flight. The script ran on a store that lacks
+                # acknowledged writes; a claim it granted or an effect it let through must
+                # not be acted on (the refusal says it may have been applied).
+                raise regressed_error(self._single.regressed)
         except StoreRegressed:
             with contextlib.suppress(StoreUnavailable):
                 await self._raise_flag()  # the others should stop now, not at their next look

@@ -107,7 +107,6 @@ __all__ = [
     "set_claims_paused",
     "task_from_fields",
     "task_to_fields",
-    "task_to_json",
 ]
 
 
@@ -916,49 +915,3 @@ def task_from_fields(fields: dict[str, str]) -> Task:
         discarded=_discards_from(fields["discarded"]) if fields.get("discarded") else (),
         **values,
     )
-
-
-def task_to_json(task: Task) -> dict[str, Any]:
-    """The task record of the wire contract (``GET /v1/tasks/{id}``).
-
-    ``schedulerEpoch`` is the epoch the current claim was granted under (null before the
-    first claim); the global epoch is ``GET /v1/epoch``.
-    """
-    done: dict[str, Any] | None = None
-    if task.commit is not None:
-        c = task.commit
-        done = {
-            "commitId": c.commit_id,
-            "attemptId": c.attempt_id,
-            "claimGeneration": c.claim_generation,
-            "resultDigest": c.result_digest,
-            "committedAt": c.committed_at,
-        }
-        if c.result_json is not None:
-            done["result"] = json.loads(c.result_json)
-    return {
-        "taskId": task.task_id,
-        "state": task.state.value,
-        "revision": task.revision,
-        "inputDigest": task.input_digest,
-        "maxRuntimeMs": task.max_runtime_ms,
-        "claimGeneration": task.claim_generation,
-        "attemptId": task.attempt_id,
-        "owner": task.owner,
-        "principal": task.principal,
-        "leaseExpiresAt": task.lease_expires_at,
-        "attemptStartedAt": task.attempt_started_at,
-        "cancelGeneration": task.cancel_generation,
-        "schedulerEpoch": task.claim_epoch,
-        "commit": done,
-        "createdAt": task.created_at,
-        "updatedAt": task.updated_at,
-        "queue": task.queue,
-        "priority": task.priority,
-        "dependsOn": list(task.depends_on),
-        "dependencies": [
-            {"taskId": c.task_id, "commitId": c.commit_id, "resultDigest": c.result_digest}
-            for c in task.dep_commits
-        ],
-        "cost": dict(task.attempt_cost),
-    }

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +15,29 @@ from aiohttp.test_utils import TestClient, TestServer
 from fencegate.gateway.state import STORE
 from fencegate.ledger.store import Store
 
-__all__ = ["Answer", "Api", "Lease"]
+__all__ = ["HANG_S", "Answer", "Api", "Lease", "until"]
+
+#: How long ``until`` waits before it calls the wait a hang: far past anything a loaded
+#: machine needs, and inside the per-test timeout.
+HANG_S = 30.0
+
+
+async def until(
+    check: Callable[[], Awaitable[bool] | bool], what: str, *, within_s: float = HANG_S
+) -> None:
+    """Return once ``check`` holds (polled); fail naming ``what`` after ``within_s``.
+
+    For a test that must wait for something another task, thread or process does: the bound
+    only catches a hang, and nothing asserts how soon the condition came, so a busy machine
+    makes the test slower, never red (a fixed sleep would make it red)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        done = check()
+        if done if isinstance(done, bool) else await done:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never, within {within_s} s: {what}")
+        await asyncio.sleep(0.02)
 
 
 def claim_fence(claim: dict[str, Any], slot: str) -> dict[str, str]:

@@ -11,9 +11,11 @@ One aiohttp app serves four APIs, each counting what it actually *executed*:
   412 unless the current ETag matches.
 * ``/mail/send`` (POST): sends (records) every message; no key, no lookup, no conditions.
 
-``?delay_ms=N`` makes any of them apply the effect first and answer N ms later (the lost
-answer); ``?apply=0`` on ``/orders`` makes the create fail before applying (500 after the
-delay). ``?status=N`` on ``/mail/send`` answers N after sending.
+``?delay_ms=N`` makes any of them apply the effect first and answer N ms later;
+``?hold=1`` makes them apply it and answer only once ``release`` is set (the lost answer:
+the gateway's timer ends the call, however slow the machine); ``?apply=0`` on ``/orders``
+makes the create fail before applying (500 after the delay or hold). ``?status=N`` on
+``/mail/send`` answers N after sending.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class KindServers:
     #: Requests still being handled (a delayed answer counts until it is sent).
     busy: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    #: ``?hold=1`` requests that got as far as their answer (held until ``release``).
+    held: int = 0
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    _held_more: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -57,7 +63,17 @@ class KindServers:
             self.idle.clear()
             await self.idle.wait()
 
+    async def holding(self, count: int) -> None:
+        """Wait until ``count`` held requests got as far as their answer."""
+        while self.held < count:
+            self._held_more.clear()
+            await self._held_more.wait()
+
     async def _delay(self, request: web.Request) -> None:
+        if request.query.get("hold") == "1":
+            self.held += 1
+            self._held_more.set()
+            await self.release.wait()
         delay = int(request.query.get("delay_ms", "0"))
         if delay:
             await asyncio.sleep(delay / 1000)
@@ -150,6 +166,7 @@ class KindServers:
         return self
 
     async def stop(self) -> None:
+        self.release.set()
         if self.runner is not None:
             await self.runner.cleanup()
 

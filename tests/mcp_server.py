@@ -315,6 +315,8 @@ class McpServerProcess:
         return f"{self.base_url}/mcp"
 
     def start(self, timeout: float = 20.0) -> McpServerProcess:
+        from tests.servers import dies_with_us  # the test side only: not the server's imports
+
         port_dir = tempfile.TemporaryDirectory(prefix="mcp-server-")
         port_file = Path(port_dir.name) / "port"
         cmd = [sys.executable, "-m", "tests.mcp_server", "--port-file", str(port_file)]
@@ -329,7 +331,7 @@ class McpServerProcess:
         out = self.log_path.open("ab") if self.log_path is not None else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(
-                cmd,
+                dies_with_us(cmd),
                 cwd=_REPO,
                 stdout=out,
                 stderr=out,

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import quote
 
-from tests.servers import free_port
+from tests.servers import dies_with_us, free_port
 
 __all__ = ["PostgresServer", "Setting", "default_parent", "postgres_bindir"]
 
@@ -278,7 +278,7 @@ class PostgresServer:
             user = group = self.run_as
             extra_groups = []  # not root's supplementary groups
         return subprocess.Popen(
-            args,
+            dies_with_us(args),
             stdin=subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import redis
 
-from tests.servers import PortTaken, _Child, free_port, wait_for_redis
+from tests.servers import PortTaken, _Child, dies_with_us, free_port, wait_for_redis
 
 __all__ = ["MASTER_NAME", "MasterRelay", "SentinelCluster"]
 
@@ -84,7 +84,9 @@ class _Node(_Child):
             if self.sentinel:
                 args.append("--sentinel")
             log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
-            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                dies_with_us(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             try:
                 wait_for_redis(self.port, self.proc, self.log_path, log_from)
             except PortTaken:

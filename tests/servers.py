@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "Gateways",
     "PortTaken",
     "RedisServer",
+    "dies_with_us",
     "free_port",
     "refused_port",
     "wait_for_port",
@@ -45,6 +47,20 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+_SETPRIV = shutil.which("setpriv")
+
+
+def dies_with_us(args: Sequence[str]) -> list[str]:
+    """``args`` run under ``setpriv --pdeathsig KILL``: a server left running by a killed
+    pytest would hold its port, its data directory and a PostgreSQL's shared memory until
+    someone finds it, so the kernel ends it with the process that started it. The signal
+    follows the starting *thread*, so a child started from a worker thread (``to_thread``),
+    which ends before the test does, goes without it and its test's clean-up stops it."""
+    if _SETPRIV is None or threading.current_thread() is not threading.main_thread():
+        return list(args)
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *args]
 
 
 _REFUSING: list[socket.socket] = []
@@ -207,7 +223,9 @@ class RedisServer(_Child):
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
         self._log_from = self._log_size()
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            dies_with_us(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     def _wait_until_answering(self) -> None:
         assert self.proc is not None
@@ -273,16 +291,18 @@ class GatewayProcess(_Child):
         log = self.log_path.open("ab")
         logged_before = log.tell()
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fencegate.gateway.cli",
-                "serve",
-                "--config",
-                str(self.config_path),
-                "--listen",
-                f"127.0.0.1:{self.port}",
-            ],
+            dies_with_us(
+                [
+                    sys.executable,
+                    "-m",
+                    "fencegate.gateway.cli",
+                    "serve",
+                    "--config",
+                    str(self.config_path),
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                ]
+            ),
             stdout=log,
             stderr=log,
             cwd=self.cwd,

@@ -30,8 +30,13 @@ from tests.kind_servers import KindServers
 from tests.servers import GatewayProcess
 from tests.test_proxy import Sent, fence_headers
 
+#: The kinds' timeout: a lost answer is held by the downstream (``SLOW``) after it applied
+#: the effect, so only this timer ends the call, however loaded the machine; the test then
+#: waits for the held call to arrive and lets it go (``answer_held``).
 TIMEOUT_MS = 300
-SLOW = f"delay_ms={TIMEOUT_MS * 2}"
+SLOW = "hold=1"
+#: Bounds only a hang: a wait for something that happens whatever the machine's load.
+HANG_S = 30
 
 
 @pytest.fixture
@@ -63,20 +68,30 @@ def kinds_config(store_url: str, key_prefix: str, kinds: KindServers, **override
         },
         {"name": "s3", "adapter": "conditional", **common},
         {"name": "mail", "adapter": "manual", **common},
+        # The default timeout_ms for these two: their answered calls (10 and 20 at once,
+        # each answer delayed) do not race a timer.
         {
             "name": "mail-approved",
             "adapter": "manual",
             "require_approval": True,
             "approval_ttl_ms": 5_000,
-            **common,
+            "url": kinds.url,
         },
+        {"name": "mail-patient", "adapter": "manual", "url": kinds.url},
         {"name": "plain", "outcomes": {"not_applied": [503]}, **common},
     ]
     return make_config(
         store_url,
         key_prefix,
         downstreams=downstreams,
-        proxy={"prepared_margin_ms": 200, **overrides.pop("proxy", {})},
+        # The forward clock stands still (``create_app(..., forward_clock=still)``) and the
+        # start limit (then a real-time bound on the pool wait and connect) is 10 s off: a
+        # loaded machine cannot trip it.
+        proxy={
+            "prepared_margin_ms": 20_000,
+            "forward_start_limit_ms": 10_000,
+            **overrides.pop("proxy", {}),
+        },
         reconciler={"enabled": False},
         **overrides,
     )
@@ -116,10 +131,18 @@ async def lost_answer_then_takeover(
     a = await api.claim("t1", "A", ttl_ms=2_000)
     lost = await call(api, a, method, target, **kwargs)
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
-    await kinds.settled()
+    await answer_held(kinds, 1)
     api.advance(2_000)
     b = await api.claim("t1", "B")
     return a, b, lost
+
+
+async def answer_held(kinds: KindServers, count: int) -> None:
+    """Once ``count`` held calls arrived (and applied their effect), let every held answer
+    go and wait until it went (the gateway gave up on it long before)."""
+    await asyncio.wait_for(kinds.holding(count), HANG_S)
+    kinds.release.set()
+    await kinds.settled()
 
 
 async def record(api: Api, effect_id: str) -> Any:
@@ -222,7 +245,7 @@ async def test_reconcile_endpoint_and_background_reconciler(
             sent = await call(api, lease, "POST", f"orders/orders?{SLOW}", slot=f"s{i}",
                               body={"item": i})  # fmt: skip
             lost.append(sent.headers["Fence-Effect-Id"])
-        await kinds.settled()
+        await answer_held(kinds, 3)
         manual = await api.call("POST", f"/v1/effects/{lost[0]}/reconcile")
         assert manual.status == 200 and manual.body["state"] == "COMMITTED"
         assert manual.body["actions"][-1]["by"].startswith("operator:")
@@ -352,7 +375,10 @@ async def test_manual_one_effect_in_flight_per_slot(api: Api, kinds: KindServers
     await api.put("t1")
     lease = await api.claim("t1")
     answers = await asyncio.gather(
-        *(call(api, lease, "POST", "mail/mail/send?delay_ms=100", body={"n": 1}) for _ in range(10))
+        *(
+            call(api, lease, "POST", "mail-patient/mail/send?delay_ms=100", body={"n": 1})
+            for _ in range(10)
+        )
     )
     assert len(kinds.sent) == 1
     assert (

@@ -2,8 +2,9 @@
 
 The gateways are ``fencegate serve`` subprocesses (``tests/servers.py``) configured by TOML
 files, as an operator runs them; two of them share one Redis or one PostgreSQL, the way a
-fleet does. Lease expiry here is real time (short TTLs and short sleeps), since a separate
-process has no test clock to advance.
+fleet does. Lease expiry here is real store time (short TTLs), since a separate process has
+no test clock to advance: a worker paused past its lease sleeps longer than the TTL (a sleep
+only ever runs long), or waits until another worker took its task over.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from tests.postgres_server import PostgresServer
 from tests.servers import GatewayProcess, Gateways, RedisServer
 
 CONTENDERS = 50
+#: store.timeout_ms of the gateways: generous, so that fifty claims queued for a loaded
+#: store's connections are answered, never 503 by the clock alone.
+STORE_TIMEOUT_MS = 20_000
 
 
 @pytest.fixture(scope="module", params=["redis", "postgres"])
@@ -41,8 +45,8 @@ def shared_pair(
         url = postgres.create_database(prefix)
     try:
         yield (
-            group.start("gw1", url, key_prefix=prefix),
-            group.start("gw2", url, key_prefix=prefix),
+            group.start("gw1", url, key_prefix=prefix, timeout_ms=STORE_TIMEOUT_MS),
+            group.start("gw2", url, key_prefix=prefix, timeout_ms=STORE_TIMEOUT_MS),
         )
     finally:
         group.stop_all()
@@ -73,16 +77,21 @@ async def claim_race(
 ) -> list[tuple[str, int, dict[str, Any]]]:
     """CONTENDERS claims at once, spread round-robin over ``urls``: (owner, status, body)."""
     start = asyncio.Event()
+    parked: list[int] = []
+    all_parked = asyncio.Event()
 
     async def contender(i: int) -> tuple[str, int, dict[str, Any]]:
         owner = f"worker-{i}"
         body = {"owner": owner, "ttlMs": 30_000, "schedulerEpoch": epoch}
+        parked.append(i)
+        if len(parked) == CONTENDERS:
+            all_parked.set()
         await start.wait()
         async with session.post(f"{urls[i % len(urls)]}/v1/tasks/{task_id}/claim", json=body) as r:
             return owner, r.status, await r.json(content_type=None)
 
     racers = [asyncio.create_task(contender(i)) for i in range(CONTENDERS)]
-    await asyncio.sleep(0)  # every contender is parked on the event
+    await all_parked.wait()  # every contender is parked on the event
     start.set()
     return await asyncio.gather(*racers)
 
@@ -139,7 +148,9 @@ async def test_generations_strictly_increase_across_two_gateways(
             assert answer.status == 200, answer.body
             leases.append(lease_from(f"w{i}", answer.body))
             if by_expiry:
-                await asyncio.sleep(0.3)  # let the 200 ms lease run out (store time)
+                # The worker pauses past its 200 ms lease (the scenario, in store time: the
+                # lease started before this sleep did, and a sleep only ever runs long).
+                await asyncio.sleep(0.3)
             else:
                 # The other gateway sees this claim at once: the task is held...
                 refused = await there.try_claim("gen-1", owner="intruder", epoch=1)
@@ -166,7 +177,7 @@ async def test_generations_strictly_increase_across_two_gateways(
 async def test_fifty_claims_through_one_gateway_on_sqlite_have_one_winner(
     gateways: Gateways, tmp_path: Path
 ) -> None:
-    gw = gateways.start("gw", f"sqlite:///{tmp_path / 'race.db'}")
+    gw = gateways.start("gw", f"sqlite:///{tmp_path / 'race.db'}", timeout_ms=STORE_TIMEOUT_MS)
     connector = aiohttp.TCPConnector(limit=2 * CONTENDERS)
     async with aiohttp.ClientSession(connector=connector) as session:
         async with session.put(f"{gw.url}/v1/tasks/race-1", json={"inputDigest": "in-1"}) as r:
@@ -185,10 +196,11 @@ async def test_twenty_workers_drain_one_queue_through_two_gateways(
     shared_pair: tuple[GatewayProcess, GatewayProcess],
 ) -> None:
     """200 tasks in one queue, 20 workers on two gateways. Every 7th claim a worker pauses
-    past its lease before committing (the lease runs out; the task is found again and taken
-    over). Each task ends with exactly one accepted commit, and no two claims of one task
-    were ever live at the same time (store time: a claim starts after the previous one's
-    lease ran out)."""
+    past its lease before committing: until the lease ran out and another worker took the
+    task over and committed it (at most half the workers pause at once, so the others are
+    there to take over). Each task ends with exactly one accepted commit, every paused
+    worker's commit is fenced, and no two claims of one task were ever live at the same time
+    (store time: a claim starts after the previous one's lease ran out)."""
     gw1, gw2 = shared_pair
     queue = f"drain-{uuid.uuid4().hex[:8]}"
     ttl = 1_500
@@ -196,6 +208,8 @@ async def test_twenty_workers_drain_one_queue_through_two_gateways(
     claims: dict[str, list[dict[str, Any]]] = {t: [] for t in tasks}
     accepted: Counter[str] = Counter()
     fenced = 0
+    pauses = 0  # pauses that ended in a takeover
+    pausing = 0  # workers paused now
     connector = aiohttp.TCPConnector(limit=64)
     async with aiohttp.ClientSession(connector=connector) as session:
         for i, task_id in enumerate(tasks):
@@ -204,24 +218,43 @@ async def test_twenty_workers_drain_one_queue_through_two_gateways(
             async with session.put(f"{url}/v1/tasks/{task_id}", json=body) as r:
                 assert r.status == 201, await r.text()
 
+        async def taken_over_and_committed(url: str, claim: dict[str, Any]) -> None:
+            """Return once another claim of ``claim``'s task committed it (long-polls)."""
+            while True:
+                async with session.get(
+                    f"{url}/v1/tasks/{claim['taskId']}", params={"waitFor": "COMMITTED"}
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    record = await r.json()
+                if record["state"] == "COMMITTED":
+                    assert record["commit"]["claimGeneration"] > claim["claimGeneration"]
+                    return
+
         async def worker(n: int) -> None:
-            nonlocal fenced
+            nonlocal fenced, pauses, pausing
             url = (gw1.url, gw2.url)[n % 2]
             mine = 0
             while sum(accepted.values()) < len(tasks):
                 body = {"owner": f"w{n}", "ttlMs": ttl, "schedulerEpoch": 1}
                 async with session.post(f"{url}/v1/queues/{queue}/claim", json=body) as r:
                     if r.status == 204:
-                        await asyncio.sleep(0.1)  # held by paused workers: wait for expiry
+                        # The rest are held, some by paused workers: ask again (a poll's
+                        # interval; the loop ends on the commits, not on a time).
+                        await asyncio.sleep(0.1)
                         continue
                     assert r.status == 200, await r.text()
                     claim = await r.json()
                 claims[claim["taskId"]].append(claim)
                 mine += 1
-                if mine % 7 == 0:
-                    # Past the lease by a whole TTL: time for another worker to take the task
-                    # over even on a loaded machine (the test needs takeovers to happen).
-                    await asyncio.sleep(2 * ttl / 1000)
+                if mine % 7 == 0 and pausing < 10:
+                    # Paused past the lease until the store let another worker take the task
+                    # over, and that one committed it.
+                    pausing += 1
+                    try:
+                        await taken_over_and_committed(url, claim)
+                    finally:
+                        pausing -= 1
+                    pauses += 1
                 commit = {
                     "attemptId": claim["attemptId"],
                     "claimGeneration": claim["claimGeneration"],
@@ -252,4 +285,6 @@ async def test_twenty_workers_drain_one_queue_through_two_gateways(
                 started = after["leaseExpiresAt"] - after["grantedTtlMs"]
                 assert started >= before["leaseExpiresAt"], (task_id, before, after)
                 taken_over += 1
-        assert taken_over >= fenced > 0  # the pauses really did lose leases
+        # Every pause lost its lease (the first worker to reach its 7th claim, at the least,
+        # found nobody paused).
+        assert taken_over >= fenced >= pauses > 0

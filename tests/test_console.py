@@ -29,6 +29,7 @@ from fencegate.gateway.console.session import COOKIE, SECRET_ENV, SessionCodec
 from fencegate.gateway.console.views import CSP
 from fencegate.gateway.state import STORE
 from tests.api import claim_fence
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 
@@ -38,7 +39,12 @@ TOKENS = {
     "alice": (["operator"], "tok-console-alice-0123456789"),
     "olive": (["observer"], "tok-console-olive-0123456789"),
 }
+#: The timeout of the downstreams an UNKNOWN is made on: a ``/slow/...`` call's answer is due
+#: 100 ms after this timer (both on the loop's clock, the answer's set later), so the timer
+#: always fires first; their connect bound is far off, so a slow connect under load is still
+#: a timeout (UNKNOWN), never an unreachable downstream.
 TIMEOUT_MS = 300
+BRIEF = {"timeout_ms": TIMEOUT_MS, "connect_timeout_ms": 10_000}
 
 
 def auth_section(names: tuple[str, ...] = tuple(TOKENS), **roles: list[str]) -> dict[str, Any]:
@@ -57,15 +63,21 @@ def auth_section(names: tuple[str, ...] = tuple(TOKENS), **roles: list[str]) -> 
 def console_config(db: Path, downstream: Downstream, auth: bool = True) -> Config:
     sections: dict[str, Any] = {
         "reconciler": {"enabled": False},
+        # The forward clock stands still (``create_app(..., forward_clock=still)``) and the
+        # start limit (then a real-time bound on the pool wait and connect) is 10 s off: a
+        # loaded machine cannot trip it.
+        "proxy": {"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
         "downstreams": [
             # settle_ms 0: these stories resolve NOT_APPLIED at once (no forward can land late);
             # "queue" keeps the default, for the landing rule's console story.
-            {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS, "settle_ms": 0},
-            {"name": "queue", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
+            {"name": "api", "url": downstream.url, **BRIEF, "settle_ms": 0},
+            {"name": "queue", "url": downstream.url, **BRIEF},
+            # The default timeout_ms: an answered call does not race a timer.
+            {"name": "plain", "url": downstream.url},
             {
                 "name": "orders",
                 "url": downstream.url,
-                "timeout_ms": TIMEOUT_MS,
+                **BRIEF,
                 "adapter": "probe",
                 "probe": {"path": "/ok/probe/{effectId}", "settle_ms": 0},
             },
@@ -166,7 +178,7 @@ class Env:
         fence = await self.lease(task_id)
         status, headers, _ = await self.api(
             "POST",
-            f"/proxy/{downstream}/slow/{TIMEOUT_MS * 3}/pay",
+            f"/proxy/{downstream}/slow/{TIMEOUT_MS + 100}/pay",
             "worker",
             {"amount": 5},
             fence,
@@ -186,7 +198,7 @@ class Env:
 @pytest.fixture
 async def env(tmp_path: Path, downstream: Downstream) -> AsyncIterator[Env]:
     config = console_config(tmp_path / "fg.db", downstream)
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Env(client, downstream)
 
@@ -409,7 +421,7 @@ async def test_an_observer_sees_no_action_and_a_forged_post_is_refused(env: Env)
 
 async def test_observers_do_not_see_stored_bodies_operators_do(env: Env) -> None:
     fence = await env.lease("t-body")
-    status, headers, _ = await env.api("POST", "/proxy/api/ok/secret", "worker", {"a": 1}, fence)
+    status, headers, _ = await env.api("POST", "/proxy/plain/ok/secret", "worker", {"a": 1}, fence)
     assert status == 200
     effect_id = headers["Fence-Effect-Id"]
     alice = await env.login(TOKENS["alice"][1])
@@ -565,7 +577,7 @@ async def test_without_auth_the_console_asks_a_name_and_records_it(
     the login asks for a name (recorded like ``Fence-Operator``), the CSRF and origin rules
     still hold."""
     config = console_config(tmp_path / "fg.db", downstream, auth=False)
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         env = Env(client, downstream)
         login = await env.get("/console/login")
@@ -592,7 +604,7 @@ async def test_without_auth_the_console_asks_a_name_and_records_it(
 async def test_reconcile_now_probes_the_downstream_and_shows_what_it_found(env: Env) -> None:
     fence = await env.lease("t-order")
     _, headers, _ = await env.api(
-        "POST", f"/proxy/orders/slow/{TIMEOUT_MS * 3}/create", "worker", {"sku": 1}, fence
+        "POST", f"/proxy/orders/slow/{TIMEOUT_MS + 100}/create", "worker", {"sku": 1}, fence
     )
     assert headers["Fence-Effect-State"] == "UNKNOWN"
     effect_id = headers["Fence-Effect-Id"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +19,18 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.config import Config
 from fencegate.gateway.state import EVENTS
-from tests.api import Api
+from tests.api import HANG_S, Api, until
 from tests.conftest import build_test_store, make_config
 
 
-def events_config(store_url: str, key_prefix: str, **events: Any) -> Config:
+def events_config(
+    store_url: str, key_prefix: str, *, tasks: dict[str, Any] | None = None, **events: Any
+) -> Config:
     return make_config(
         store_url,
         key_prefix,
         reconciler={"enabled": False},
+        tasks=tasks or {},
         events={"poll_ms": 20, "heartbeat_ms": 200, **events},
     )
 
@@ -55,7 +58,7 @@ class Stream:
         self.last_id: str | None = None
         self.comments = 0
 
-    async def frame(self, seconds: float = 3.0) -> Frame:
+    async def frame(self, seconds: float = HANG_S) -> Frame:
         """The next frame with data (id-only frames only move ``last_id``)."""
         async with asyncio.timeout(seconds):
             fields: dict[str, str] = {}
@@ -76,6 +79,21 @@ class Stream:
                 if "data" in fields:
                     return Frame(fields.get("id"), fields.get("event"), json.loads(fields["data"]))
                 fields = {}
+
+    async def keep_alive(self, seconds: float = HANG_S) -> None:
+        """Read up to the next comment (a heartbeat); an event before it fails the test.
+        ``seconds`` only bounds a hang: the heartbeat comes when the gateway's loop gets to
+        it."""
+        async with asyncio.timeout(seconds):
+            while True:
+                raw = await self.response.content.readline()
+                if not raw:
+                    raise EOFError("the stream ended")
+                line = raw.decode().rstrip("\r\n")
+                if line.startswith(":"):
+                    self.comments += 1
+                    return
+                assert not line.startswith(("event:", "data:")), f"while nothing happened: {line}"
 
     async def task_states(self, count: int) -> list[tuple[str, str]]:
         out = []
@@ -170,13 +188,14 @@ async def test_heartbeats_and_the_subscriber_bound(api: Api) -> None:
         assert resp.status == 503
         assert (await resp.json(content_type=None))["code"] == "TOO_MANY_CONNECTIONS"
         assert resp.headers["Retry-After"] == "1"
-    await asyncio.sleep(0.5)
+    await first.keep_alive()  # ": keep-alive" while nothing happened
     await api.put("t1")
     await first.frame()
-    assert first.comments >= 1  # ": keep-alive" while nothing happened
+    assert first.comments >= 1
     first.response.close()
     second.response.close()
-    await asyncio.sleep(0.1)
+    hub = api.client.app[EVENTS]
+    await until(lambda: hub.subscribers == 0, "the closed streams leave")
     third = await open_stream(api)  # a closed stream frees its place
     third.response.close()
 
@@ -184,7 +203,8 @@ async def test_heartbeats_and_the_subscriber_bound(api: Api) -> None:
 async def test_two_gateways_on_one_store_both_see_every_event(
     store_url: str, key_prefix: str
 ) -> None:
-    config = events_config(store_url, key_prefix)
+    # Long-polls may wait 10 min: far past what this test waits for an answer (below).
+    config = events_config(store_url, key_prefix, tasks={"max_wait_ms": 600_000})
     apps = [create_app(config, store=build_test_store(config)) for _ in range(2)]
     async with (
         TestClient(TestServer(apps[0], host="127.0.0.1")) as one,
@@ -200,14 +220,17 @@ async def test_two_gateways_on_one_store_both_see_every_event(
                 ("from-right", "READY"),
             ]
             stream.response.close()
-        # A long-poll on one gateway is woken by a commit made through the other.
+        # A long-poll on one gateway is woken by a commit made through the other. It waits
+        # (the other gateway's hub counts it) before the commit, and its deadline (10 min) is
+        # far past what the test waits: an answer at all means the commit woke it.
         lease = await left.claim("from-left")
         waiting = asyncio.ensure_future(
-            right.call("GET", "/v1/tasks/from-left?waitFor=COMMITTED&waitMs=4000")
+            right.call("GET", "/v1/tasks/from-left?waitFor=COMMITTED&waitMs=600000")
         )
-        await asyncio.sleep(0.1)
+        await until(lambda: apps[1][EVENTS].waiters == 1, "the long-poll waits")
+        assert not waiting.done()
         await left.commit(lease)
-        answer = await asyncio.wait_for(waiting, 3)
+        answer = await asyncio.wait_for(waiting, HANG_S)
         assert answer.body["state"] == "COMMITTED"
 
 
@@ -322,12 +345,3 @@ async def test_streams_end_when_the_gateway_shuts_down(api: Api) -> None:
     await api.client.app.shutdown()
     with pytest.raises(EOFError):
         await stream.frame(seconds=30)
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Poll ``check`` until it holds; fail after a generous bound (a hang guard)."""
-    for _ in range(600):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never: {what}")

@@ -250,6 +250,10 @@ async def long_poll_of_a_client_that_leaves(env: Env) -> Callable[[], Awaitable[
     return leave
 
 
+def gone_logged(logs: list[dict[str, Any]]) -> bool:
+    return any(e["event"] == "claim.client_gone" for e in logs)
+
+
 async def task_record(env: Env, task_id: str) -> dict[str, Any]:
     status, task = await env.send("GET", f"/v1/tasks/{task_id}", "sched")
     assert status == 200, task
@@ -269,7 +273,8 @@ async def test_a_long_poll_whose_client_left_claims_nothing(
     assert hub.waiters == 1  # still waiting: nothing woke it yet
     with capture_logs() as logs:
         await env.put("q-1", queue="q")
-        await env.until(lambda: hub.waiters == 0, "the woken long-poll ended")
+        await env.until(lambda: gone_logged(logs), "the woken long-poll ended")
+    assert hub.waiters == 0
     status, claimed = await env.queue_claim("worker-2")
     assert status == 200 and claimed["taskId"] == "q-1", claimed
     task = await task_record(env, "q-1")
@@ -305,7 +310,9 @@ async def test_a_claim_made_as_its_client_left_is_released_at_once(
         assert (held["state"], held["owner"]) == ("CLAIMED", "worker-1"), held
         await leave()
         go_on.set()
-        await env.until(lambda: hub.waiters == 0, "the long-poll ended")
+        # The release comes after the long-poll stopped waiting: its event is what ends it.
+        await env.until(lambda: gone_logged(logs), "the claim was given back")
+    assert hub.waiters == 0
     status, claimed = await env.queue_claim("worker-2")
     assert status == 200 and claimed["taskId"] == "q-1", claimed
     task = await task_record(env, "q-1")

@@ -593,6 +593,7 @@ async def test_an_sqlite_open_answered_locked_at_once_is_tried_again(
     locked" without waiting its busy timeout (CI saw a gateway restarted after kill -9, beside
     a second gateway on the same file, refused 48 ms after it began). The store tries again
     until its ``timeout_ms``; past that it is unavailable, as before."""
+    from fencegate.ledger import sqlite_store
     from fencegate.ledger.sqlite_store import SQLiteStore
 
     real = SQLiteStore._connect_once
@@ -613,9 +614,32 @@ async def test_an_sqlite_open_answered_locked_at_once_is_tried_again(
     finally:
         await store.close()
 
+    # Locked for good: the open's retry runs on a clock that moves only by its own sleeps, so
+    # "until timeout_ms, then unavailable" is counted on it, not raced on a loaded machine.
     refusals[0] = 1_000_000
+    clock = OpenRetryClock()
+    monkeypatch.setattr(sqlite_store, "time", clock)
     stuck = SQLiteStore(str(tmp_path / "fg.db"), POLICY, timeout_ms=300)
-    started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="database is locked"):
         await stuck.open()
-    assert time.monotonic() - started < 2.0
+    assert 1_000_000 - refusals[0] == clock.sleeps + 1  # a try after each pause
+    assert 0.3 <= clock.now < 0.3 + clock.longest_sleep  # through timeout_ms, not past it
+
+
+class OpenRetryClock:
+    """Stands in for the ``time`` module of ``fencegate.ledger.sqlite_store`` while a store
+    opens: ``monotonic`` moves only by what ``sleep`` is asked to wait (no real time
+    passes)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+        self.longest_sleep = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.longest_sleep = max(self.longest_sleep, seconds)
+        self.now += seconds

@@ -35,7 +35,7 @@ from fencegate.gateway.config import ConfigError, HttpDownstream, ProxyConfig, l
 from fencegate.gateway.forward import Bound, ForwardWindow
 from fencegate.ledger.effects import effect_id
 from fencegate.ledger.redis_store import _SCRIPTS, load_script_source
-from tests.api import Api, Lease
+from tests.api import HANG_S, Api, Lease, until
 from tests.clocks import ManualClock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -321,11 +321,11 @@ async def test_prepare_answered_past_the_start_limit_by_a_slow_redis_forwards_no
                 f"the forward left after a prepare answered {REPLY_DELAY_MS} ms late (limit "
                 f"{START_LIMIT_MS} ms); the agent got {refused.status} {refused.json}"
             )
+            # The answer is the start limit's (its detail says so), not a store timeout's;
+            # the prepare and then the abort each waited REPLY_DELAY_MS, and both were
+            # answered (the abort is on record).
             assert_refused_too_late(refused, eid)
-            # The prepare and then the abort each waited REPLY_DELAY_MS, within the store's
-            # timeout: the answer is the start limit's, not a store timeout's.
             assert took >= 2 * REPLY_DELAY_MS / 1000
-            assert took < RELAY_STORE_TIMEOUT_MS / 1000 + 2
             assert_aborted(await effect_record(api, eid), lease)
 
             again = await proxied(session, gateway, lease, "/ok/pay", body=x)
@@ -517,7 +517,12 @@ async def test_a_forward_waiting_for_a_pooled_connection_past_the_start_limit_is
 ) -> None:
     """With one pooled connection held by a forward that gets no answer, a second forward
     waits in the pool; at L it gives up before connecting: NOT_APPLIED, never sent, answered
-    503 DOWNSTREAM_BUSY (issue 11: not 502, the downstream was never tried)."""
+    503 DOWNSTREAM_BUSY (issue 11: not 502, the downstream was never tried).
+
+    The downstream's timeout is far past what the test waits, so the first forward holds the
+    connection however slow the machine, and an answer to the second at all means its wait
+    was cut to L (its detail names the bound); the downstream hangs up on the first at the
+    end."""
     # A start limit a loaded machine's prepare stays well inside (PostgreSQL's takes several
     # round trips), far below the downstream's timeout the wait must not reach.
     proxy = {"forward_start_limit_ms": 500, "max_connections": 1}
@@ -525,32 +530,29 @@ async def test_a_forward_waiting_for_a_pooled_connection_past_the_start_limit_is
         await pool_wait_is_cut_to_the_start_limit(api, blackhole)
 
 
-#: The downstream timeout of the pool-wait test: well above its start limit.
-POOL_TIMEOUT_MS = 2_000
+#: The downstream timeout of the pool-wait test: far past its start limit and the test's waits.
+POOL_TIMEOUT_MS = 600_000
 
 
 async def pool_wait_is_cut_to_the_start_limit(api: Api, blackhole: Blackhole) -> None:
     await api.put("pay-1")
     lease = await api.claim("pay-1")
     first = asyncio.create_task(send(api, lease, "s1"))
-    deadline = time.monotonic() + 5
-    while blackhole.connections < 1:
-        assert time.monotonic() < deadline, "the first forward never connected"
-        await asyncio.sleep(0.01)
+    await until(lambda: blackhole.connections >= 1, "the first forward connects")
 
-    started = time.monotonic()
-    status, headers, body = await send(api, lease, "s2")
-    took = time.monotonic() - started
+    status, headers, body = await asyncio.wait_for(send(api, lease, "s2"), HANG_S)
     assert (status, body["code"]) == (503, "DOWNSTREAM_BUSY"), body
+    assert "(proxy.forward_start_limit_ms=500)" in body["detail"], body
     assert headers["Fence-Effect-State"] == "NOT_APPLIED"
     assert headers["Retry-After"] == "1"
-    assert took < POOL_TIMEOUT_MS / 1000, "the pool wait was not cut to the start limit"
     assert not first.done()
     record = await effect_record(api, effect_id("pay-1", 1, "main", "s2"))
     assert record["state"] == "NOT_APPLIED", record
     (attempt,) = record["attempts"]
     assert attempt["reason"].startswith("never sent: no pooled connection"), attempt
-
-    status, _, body = await first
-    assert (status, body["code"]) == (504, "DOWNSTREAM_TIMEOUT"), body
     assert blackhole.connections == 1  # the second forward never reached the downstream
+
+    await blackhole.stop()  # hangs up on the first: sent, no answer, so it may have acted
+    status, headers, body = await asyncio.wait_for(first, HANG_S)
+    assert (status, body["code"]) == (504, "DOWNSTREAM_TIMEOUT"), body
+    assert headers["Fence-Effect-State"] == "UNKNOWN"

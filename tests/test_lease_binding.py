@@ -24,11 +24,16 @@ from fencegate.gateway.config import Config
 from fencegate.gateway.principals import PRINCIPAL_KEY, Principal
 from fencegate.ledger.errors import CLAIM_REFUSED_CODES
 from tests.api import Answer, Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import Sent, fence_headers
 
 TEST_PRINCIPAL = "X-Test-Principal"
+#: "Could not start in time" is tests/test_forward_window.py's story: with the forward clock
+#: standing still (``still``) and the start limit (a real-time bound on the pool wait and
+#: connect) 10 s off, a loaded machine's slow prepare or connect cannot trip it.
+FAR_START_LIMIT = {"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000}
 OTHER = "the lease belongs to another principal"
 
 
@@ -46,7 +51,7 @@ async def principal_from_test_header(
 
 @pytest.fixture
 def binding_config(store_url: str, key_prefix: str, downstream: Downstream) -> Config:
-    common = {"url": downstream.url, "timeout_ms": 400}
+    common = {"url": downstream.url}  # the default timeout_ms: no story here times out
     return make_config(
         store_url,
         key_prefix,
@@ -60,14 +65,14 @@ def binding_config(store_url: str, key_prefix: str, downstream: Downstream) -> C
                 **common,
             },
         ],
-        proxy={"prepared_margin_ms": 500},
+        proxy=FAR_START_LIMIT,
         reconciler={"enabled": False},
     )
 
 
 @pytest.fixture
 async def client(binding_config: Config) -> AsyncIterator[TestClient[Any, Any]]:
-    app = create_app(binding_config, store=build_test_store(binding_config))
+    app = create_app(binding_config, store=build_test_store(binding_config), forward_clock=still)
     app.middlewares.insert(0, principal_from_test_header)  # before the app starts (frozen)
     async with TestClient(TestServer(app, host="127.0.0.1")) as test_client:
         yield test_client

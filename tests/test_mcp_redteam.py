@@ -36,6 +36,7 @@ from fencegate.gateway.app import create_app
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import MAX_JSON_DEPTH, canonical_body, json_depth
 from tests.api import Api, ServeLikeServer, mcp_lease, mcp_post, task_effects
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import api, proxy_config, send, task_with_lease
@@ -47,7 +48,12 @@ __all__ = ["api", "proxy_config"]  # fixtures used here
 
 DOWNSTREAM = "tools"
 TIMEOUT_MS = 1_000
-MARGIN_MS = 1_000
+#: The forward clock stands still (``gw``), so a forward's bounds are the downstream's
+#: ``timeout_ms`` in real time; the start limit (then a real-time bound on the pool wait and
+#: connect) is 10 s off and the PREPARED deadline 20 s past the timeout: a loaded machine
+#: neither trips the one nor lets the store's "deadline passed" overtake the gateway's record.
+MARGIN_MS = 20_000
+START_LIMIT_MS = 10_000
 #: The flood tool's progress: far more than every buffer between the server and an agent
 #: that reads nothing (its socket's, the gateway's, the kernel's).
 EVENTS = 48
@@ -154,8 +160,9 @@ async def gw(
                   "timeout_ms": TIMEOUT_MS, "tools": tools}  # fmt: skip
     config = make_config(store_url, key_prefix, downstreams=[downstream],
                          reconciler={"enabled": False},
-                         proxy={"prepared_margin_ms": MARGIN_MS})  # fmt: skip
-    app = create_app(config, store=build_test_store(config))
+                         proxy={"prepared_margin_ms": MARGIN_MS,
+                                "forward_start_limit_ms": START_LIMIT_MS})  # fmt: skip
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(ServeLikeServer(app, host="127.0.0.1")) as client:
         yield client
 

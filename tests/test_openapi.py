@@ -1,10 +1,14 @@
 """docs/openapi.json: what ``GET /openapi.json`` serves, valid OpenAPI 3.1, the app's routes
-exactly, and real answers (granted and refused) validate against it."""
+exactly, real answers (granted and refused) validate against it, and its state enums are the
+ledger's."""
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,8 @@ from referencing.jsonschema import DRAFT202012
 from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import route_key
 from fencegate.gateway.openapi import document_bytes
+from fencegate.ledger.effects import EffectState, ProbeVerdict
+from fencegate.ledger.tasks import TaskState
 from tests.api import Api
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -92,6 +98,81 @@ def test_problem_answers_name_the_contract_codes() -> None:
         codes = schema["allOf"][1]["properties"]["code"]["enum"]
         assert codes, name
     assert DOC["components"]["securitySchemes"]["fenceBearer"]["name"] == "Fence-Authorization"
+
+
+#: The ledger's enums the document lists, each once, as a component of that name.
+LEDGER_ENUMS: dict[str, type[enum.StrEnum]] = {
+    "TaskState": TaskState,
+    "EffectState": EffectState,
+    "ProbeVerdict": ProbeVerdict,
+}
+
+
+def _enums(node: Any, where: str = "") -> Iterator[tuple[str, list[Any]]]:
+    """Every ``enum`` list in ``node``, with its JSON pointer."""
+    if isinstance(node, dict):
+        if isinstance(node.get("enum"), list):
+            yield where, node["enum"]
+        for key, value in node.items():
+            yield from _enums(value, f"{where}/{_pointer(key)}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _enums(value, f"{where}/{index}")
+
+
+def test_state_enums_are_the_ledgers_and_every_use_refers_to_them() -> None:
+    schemas = DOC["components"]["schemas"]
+    for name, states in LEDGER_ENUMS.items():
+        assert schemas[name]["enum"] == [state.value for state in states], name
+    whole = {frozenset(state.value for state in states) for states in LEDGER_ENUMS.values()}
+    homes = {f"/components/schemas/{name}" for name in LEDGER_ENUMS}
+    copies = [where for where, values in _enums(DOC) if frozenset(values) in whole]
+    assert set(copies) == homes, "a state list written out instead of referring to its enum"
+    params = {
+        (path, p["name"]): p["schema"]
+        for path in ("/v1/tasks", "/v1/tasks/{task_id}", "/v1/effects")
+        for p in DOC["paths"][path]["get"].get("parameters", [])
+    }
+    assert params[("/v1/tasks", "state")] == {"$ref": "#/components/schemas/TaskState"}
+    assert params[("/v1/tasks/{task_id}", "waitFor")] == {"$ref": "#/components/schemas/TaskState"}
+    assert params[("/v1/effects", "state")] == {"$ref": "#/components/schemas/EffectState"}
+    header = DOC["paths"]["/proxy/{tail}"]["post"]["responses"]["default"]["headers"]
+    assert header["Fence-Effect-State"]["schema"]["enum"] == ["NONE", *EffectState]
+
+
+#: Grows each ledger enum by one member, then renders the document (in a fresh interpreter:
+#: the patch must come before the gateway's modules read the enums).
+_GROWN = """
+import enum, json, sys
+from fencegate.ledger import effects, tasks
+
+def grown(states, name, value):
+    return enum.StrEnum(states.__name__, [*((s.name, s.value) for s in states), (name, value)])
+
+tasks.TaskState = grown(tasks.TaskState, "PARKED", "PARKED")
+effects.EffectState = grown(effects.EffectState, "DISPUTED", "DISPUTED")
+effects.ProbeVerdict = grown(effects.ProbeVerdict, "REFUSED", "refused")
+from fencegate.gateway.openapi import document
+json.dump(document(), sys.stdout)
+"""
+
+
+def test_a_member_the_ledger_adds_to_an_enum_reaches_the_document() -> None:
+    """The schema enums are derived, not retyped: a state the ledger gains is in the
+    document without anyone writing it there (and docs/openapi.json is then stale)."""
+    rendered = subprocess.run(
+        [sys.executable, "-c", _GROWN], capture_output=True, check=True, timeout=120
+    )
+    grown = json.loads(rendered.stdout)
+    schemas = grown["components"]["schemas"]
+    assert schemas["TaskState"]["enum"] == [*(s.value for s in TaskState), "PARKED"]
+    assert schemas["EffectState"]["enum"] == [*(s.value for s in EffectState), "DISPUTED"]
+    assert schemas["ProbeVerdict"]["enum"] == [*(s.value for s in ProbeVerdict), "refused"]
+    header = grown["paths"]["/proxy/{tail}"]["post"]["responses"]["default"]["headers"]
+    assert "DISPUTED" in header["Fence-Effect-State"]["schema"]["enum"]
+    whole = {frozenset(schemas[name]["enum"]) for name in LEDGER_ENUMS}
+    homes = {f"/components/schemas/{name}" for name in LEDGER_ENUMS}
+    assert {where for where, values in _enums(grown) if frozenset(values) in whole} == homes
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from fencegate.ledger.postgres_store import PostgresStore, durability_warnings
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, PutOutcome
-from tests.conftest import postgres_test_url
+from tests.conftest import STORE_TIMEOUT_MS, postgres_test_url
 from tests.postgres_server import PostgresServer
 
 POLICY = LeasePolicy(max_ttl_ms=60_000, default_max_runtime_ms=600_000)
@@ -97,7 +97,7 @@ async def test_readyz_reports_a_server_that_could_lose_answered_steps(
     make_postgres_server: Callable[..., PostgresServer],
 ) -> None:
     server = make_postgres_server({"synchronous_commit": "off"})
-    store = PostgresStore(server.url, POLICY)
+    store = PostgresStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     try:
         assert [w.split(":")[0] for w in await store.durability()] == ["synchronous_commit=off"]
@@ -114,7 +114,9 @@ async def test_a_newer_schema_refuses_to_start_on_postgres(
     postgres_server: PostgresServer, request: pytest.FixtureRequest
 ) -> None:
     url = postgres_test_url(postgres_server, request)
-    await _open_then_close(PostgresStore(url, POLICY))  # creates the schema
+    await _open_then_close(
+        PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
+    )  # creates the schema
     conn = await asyncpg.connect(url)
     try:
         await conn.execute("UPDATE fencegate_schema SET version = $1", sql_steps.SCHEMA_VERSION + 1)
@@ -123,16 +125,16 @@ async def test_a_newer_schema_refuses_to_start_on_postgres(
     newer = sql_steps.SCHEMA_VERSION + 1
     expected = f"schema version {newer}, newer than this gateway's {sql_steps.SCHEMA_VERSION}"
     with pytest.raises(StoreIncompatible, match=expected):
-        await _open_then_close(PostgresStore(url, POLICY))
+        await _open_then_close(PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS))
 
 
 async def test_a_newer_schema_refuses_to_start_on_sqlite(tmp_path: Path) -> None:
     path = tmp_path / "fencegate.db"
-    await _open_then_close(SQLiteStore(str(path), POLICY))
+    await _open_then_close(SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS))
     with sqlite3.connect(path) as conn:
         conn.execute("UPDATE fencegate_schema SET version = ?", (sql_steps.SCHEMA_VERSION + 1,))
     with pytest.raises(StoreIncompatible, match=f"schema version {sql_steps.SCHEMA_VERSION + 1}"):
-        await _open_then_close(SQLiteStore(str(path), POLICY))
+        await _open_then_close(SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS))
 
 
 def test_a_gateway_on_a_newer_schema_exits_with_the_reason(
@@ -141,7 +143,7 @@ def test_a_gateway_on_a_newer_schema_exits_with_the_reason(
     """Unlike an unreachable store (the gateway starts and waits, /readyz says why), a newer
     schema will not fix itself: ``serve`` exits 1 and says which version to run."""
     url = postgres_test_url(postgres_server, request)
-    asyncio.run(_open_then_close(PostgresStore(url, POLICY)))
+    asyncio.run(_open_then_close(PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)))
     postgres_server.psql("UPDATE fencegate_schema SET version = 99", url.rsplit("/", 1)[1])
     config = _config_file(tmp_path, f'url = "{url}"')
     done = subprocess.run(
@@ -158,7 +160,7 @@ async def test_gateways_starting_together_create_the_schema_once(
     postgres_server: PostgresServer, request: pytest.FixtureRequest
 ) -> None:
     url = postgres_test_url(postgres_server, request)
-    stores = [PostgresStore(url, POLICY) for _ in range(6)]
+    stores = [PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS) for _ in range(6)]
     await asyncio.gather(*(store.open() for store in stores))
     try:
         await asyncio.gather(*(store.ping() for store in stores))
@@ -173,7 +175,9 @@ async def test_concurrent_creates_of_one_task_make_one_task(
     """Two steps that both find no row cannot both create it: the second INSERT fails on the
     key and its step runs again, now seeing (and locking) the row."""
     url = postgres_test_url(postgres_server, request)
-    stores = [PostgresStore(url, POLICY) for _ in range(4)]  # separate pools: real races
+    stores = [
+        PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS) for _ in range(4)
+    ]  # separate pools: real races
     await asyncio.gather(*(store.open() for store in stores))
     try:
         for round_ in range(5):
@@ -197,7 +201,10 @@ async def test_an_epoch_bump_answers_only_after_the_claims_that_read_the_old_epo
     has read epoch 1 and waits for its task's row (held by another session): the bump must
     wait for it, or it would answer epoch 2 while a lease of epoch 1 is still to be granted."""
     url = postgres_test_url(postgres_server, request)
-    claimer, bumper = PostgresStore(url, POLICY), PostgresStore(url, POLICY)
+    claimer, bumper = (
+        PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS),
+        PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS),
+    )
     await asyncio.gather(claimer.open(), bumper.open())
     blocker = await asyncpg.connect(url)
     try:

@@ -7,15 +7,17 @@ lookup that finds nothing proves nothing: the verdict is recorded as inconclusiv
 reconcile action carries ``waitUntil``), the effect stays UNKNOWN, and the next probe waits
 for that instant. "Found" always counts at once.
 
-The downstream (``tests/late_servers.py``) accepts an order, answers after the gateway's
-timeout, and creates it only later (or never); every story counts creates there. Both stores.
+The downstream (``tests/late_servers.py``) accepts an order, loses its answer (the connection
+closes before it leaves: UNKNOWN however loaded the machine), and creates it only when the test
+releases its queue (or never); every story counts creates there. Time is the store's, moved by
+the test (``clock_offset_ms``), never waited out. Every store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -27,20 +29,21 @@ from fencegate.gateway.config import Config
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectAttempt, EffectState, ProbeVerdict
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.late_servers import LateServers
 from tests.test_adapters import call, record
 
-TIMEOUT_MS = 300
-#: The downstream answers this long after it accepted the order: after the gateway gave up.
-LATE_MS = TIMEOUT_MS + 300
-#: The accepted order appears at the lookup this long after the request arrived.
-LAND_MS = 900
-#: ``orders``: longer than any order takes to land.
-SETTLE_MS = 1_500
-#: ``orders-quick``: for the stories whose order never lands (shorter, so they end sooner).
-QUICK_SETTLE_MS = 600
-MARGIN_MS = 2_000  # a 1 s forward start limit: a loaded CI machine starts forwards late
+#: Only bounds a hang: the downstream loses its answers by closing the connection at once.
+TIMEOUT_MS = 10_000
+#: ``orders``: store time, which the test moves; far longer than any test runs in real time.
+SETTLE_MS = 20_000
+#: ``orders-quick``: another settle time, so the stories tell which one was applied.
+QUICK_SETTLE_MS = 10_000
+#: The leases outlive every move of the store's clock.
+TTL_MS = 60_000
+#: Past the probe's backoff (``max_interval_ms``): the next inline probe is due.
+BACKOFF_MS = 1_000
 ORDER = {"item": "book"}
 
 
@@ -69,7 +72,8 @@ def probe_config(
         store_url,
         key_prefix,
         downstreams=[orders("orders", SETTLE_MS), orders("orders-quick", QUICK_SETTLE_MS)],
-        proxy={"prepared_margin_ms": MARGIN_MS},
+        # Not about the start limit: wide, and the forward clock stands still (``api``).
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
         **sections,
     )
 
@@ -84,31 +88,41 @@ async def late() -> AsyncIterator[LateServers]:
 @pytest.fixture
 async def api(store_url: str, key_prefix: str, late: LateServers) -> AsyncIterator[Api]:
     config = probe_config(store_url, key_prefix, late)
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
 
 async def lost_order(api: Api, late: LateServers, downstream: str) -> tuple[Lease, str]:
-    """A's order is accepted, its answer comes after the gateway's timeout, and it lands
-    ``late.apply_after_ms`` after it arrived (or never)."""
+    """A's order is accepted and its answer lost; it lands when the test releases the queue
+    (``late.queue = "hold"``) or never (``"drop"``)."""
     await api.put("t1")
-    a = await api.claim("t1", "A")
-    late.answer_delay_ms = LATE_MS
+    a = await api.claim("t1", "A", ttl_ms=TTL_MS)
+    late.lose_answers = True
     lost = await call(api, a, "POST", f"{downstream}/orders", body=ORDER)
+    late.lose_answers = False
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
-    assert late.received["orders"] == 1
+    assert late.received["orders"] == 1  # counted before the connection closed
     return a, lost.headers["Fence-Effect-Id"]
 
 
 async def take_over(api: Api, lease: Lease) -> Lease:
-    """B takes the task over at once (no clock games: landing is real time)."""
+    """B takes the task over at once."""
     assert (await api.release(lease)).status == 200
-    return await api.claim(lease.task_id, "B")
+    return await api.claim(lease.task_id, "B", ttl_ms=TTL_MS)
 
 
 def reconciles(rec: dict[str, Any]) -> list[dict[str, Any]]:
     return [x for x in rec["actions"] if x["action"] == "reconcile"]
+
+
+async def record_once(api: Api, effect_id: str, ready: Callable[[Any], bool]) -> Any:
+    """The effect's record once ``ready`` holds for it (the background reconciler got there);
+    the deadline only bounds a hang."""
+    async with asyncio.timeout(30):
+        while not ready(rec := await record(api, effect_id)):
+            await asyncio.sleep(0.02)
+    return rec
 
 
 async def early_retry_is_refused(api: Api, late: LateServers, b: Lease, downstream: str,
@@ -134,13 +148,15 @@ async def early_retry_is_refused(api: Api, late: LateServers, b: Lease, downstre
 async def test_absent_before_the_settle_time_does_not_let_the_order_go_again(
     api: Api, late: LateServers
 ) -> None:
-    late.apply_after_ms = LAND_MS
+    late.queue = "hold"
     a, effect_id = await lost_order(api, late, "orders")
     b = await take_over(api, a)
     wait_until = await early_retry_is_refused(api, late, b, "orders", effect_id, SETTLE_MS)
-    # The order lands (the queue got to it); the next retry's probe finds it, before the
-    # settle time is over: "found" counts at once.
-    await late.landed(1)
+    # The order lands (the queue got to it); the next retry's probe (due after the backoff)
+    # finds it, long before the settle time is over: "found" counts at once.
+    late.release_orders()
+    assert late.order_creates == 1
+    api.advance(BACKOFF_MS)
     found = await call(api, b, "POST", "orders/orders", body=ORDER)
     assert found.status == 200 and found.headers["Fence-Replayed"] == "true"
     assert found.headers["Fence-Effect-State"] == "COMMITTED"
@@ -150,14 +166,13 @@ async def test_absent_before_the_settle_time_does_not_let_the_order_go_again(
     last = reconciles(rec)[-1]
     assert last["verdict"] == "found" and last["outcome"] == "COMMITTED"
     assert last["at"] < wait_until
-    await late.settled()
     assert late.order_creates == 1 and late.received["orders"] == 1
 
 
 async def test_absent_after_the_settle_time_lets_the_order_go_once(
     api: Api, late: LateServers
 ) -> None:
-    late.apply_after_ms = None  # the queue loses it: the order never lands
+    late.queue = "drop"  # the queue loses it: the order never lands
     a, effect_id = await lost_order(api, late, "orders-quick")
     b = await take_over(api, a)
     wait_until = await early_retry_is_refused(
@@ -167,27 +182,24 @@ async def test_absent_after_the_settle_time_lets_the_order_go_once(
     too_soon = await api.call("POST", f"/v1/effects/{effect_id}/reconcile")
     assert too_soon.status == 200 and too_soon.body["state"] == "UNKNOWN"
     assert reconciles(too_soon.body)[-1]["waitUntil"] == wait_until
-    async with asyncio.timeout(5):
-        while await api.store.now_ms() < wait_until:
-            await asyncio.sleep(0.02)
+    api.advance(QUICK_SETTLE_MS)
+    assert await api.store.now_ms() >= wait_until
     settled = await api.call("POST", f"/v1/effects/{effect_id}/reconcile")
     assert settled.status == 200 and settled.body["state"] == "NOT_APPLIED"
     last = reconciles(settled.body)[-1]
     assert last["verdict"] == "absent" and last["outcome"] == "NOT_APPLIED"
     assert "waitUntil" not in last
-    await late.settled()
     # The probe's settlement starts the history anew: a refused connect now leaves the
     # effect NOT_APPLIED (it may still go), not UNKNOWN.
-    late.answer_delay_ms, late.apply_after_ms = 0, 0
+    late.queue = "apply"
     await late.stop_listening()
-    await asyncio.sleep(0.05)  # the gateway's pool sees its idle connections closed
     refused = await call(api, b, "POST", "orders-quick/orders", body=ORDER)
     assert refused.status == 502 and refused.headers["Fence-Effect-State"] == "NOT_APPLIED"
     await late.listen()
     sent = await call(api, b, "POST", "orders-quick/orders", body=ORDER)
     assert sent.status == 202 and sent.headers["Fence-Effect-State"] == "COMMITTED"
     assert sent.headers["Fence-Replayed"] == "false"
-    await late.landed(1)
+    assert late.order_creates == 1
     again = await call(api, b, "POST", "orders-quick/orders", body=ORDER)
     assert again.status == 202 and again.headers["Fence-Replayed"] == "true"
     assert late.order_creates == 1 and late.received["orders"] == 2
@@ -201,24 +213,25 @@ async def test_background_reconciler_waits_for_the_settle_time(
     config = probe_config(
         store_url, key_prefix, late, reconciler={"enabled": True, "interval_ms": 50}
     )
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         api = Api(client)
-        late.apply_after_ms = LAND_MS if lands else None
+        late.queue = "hold" if lands else "drop"
         _, effect_id = await lost_order(api, late, downstream)
         # The reconciler's first probe (due at once) finds nothing and must not believe it.
-        async with asyncio.timeout(5):
-            while not reconciles(rec := await record(api, effect_id)):
-                await asyncio.sleep(0.01)
+        rec = await record_once(api, effect_id, lambda rec: bool(reconciles(rec)))
         wait_until = rec["attempts"][0]["endedAt"] + settle_ms
         assert rec["state"] == "UNKNOWN", rec
         first = rec["actions"][-1]
         assert first["action"] == "reconcile" and first["by"].startswith("reconciler:")
         assert first["verdict"] == "absent" and first["waitUntil"] == wait_until
         # It is probed again with the backoff; every "absent" before then is inconclusive.
-        async with asyncio.timeout(5):
-            while (rec := await record(api, effect_id))["state"] == "UNKNOWN":
-                await asyncio.sleep(0.02)
+        # Then the order lands (the queue gets to it), or the settle time passes.
+        if lands:
+            late.release_orders()
+        else:
+            api.advance(settle_ms)
+        rec = await record_once(api, effect_id, lambda rec: rec["state"] != "UNKNOWN")
         probes = reconciles(rec)
         settled = probes[-1]
         for early in probes[:-1]:
@@ -233,7 +246,6 @@ async def test_background_reconciler_waits_for_the_settle_time(
             assert rec["state"] == "NOT_APPLIED" and settled["verdict"] == "absent"
             assert settled["at"] >= settled["askedAt"] >= wait_until
             assert late.order_creates == 0
-        await late.settled()
         assert late.received["orders"] == 1
 
 

@@ -65,7 +65,11 @@ def test_other_codes_need_no_operator_and_the_stores_error_is_left_alone() -> No
 
 @pytest.fixture
 async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncIterator[Api]:
-    common = {"url": downstream.url, "timeout_ms": 300}
+    # Every forward here is ``/slow/400/...``: its answer is due 100 ms after the 300 ms timer
+    # (both on the loop's clock, the answer's set later), so the timer always fires first;
+    # the connect bound is far off, so a slow connect under load is still a timeout
+    # (UNKNOWN), never an unreachable downstream.
+    common = {"url": downstream.url, "timeout_ms": 300, "connect_timeout_ms": 10_000}
     config = make_config(
         store_url,
         key_prefix,
@@ -86,11 +90,12 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
                 },
             },
         ],
-        proxy={"prepared_margin_ms": 200},
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
         reconciler={"enabled": False},
     )
-    # The forward clock stands still: a loaded machine's slow prepare does not miss the
-    # start limit (100 ms here), which is not what these tests are about.
+    # The forward clock stands still and the start limit (then a real-time bound on the pool
+    # wait and connect) is 10 s off: a loaded machine cannot trip it, which is not what these
+    # tests are about.
     app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
@@ -105,7 +110,7 @@ async def call(api: Api, lease: Lease, downstream: str, path: str, slot: str) ->
 
 async def lost(api: Api, lease: Lease, downstream: str) -> str:
     """An effect of ``downstream`` whose forward timed out (UNKNOWN); its id."""
-    timed_out = await call(api, lease, downstream, "/slow/1500/x", downstream)
+    timed_out = await call(api, lease, downstream, "/slow/400/x", downstream)
     assert timed_out.code == "DOWNSTREAM_TIMEOUT", timed_out.body
     return str(timed_out.headers["Fence-Effect-Id"])
 
@@ -119,7 +124,7 @@ async def test_an_unknown_effect_that_cannot_be_asked_says_resolve(api: Api, nam
     lease = await task_with_lease(api, f"t-{name}")
     effect_id = await lost(api, lease, name)
     command = f"fencegate effects resolve {effect_id} --outcome COMMITTED|NOT_APPLIED"
-    again = await call(api, lease, name, "/slow/1500/x", name)
+    again = await call(api, lease, name, "/slow/400/x", name)
     assert again.code == "EFFECT_UNKNOWN"
     assert command in detail(again.json) and "reconcile it first" not in detail(again.json)
     # The operator who tries reconcile anyway is told the same.
@@ -130,7 +135,7 @@ async def test_an_unknown_effect_that_cannot_be_asked_says_resolve(api: Api, nam
 async def test_an_unknown_effect_of_a_probe_downstream_says_reconcile(api: Api) -> None:
     lease = await task_with_lease(api, "t-orders")
     effect_id = await lost(api, lease, "orders")
-    again = await call(api, lease, "orders", "/slow/1500/x", "orders")
+    again = await call(api, lease, "orders", "/slow/400/x", "orders")
     assert again.code == "EFFECT_UNKNOWN"
     assert f"fencegate effects reconcile {effect_id}" in detail(again.json)
     assert "effects resolve" not in detail(again.json)

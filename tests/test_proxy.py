@@ -28,8 +28,12 @@ from tests.servers import refused_port
 
 TIMEOUT_MS = 400
 # A call that outlives "brief"'s timeout: the timeout stories go through "brief"; every other
-# story goes through "api", whose 10 s timeout a loaded CI machine does not reach.
-TIMED_OUT = f"/proxy/brief/slow/{TIMEOUT_MS * 3}/pay"
+# story goes through "api", whose 10 s timeout a loaded CI machine does not reach. Its answer
+# is due 100 ms after the gateway's timer (both on the loop's clock, the downstream's set
+# later), so the timer always fires first, however slow the machine.
+TIMED_OUT = f"/proxy/brief/slow/{TIMEOUT_MS + 100}/pay"
+#: Bounds only a hang: a wait for something that happens whatever the machine's load.
+HANG_S = 30
 
 
 @pytest.fixture
@@ -39,13 +43,21 @@ def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Con
         key_prefix,
         downstreams=[  # type: ignore[arg-type]
             {"name": "api", "url": downstream.url, "timeout_ms": 10_000, "replay_max_bytes": 1024},
-            {"name": "brief", "url": downstream.url, "timeout_ms": TIMEOUT_MS},
+            # The connect bound far off: a slow connect under load is still a timeout
+            # (UNKNOWN), never an unreachable downstream.
+            {
+                "name": "brief",
+                "url": downstream.url,
+                "timeout_ms": TIMEOUT_MS,
+                "connect_timeout_ms": 10_000,
+            },
             {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": TIMEOUT_MS},
             {"name": "small", "url": downstream.url, "max_body_bytes": 2048},
         ],
-        # A start limit of 750 ms (the fixture's forward clock stands still, so a loaded
-        # machine answering 50 racing prepares late cannot spend it).
-        proxy={"prepared_margin_ms": 1_500},
+        # The fixture's forward clock stands still, so a loaded machine answering 50 racing
+        # prepares late cannot spend the start limit; it is then a real-time bound on the pool
+        # wait and connect, and 10 s off.
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
     )
 
 
@@ -205,6 +217,7 @@ async def test_timeout_makes_effect_unknown_and_blocks_blind_retry(
     assert again.status == 409 and again.code == "EFFECT_UNKNOWN"
     other = await send(api, lease, TIMED_OUT, body={"x": 2})
     assert other.status == 422 and other.code == "PAYLOAD_CONFLICT"
+    await asyncio.wait_for(downstream.arrived.wait(), HANG_S)  # the timed-out call, once
     assert len(downstream.calls()) == 1
     record = (await api.call("GET", f"/v1/effects/{sent.headers['Fence-Effect-Id']}")).body
     assert record["state"] == "UNKNOWN"
@@ -420,7 +433,7 @@ async def test_lost_answer_takeover_cannot_repeat_or_change_the_effect(
     assert y.status == 422 and y.code == "PAYLOAD_CONFLICT"
     again = await send(api, b, TIMED_OUT, body=x)
     assert again.status == 409 and again.code == "EFFECT_UNKNOWN"
-    await asyncio.sleep(TIMEOUT_MS * 3 / 1000)  # let the slow downstream finish the one call
+    await asyncio.wait_for(downstream.arrived.wait(), HANG_S)  # the lost call, once
     assert len(downstream.calls()) == 1
     assert (await send(api, a, TIMED_OUT, body=x)).code == "FENCED"
 

@@ -30,6 +30,7 @@ from fencegate.gateway.config import Config
 from fencegate.gateway.proxy import proxy_answer_headers
 from fencegate.ledger.effects import effect_id
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import Sent, fence_headers
 
@@ -123,14 +124,16 @@ def hardening_config(store_url: str, key_prefix: str, recorder: Recorder, **prox
             {"name": "quick", "connect_timeout_ms": 300, **common},
         ],
         server={"max_body_bytes": 4096},
-        proxy={"prepared_margin_ms": 500, **proxy},
+        # The forward clock stands still (``gateway``) and the start limit (then a real-time
+        # bound on the pool wait and connect) is 10 s off: a loaded machine cannot trip it.
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000, **proxy},
         reconciler={"enabled": False},
     )
 
 
 @contextlib.asynccontextmanager
 async def gateway(config: Config) -> AsyncIterator[Api]:
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     if proxy_answer_headers not in app.on_response_prepare:
         # Wired by gateway/app.py once its owner registers the hook; until then the test
         # registers it, and test_the_hook_is_wired_in_the_app_factory says it is missing.
@@ -329,7 +332,11 @@ async def test_forwarded_for_gets_the_peer_and_client_claims_are_dropped(
 async def test_a_call_that_never_got_a_pooled_connection_is_busy_and_not_applied(
     store_url: str, key_prefix: str, recorder: Recorder
 ) -> None:
-    config = hardening_config(store_url, key_prefix, recorder, max_connections=1)
+    # The start limit bounds the recorded call's wait for the pool (the held call keeps the
+    # one connection, so the wait ends only by this bound, however loaded the machine).
+    config = hardening_config(
+        store_url, key_prefix, recorder, max_connections=1, forward_start_limit_ms=250
+    )
     async with gateway(config) as api:
         lease = await leased(api)
         holder = asyncio.create_task(send(api, lease, "api/hold/1", method="GET", slot=None))

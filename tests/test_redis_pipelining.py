@@ -26,6 +26,8 @@ from fencegate.ledger.errors import StoreUnavailable
 from fencegate.ledger.keys import Keys
 from fencegate.ledger.redis_store import PIPELINE_BATCH_MAX, RedisStore
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy
+from tests.api import until
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import RedisServer
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
@@ -64,6 +66,11 @@ async def open_store(
 def _flushes(store: RedisStore) -> int:
     assert store.pipeline is not None
     return store.pipeline.flushes
+
+
+def _calls(store: RedisStore) -> int:
+    assert store.pipeline is not None
+    return store.pipeline.calls
 
 
 def _stat(client: redis.Redis, section: str, name: str) -> int:
@@ -185,14 +192,16 @@ async def test_a_batch_in_flight_when_redis_is_killed_fails_every_caller_and_not
     for t in ids:
         await store.put_task(t, f"in-{t}", None)
     admin.execute_command("CLIENT", "PAUSE", "30000", "ALL")  # the batch waits in Redis
-    before = _flushes(store)
+    before, carried = _flushes(store), _calls(store)
     calls = asyncio.gather(
         *(store.claim(t, ClaimRequest("w", 60_000, 1)) for t in ids),
         store.get_task(ids[0]),
         return_exceptions=True,
     )
-    await asyncio.sleep(0.3)
-    assert _flushes(store) == before + 1  # sent, unanswered
+    await until(lambda: _flushes(store) > before, "the batch is sent", within_s=NO_HANG_S)
+    # One batch, all nine calls in it, sent and unanswered.
+    assert (_flushes(store), _calls(store)) == (before + 1, carried + len(ids) + 1)
+    assert not calls.done()
     server.kill()
     answers = await asyncio.wait_for(calls, NO_HANG_S)
     for answer in answers:
@@ -238,13 +247,14 @@ async def test_a_caller_cancelled_while_its_batch_is_in_flight_does_not_break_th
         await store.put_task(t, f"in-{t}", None)
     server.pause()
     try:
-        before = _flushes(store)
+        before, carried = _flushes(store), _calls(store)
         calls = [asyncio.create_task(store.get_task(t)) for t in ids]
-        await asyncio.sleep(0.3)
-        assert _flushes(store) == before + 1  # one batch, in flight
+        await until(lambda: _flushes(store) > before, "the batch is sent", within_s=NO_HANG_S)
+        # One batch, in flight, with every call in it.
+        assert (_flushes(store), _calls(store)) == (before + 1, carried + len(ids))
         for call in calls[::3]:
             call.cancel()
-        await asyncio.sleep(0.05)
+        await asyncio.wait(calls[::3])  # the cancellations landed before Redis answers
     finally:
         server.resume()
     done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), NO_HANG_S)
@@ -284,7 +294,7 @@ async def test_pipelining_is_switched_off_by_the_store_url(
     assert [task.task_id for task, _ in put] == [f"t{i}" for i in range(10)]
     # Today's path: one pooled connection per concurrent call.
     assert _stat(admin, "stats", "total_connections_received") - connections >= 5
-    on = RedisStore(server.url + "?pipeline=1", POLICY)
+    on = RedisStore(server.url + "?pipeline=1", POLICY, timeout_ms=STORE_TIMEOUT_MS)
     assert on.pipeline is not None
     await on.close()
     registry.check_url("redis://127.0.0.1:6379/0?pipeline=0")

@@ -32,6 +32,7 @@ from fencegate.ledger.tasks import (
     Task,
     TaskState,
 )
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import RedisServer
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
@@ -45,7 +46,7 @@ async def opened(
 ) -> AsyncIterator[tuple[redis.Redis, RedisStore]]:
     """A store on its own redis-server, its clock pinned, and an admin client."""
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY)
+    store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     store.clock_pinned_ms = START_MS
     await store.open()
     admin = server.client()
@@ -281,7 +282,7 @@ async def test_dependency_refusals_and_the_dependents_set(
     make_redis_server: Callable[..., RedisServer],
 ) -> None:
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY, max_dependents=2)
+    store = RedisStore(server.url, POLICY, max_dependents=2, timeout_ms=STORE_TIMEOUT_MS)
     admin = server.client()
     try:
         await store.put_task("base", "in", None)

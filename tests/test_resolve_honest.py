@@ -26,23 +26,30 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
     config = make_config(
         store_url,
         key_prefix,
-        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 300}],
-        proxy={"prepared_margin_ms": 200},
+        # timeout_ms only bounds a hang: the lost answer is a connection the downstream
+        # closes (``/reset``), UNKNOWN at once however loaded the machine.
+        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 10_000}],
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
         reconciler={"enabled": False},
     )
-    # The forward clock stands still: a loaded machine's slow prepare does not miss the
-    # start limit (100 ms here), which is not what these tests are about.
+    # The forward clock stands still and the start limit is wide: a loaded machine's slow
+    # prepare or connect does not miss it, which is not what these tests are about.
     app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
 
+#: The downstream reads the request and closes the connection without an answer.
+LOST = "/reset/pay"
+
+
 async def unknown_effect(api: Api, task_id: str) -> tuple[Any, str]:
-    """A lease and an effect whose forward timed out: UNKNOWN, no response recorded."""
+    """A lease and an effect whose forward got no answer (the downstream read it, then closed
+    the connection): UNKNOWN, no response recorded."""
     lease = await task_with_lease(api, task_id)
-    timed_out = await send(api, lease, "/slow/1500/pay", body={"amount": 1})
-    assert timed_out.code == "DOWNSTREAM_TIMEOUT"
-    return lease, timed_out.headers["Fence-Effect-Id"]
+    lost = await send(api, lease, LOST, body={"amount": 1})
+    assert lost.code == "DOWNSTREAM_TIMEOUT" and lost.headers["Fence-Effect-State"] == "UNKNOWN"
+    return lease, lost.headers["Fence-Effect-Id"]
 
 
 async def resolve(api: Api, effect_id: str, outcome: str, **body: Any) -> Answer:
@@ -91,7 +98,7 @@ async def test_committed_without_a_response_warns_and_a_repeat_changes_nothing(
 
     # What the warning said is what two duplicates get, and the downstream is not called.
     before = len(downstream.received)
-    duplicates = [await send(api, lease, "/slow/1500/pay", body={"amount": 1}) for _ in "ab"]
+    duplicates = [await send(api, lease, LOST, body={"amount": 1}) for _ in "ab"]
     for duplicate in duplicates:
         assert duplicate.status == 204 and duplicate.body == b""
         assert duplicate.headers["Fence-Replay-Body"] == "none"
@@ -122,9 +129,7 @@ async def test_a_given_response_is_final_and_every_duplicate_replays_it(
     assert resolves((await api.call("GET", f"/v1/effects/{effect_id}")).body) == 1
 
     before = len(downstream.received)
-    replays: list[Sent] = [
-        await send(api, lease, "/slow/1500/pay", body={"amount": 1}) for _ in "ab"
-    ]
+    replays: list[Sent] = [await send(api, lease, LOST, body={"amount": 1}) for _ in "ab"]
     assert [(r.status, r.body, r.headers["X-A"]) for r in replays] == [(201, b"ok", "1")] * 2
     assert len(downstream.received) == before
 

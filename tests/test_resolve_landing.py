@@ -6,7 +6,9 @@ for it (``ledger.effects.landing_until``, the probe's rule), "it did not happen"
 believed from an operator either: ``resolve NOT_APPLIED`` is ``409 EFFECT_IN_FLIGHT`` with
 ``landingUntil`` and ``Retry-After``, unless forced (``{"force": true}``, recorded on the
 action). COMMITTED is never refused. Time is the store's, moved by the test
-(``clock_offset_ms``), never by sleeping; the late landing is a gate the test opens.
+(``clock_offset_ms``), never by sleeping; the late landing is a gate the test opens. A lost
+answer is a connection the downstream closes once it has the request, so the forward is
+UNKNOWN at once however loaded the machine (a timer could fire before the request arrived).
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ from fencegate.ledger.errors import EffectInFlight, EffectSettled
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import ClaimRequest
 from tests.api import Api, serve_app
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.test_proxy import Sent, send, task_with_lease
 
-TIMEOUT_MS = 300
+#: Only bounds a hang: the downstreams lose their answers by closing the connection at once.
+TIMEOUT_MS = 10_000
 #: ``api``'s settle_ms: far longer than any test runs in real time.
 SETTLE_MS = 30_000
-#: A 1 s forward start limit: a loaded CI machine starts forwards late.
-MARGIN_MS = 2_000
+#: Not about the start limit: wide, and the forward clock stands still (``still``).
+PROXY = {"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000}
 
 # --- the pure rule ----------------------------------------------------------------------------
 
@@ -171,17 +175,19 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
         downstreams=[
             {"name": "api", "url": downstream.url, "timeout_ms": TIMEOUT_MS, "settle_ms": SETTLE_MS}
         ],
-        proxy={"prepared_margin_ms": MARGIN_MS},
+        proxy=PROXY,
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
 
 async def _timed_out(api: Api, task_id: str) -> tuple[str, int]:
+    """An effect whose forward got no answer (the downstream read it, then closed the
+    connection): UNKNOWN, and when the gateway stopped waiting."""
     lease = await task_with_lease(api, task_id, ttl_ms=50_000)
-    sent = await send(api, lease, f"/slow/{TIMEOUT_MS * 3}/pay", body={"amount": 1})
+    sent = await send(api, lease, "/reset/pay", body={"amount": 1})
     assert sent.headers["Fence-Effect-State"] == "UNKNOWN", sent.status
     effect_id = sent.headers["Fence-Effect-Id"]
     ended = (await api.call("GET", f"/v1/effects/{effect_id}")).body["attempts"][0]["endedAt"]
@@ -245,7 +251,9 @@ async def test_the_api_takes_force_and_committed_at_once(api: Api) -> None:
 
 class GatedDownstream:
     """Executes every call, counting, but holds the first one until ``gate`` opens: the
-    request the gateway gave up on, sitting in the downstream's queue."""
+    request the gateway gave up on, sitting in the downstream's queue. Its answer is lost at
+    once (the connection closes when it arrives), so the gateway gives up on a request that
+    certainly arrived."""
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()
@@ -258,9 +266,13 @@ class GatedDownstream:
         await request.read()
         self.arrived += 1
         if self.arrived == 1:
+            assert request.transport is not None
+            request.transport.close()  # the answer is lost; the request waits in the queue
             await self.gate.wait()
         self.executed += 1
-        return web.json_response({"paid": self.executed}, status=201)
+        answer = web.json_response({"paid": self.executed}, status=201)
+        answer.force_close()
+        return answer
 
     async def start(self) -> GatedDownstream:
         app = web.Application()
@@ -269,10 +281,11 @@ class GatedDownstream:
         return self
 
     async def land(self) -> None:
-        """Let the held request through and wait until it executed."""
+        """Let the held request through and wait until it executed (the deadline only bounds
+        a hang)."""
         before = self.executed
         self.gate.set()
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             while self.executed == before:
                 await asyncio.sleep(0.01)
 
@@ -293,10 +306,10 @@ async def test_a_late_landing_runs_twice_only_when_forced(
         downstreams=[
             {"name": "api", "url": gated.url, "timeout_ms": TIMEOUT_MS, "settle_ms": SETTLE_MS}
         ],
-        proxy={"prepared_margin_ms": MARGIN_MS},
+        proxy=PROXY,
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
     try:
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
             api = Api(client)

@@ -31,6 +31,8 @@ from fencegate.ledger.tasks import (
     Tombstone,
     expired_task,
 )
+from tests.api import until
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import RedisServer
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
@@ -47,7 +49,7 @@ async def opened(
 ) -> AsyncIterator[tuple[RedisServer, redis.Redis, RedisStore]]:
     """A store on its own redis-server, its clock pinned, and an admin client."""
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY)
+    store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     store.clock_pinned_ms = START_MS
     await store.open()
     admin = server.client()
@@ -110,7 +112,9 @@ async def test_tasks_settled_before_the_index_existed_are_backfilled_once(
     # A store an older fencegate wrote: no settled index, no task index, no markers.
     admin.delete(KEYS.settled, KEYS.settled_indexed, KEYS.tasks_index, KEYS.tasks_indexed)
 
-    later = RedisStore(server.url, POLICY)  # a gateway of this version, started on it
+    later = RedisStore(
+        server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS
+    )  # a gateway of this version, started on it
     later.clock_pinned_ms = START_MS + SETTLED_MS
     try:
         stats = await later.store_stats(SETTLED_MS)
@@ -126,7 +130,7 @@ async def test_tasks_settled_before_the_index_existed_are_backfilled_once(
 
         # Done once: another gateway only looks at the marker.
         admin.config_resetstat()
-        again = RedisStore(server.url, POLICY)
+        again = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
         again.clock_pinned_ms = START_MS + SETTLED_MS
         try:
             await again.expire_settled(SETTLED_MS, TOMBSTONE_MS, 100)
@@ -163,7 +167,7 @@ async def test_the_sweep_never_scans_the_store(
 
     # A new gateway's first step: the marker, then the same script.
     admin.config_resetstat()
-    other = RedisStore(server.url, POLICY)
+    other = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     other.clock_pinned_ms = START_MS + SETTLED_MS
     try:
         rest = await other.expire_settled(SETTLED_MS, TOMBSTONE_MS, 4)
@@ -230,7 +234,9 @@ async def test_tombstone_keys_go_by_themselves(
     """Redis expires a tombstone's key at its forget_at (the production clock: Redis's own),
     without a sweep; the sweep only clears the counting indexes then."""
     server, admin, _ = opened
-    live = RedisStore(server.url, POLICY)  # Redis's own clock, as in production
+    live = RedisStore(
+        server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS
+    )  # Redis's own clock, as in production
     try:
         effect_ids = await _settled(live, "brief", effects=1)
         live.clock_offset_ms = SETTLED_MS  # settled long enough; tombstones live 300 ms
@@ -241,8 +247,8 @@ async def test_tombstone_keys_go_by_themselves(
         assert all(0 < admin.pttl(key) <= 300 for key in keys_)
         with pytest.raises(EffectExpired):
             await live.get_effect(effect_ids[0])
-        await asyncio.sleep(0.4)
-        assert admin.exists(*keys_) == 0  # nobody swept: Redis expired them
+        # Nobody sweeps: Redis expires them, by its own clock (which no test moves).
+        await until(lambda: admin.exists(*keys_) == 0, "Redis expires the tombstone keys")
         assert admin.zcard(KEYS.task_tombstones) == 1  # counted until the sweep says not
         assert (await live.store_stats(SETTLED_MS)).task_tombstones == 0  # past forget_at
         with pytest.raises(NoSuchTask) as missing:
@@ -302,7 +308,7 @@ async def test_gateways_sweeping_at_once_expire_each_task_once(
     server, admin, store = opened
     for i in range(20):
         await _settled(store, f"t{i:02d}", effects=1)
-    sweepers = [RedisStore(server.url, POLICY) for _ in range(3)]
+    sweepers = [RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS) for _ in range(3)]
     try:
         for sweeper in sweepers:
             sweeper.clock_pinned_ms = START_MS + SETTLED_MS

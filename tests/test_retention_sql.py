@@ -37,7 +37,7 @@ from fencegate.ledger.tasks import (
     Task,
     TaskState,
 )
-from tests.conftest import postgres_test_url
+from tests.conftest import STORE_TIMEOUT_MS, postgres_test_url
 from tests.postgres_server import PostgresServer
 
 T = TypeVar("T")
@@ -95,10 +95,12 @@ def numbered(text: str) -> str:
 async def sql(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Sql]:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'fencegate.db'}"
-        store: SqlStore = SQLiteStore(str(tmp_path / "fencegate.db"), POLICY)
+        store: SqlStore = SQLiteStore(
+            str(tmp_path / "fencegate.db"), POLICY, timeout_ms=STORE_TIMEOUT_MS
+        )
     else:
         url = postgres_test_url(request.getfixturevalue("postgres_server"), request)
-        store = PostgresStore(url, POLICY)
+        store = PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     try:
         yield Sql(store, url)

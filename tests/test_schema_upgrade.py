@@ -35,7 +35,7 @@ from fencegate.ledger.tasks import (
     Task,
     TaskState,
 )
-from tests.conftest import postgres_test_url
+from tests.conftest import STORE_TIMEOUT_MS, postgres_test_url
 from tests.postgres_server import PostgresServer
 
 POLICY = LeasePolicy(max_ttl_ms=60_000, default_max_runtime_ms=600_000)
@@ -112,7 +112,7 @@ async def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> N
         conn.execute(INSERT_OLD.replace("'{}'", "?"), (json.dumps(OLD_TASK),))
         conn.execute(INSERT_CANCELLED.replace("'{}'", "?"), (json.dumps(OLD_CANCELLED),))
     for first in (True, False):  # the second open finds version 2 and changes nothing
-        store = SQLiteStore(str(path), POLICY)
+        store = SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS)
         await store.open()
         try:
             if first:
@@ -136,7 +136,7 @@ async def test_a_version_1_postgres_database_is_upgraded_in_place(
         await conn.execute(INSERT_CANCELLED.replace("'{}'", "$1"), json.dumps(OLD_CANCELLED))
     finally:
         await conn.close()
-    store = PostgresStore(url, POLICY)
+    store = PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     try:
         await exercise_upgraded(store)
@@ -292,7 +292,7 @@ async def test_a_version_2_sqlite_file_is_upgraded_and_its_settled_tasks_expire(
             conn.execute(text, args)
         conn.commit()
     for first in (True, False):  # the second open finds version 3 and changes nothing
-        store = SQLiteStore(str(path), POLICY)
+        store = SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS)
         await store.open()
         try:
             if first:
@@ -319,7 +319,7 @@ async def test_a_version_2_postgres_database_is_upgraded_and_its_settled_tasks_e
             await conn.execute(numbered(text), *args)
     finally:
         await conn.close()
-    store = PostgresStore(url, POLICY)
+    store = PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     try:
         conn = await asyncpg.connect(url)

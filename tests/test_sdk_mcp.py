@@ -5,7 +5,8 @@ headers to set once on its transport and the ``_meta`` that names a call's slot.
 that client for real through a gateway with ``[auth]`` (in-process, SQLite) in front of a real
 MCP server: the headers are the lease's and the credential, a slot given with ``mcp_meta`` is the
 effect's slot in the ledger, a second identical call is replayed without the tool running again,
-and docs/sdk.md's MCP example runs as written. The SDK itself never imports ``mcp``.
+and docs/sdk.md's MCP example runs as written (without ``[auth]``, and with the README's one role
+per token). The SDK itself never imports ``mcp``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from tests.servers import free_port
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
 pytestmark = pytest.mark.one_store
 
-SDK_DOC = Path(__file__).parent.parent / "docs" / "sdk.md"
+REPO = Path(__file__).parent.parent
+SDK_DOC = REPO / "docs" / "sdk.md"
 #: One principal with what an agent needs: create its task, hold the lease, read the ledger.
 TOKEN = "tok-agent-0123456789abcdef"
 AUTH = {
@@ -74,10 +76,13 @@ def bare_lease(client: Client) -> Lease:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path: Path, downstreams: list[dict[str, Any]]) -> AsyncIterator[str]:
-    """A gateway with ``[auth]`` on SQLite, in-process, listening on loopback: its URL."""
+async def gateway(
+    tmp_path: Path, downstreams: list[dict[str, Any]], auth: dict[str, Any] | None = AUTH
+) -> AsyncIterator[str]:
+    """A gateway on SQLite (with ``auth`` as its ``[auth]``, or none), in-process, listening on
+    loopback: its URL."""
     config = make_config(f"sqlite:///{tmp_path / 'fencegate.db'}", downstreams=downstreams,
-                         auth=AUTH)  # fmt: skip
+                         auth=auth)  # fmt: skip
     server = TestServer(create_app(config, store=build_test_store(config)), host="127.0.0.1")
     await server.start_server()
     try:
@@ -304,9 +309,45 @@ def start_tools(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
     raise AssertionError("no free port for tools.py in 5 tries")
 
 
-async def test_the_docs_mcp_example_runs(tmp_path: Path) -> None:
+def readme_principals() -> list[tuple[str, str, str]]:
+    """The README's ``fencegate token new`` lines: each principal's name, its one role, and the
+    variable the README exports its token in."""
+    readme = (REPO / "README.md").read_text()
+    found = re.findall(
+        r"^fencegate token new --name (\S+) --role (\S+) >> fencegate\.toml +# export (\w+)=",
+        readme, re.MULTILINE,
+    )  # fmt: skip
+    assert found, "the README makes no tokens"
+    return [(name, role, variable) for name, role, variable in found]
+
+
+def test_the_docs_mcp_example_says_what_to_install() -> None:
+    """The install line of docs/sdk.md's MCP section is the range the test extra pins, the one
+    these tests run the example with."""
+    with open(REPO / "pyproject.toml", "rb") as file:
+        extra = tomllib.load(file)["project"]["optional-dependencies"]["test"]
+    (pinned,) = [spec for spec in extra if re.match(r"mcp\b", spec)]
+    section = "## MCP tools through the gateway"
+    assert doc_block(section, "sh", "pip install") == f"pip install '{pinned}'\n"
+
+
+@pytest.mark.parametrize("with_auth", [False, True], ids=["without-auth", "role-per-token"])
+async def test_the_docs_mcp_example_runs(tmp_path: Path, with_auth: bool) -> None:
     """docs/sdk.md's MCP section as a user runs it: its config, its stand-in MCP server and its
-    agent (as scripts, the agent twice), with the token in ``$FENCEGATE_TOKEN``."""
+    agent (as scripts, the agent twice). Without ``[auth]`` the token variables are unset; with
+    it, the README's principals, each token holding one role in the variable the README
+    exports it in."""
+    tokens: dict[str, str] = {}
+    auth = None
+    if with_auth:
+        principals = []
+        for name, role, variable in readme_principals():
+            tokens[variable] = f"tok-{name}-{os.urandom(8).hex()}"
+            principals.append(
+                {"name": name, "roles": [role], "token_sha256": token_sha256(tokens[variable])}
+            )
+        assert sorted(p["roles"][0] for p in principals) == ["operator", "scheduler", "worker"]
+        auth = {"principals": principals}
     section = "## MCP tools through the gateway"
     (downstream,) = tomllib.loads(doc_block(section, "toml", "[[downstreams]]"))["downstreams"]
     (tmp_path / "tools.py").write_text(doc_block(section, "python", '"""tools.py'))
@@ -314,10 +355,12 @@ async def test_the_docs_mcp_example_runs(tmp_path: Path) -> None:
     assert downstream["url"] == "http://127.0.0.1:9100/mcp"
     tools, tools_port = start_tools(tmp_path)
     downstream["url"] = f"http://127.0.0.1:{tools_port}/mcp"
-    env = {**os.environ, "TOOLS_PORT": str(tools_port), "FENCEGATE_TOKEN": TOKEN}
+    unset = {"FENCEGATE_TOKEN", *(variable for _, _, variable in readme_principals())}
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env = {**env, "TOOLS_PORT": str(tools_port), **tokens}
     outputs = []
     try:
-        async with gateway(tmp_path, [downstream]) as url:
+        async with gateway(tmp_path, [downstream], auth) as url:
             for _ in range(2):
                 agent = await asyncio.create_subprocess_exec(
                     sys.executable, "agent.py", cwd=tmp_path, env={**env, "FENCEGATE_URL": url},

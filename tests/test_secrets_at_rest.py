@@ -37,15 +37,18 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
+from fencegate.gateway import answers
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config, HttpDownstream
 from fencegate.gateway.http_rules import stored_response_headers
 from fencegate.ledger.effects import effect_id
-from fencegate.ledger.effects import effect_to_json as _effect_to_json
 from tests.api import Api
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 
-TIMEOUT_MS = 400
+#: The timeout of ``echo-brief``, the downstream of the timed-out call: that call is held
+#: (``/hold/...``) until the test ends, so only this timer ends it, however loaded the machine.
+TIMEOUT_MS = 300
 SECRET_ENV = "FG_TEST_SECRET"
 _NOT_ECHOED = frozenset(
     {"host", "content-length", "content-type", "transfer-encoding", "connection"}
@@ -56,9 +59,10 @@ _NOT_ECHOED = frozenset(
 class EchoDownstream:
     """Answers every call with the request's headers: as its own response headers (same
     names, plus ``X-Echo-Token`` holding the Authorization value and a ``Set-Cookie``) and
-    as a JSON body. ``/slow/{ms}/...`` sleeps first."""
+    as a JSON body. ``/hold/...`` answers only once ``release`` is set (at ``stop``)."""
 
     received: list[dict[str, str]] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -66,9 +70,8 @@ class EchoDownstream:
         await request.read()
         got = dict(request.headers)
         self.received.append(got)
-        parts = request.path.strip("/").split("/")
-        if parts[0] == "slow":
-            await asyncio.sleep(int(parts[1]) / 1000)
+        if request.path.startswith("/hold/"):
+            await self.release.wait()
         headers = {k: v for k, v in got.items() if k.lower() not in _NOT_ECHOED}
         headers["X-Echo-Token"] = got.get("Authorization", "")
         headers["Set-Cookie"] = f"session={got.get('Authorization', '')}"
@@ -87,6 +90,7 @@ class EchoDownstream:
         return self
 
     async def stop(self) -> None:
+        self.release.set()
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -179,11 +183,11 @@ async def _scenario(api: Api, caplog: pytest.LogCaptureFixture) -> Run:
         assert dict(replay.headers)["Fence-Replayed"] == "true"
         answers.append(replay)
 
-        timed_out = await _exchange(api, "timeout", "POST", "/proxy/echo/slow/1500/pay",
+        timed_out = await _exchange(api, "timeout", "POST", "/proxy/echo-brief/hold/pay",
                                     json=body, headers=fence("s2"))  # fmt: skip
         assert dict(timed_out.headers)["Fence-Effect-State"] == "UNKNOWN", timed_out.body
         answers.append(timed_out)
-        again = await _exchange(api, "unknown retry", "POST", "/proxy/echo/slow/1500/pay",
+        again = await _exchange(api, "unknown retry", "POST", "/proxy/echo-brief/hold/pay",
                                 json=body, headers=fence("s2"))  # fmt: skip
         answers.append(again)
 
@@ -194,7 +198,7 @@ async def _scenario(api: Api, caplog: pytest.LogCaptureFixture) -> Run:
         assert resolved.status == 200, resolved.body
         answers.append(resolved)
         answers.append(await _exchange(api, "resolved replay", "POST",
-                                       "/proxy/echo/slow/1500/pay", json=body,
+                                       "/proxy/echo-brief/hold/pay", json=body,
                                        headers=fence("s2")))  # fmt: skip
 
         answers.append(await _exchange(api, "list", "GET", "/v1/effects"))
@@ -265,20 +269,30 @@ async def _postgres_rows(url: str) -> bytes:
 
 
 def _config(store_url: str, key_prefix: str, echo: EchoDownstream, **options: Any) -> Config:
+    common = {
+        "url": f"http://127.0.0.1:{echo.port}",
+        "headers_from_env": {"Authorization": SECRET_ENV},
+        "never_store_headers": ["x-echo-token"],
+        **options,
+    }
     return make_config(
         store_url,
         key_prefix,
         downstreams=[  # type: ignore[arg-type]
+            # The default timeout_ms: the answered calls do not race a timer.
+            {"name": "echo", **common},
+            # Only the total timeout may end the held call: a slow connect under load is then
+            # still UNKNOWN (the connect bound is far off), never NOT_APPLIED.
             {
-                "name": "echo",
-                "url": f"http://127.0.0.1:{echo.port}",
+                "name": "echo-brief",
                 "timeout_ms": TIMEOUT_MS,
-                "headers_from_env": {"Authorization": SECRET_ENV},
-                "never_store_headers": ["x-echo-token"],
-                **options,
-            }
+                "connect_timeout_ms": 10_000,
+                **common,
+            },
         ],
-        proxy={"prepared_margin_ms": 500},
+        # The forward clock stands still (``make_api``) and the start limit (then a real-time
+        # bound on the pool wait and connect) is 10 s off: a loaded machine cannot trip it.
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
         reconciler={"enabled": False},
     )
 
@@ -290,7 +304,10 @@ async def make_api(store_url: str, key_prefix: str, echo: EchoDownstream) -> Asy
     async def make(**options: Any) -> tuple[Api, Config]:
         config = _config(store_url, key_prefix, echo, **options)
         client: TestClient[Any, Any] = TestClient(
-            TestServer(create_app(config, store=build_test_store(config)), host="127.0.0.1")
+            TestServer(
+                create_app(config, store=build_test_store(config), forward_clock=still),
+                host="127.0.0.1",
+            )
         )
         await client.start_server()
         clients.append(client)
@@ -326,7 +343,7 @@ async def test_without_stored_bodies_the_secret_is_nowhere_in_store_logs_or_api(
     )
     assert {e.effect_id for e in found} == set(run.effect_ids)
     for effect in found:
-        assert_absent("an effect record", json.dumps(_effect_to_json(effect)), secret)
+        assert_absent("an effect record", json.dumps(answers.Effect.of(effect).wire()), secret)
     committed = next(e for e in found if e.effect_id == run.effect_ids[0])
     assert committed.response_json is not None
     stored = json.loads(committed.response_json)
@@ -351,7 +368,7 @@ async def test_with_stored_bodies_no_echoed_header_is_stored(
         state=None, task_id=None, downstream=None, limit=100, cursor=None
     )
     for effect in found:
-        record = _effect_to_json(effect)
+        record = answers.Effect.of(effect).wire()
         response = record.pop("response", None)
         assert_absent("an effect record", json.dumps(record), secret)
         if response is None:

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -119,13 +118,13 @@ def test_check_exits_1_when_the_redis_store_cannot_be_reached(tmp_path: Path) ->
     path = tmp_path / "fencegate.toml"
     closed = refused_port()
     path.write_text(f"[store]\nurl = 'redis://:pw-secret@127.0.0.1:{closed}/0'\ntimeout_ms = 300\n")
-    started = time.monotonic()
+    # It gives up by itself (exit 1, the store error), not a hang: serve's own bound (60 s)
+    # only catches one.
     done = serve("--check", "--config", str(path), cwd=tmp_path)
     assert done.returncode == 1, done
     assert f"store error: redis://127.0.0.1:{closed}/0" in done.stderr, done.stderr
     assert "pw-secret" not in done.stderr + done.stdout
     assert "Traceback" not in done.stderr
-    assert time.monotonic() - started < 20  # bounded by store.timeout_ms, not a hang
 
 
 def test_check_fails_on_a_redis_that_would_keep_readyz_failing(

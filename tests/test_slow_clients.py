@@ -10,10 +10,11 @@ real gateway process and talk to it over raw sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,39 @@ from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
+from tests.api import HANG_S, until
 from tests.conftest import build_test_store, make_config
 from tests.servers import GatewayProcess
 
 BODY_TIMEOUT_MS = 300
+#: A body timeout far past anything the test waits: a test that must not meet the body
+#: timeout uses it, so that a slow machine cannot turn its scenario into a 408.
+NEVER_MS = 600_000
+
+
+@contextlib.asynccontextmanager
+async def gateway_client(
+    tmp_path: Path, body_timeout_ms: int
+) -> AsyncIterator[TestClient[Any, Any]]:
+    config = make_config(
+        f"sqlite:///{tmp_path / 'slow.db'}",
+        server={"body_timeout_ms": body_timeout_ms, "max_body_bytes": 4096},
+    )
+    app = create_app(config, store=build_test_store(config))
+    async with TestClient(TestServer(app, host="127.0.0.1")) as test_client:
+        yield test_client
 
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
-    config = make_config(
-        f"sqlite:///{tmp_path / 'slow.db'}",
-        server={"body_timeout_ms": BODY_TIMEOUT_MS, "max_body_bytes": 4096},
-    )
-    app = create_app(config, store=build_test_store(config))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as test_client:
+    async with gateway_client(tmp_path, BODY_TIMEOUT_MS) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+async def patient_client(tmp_path: Path) -> AsyncIterator[TestClient[Any, Any]]:
+    """The gateway with a body timeout of ``NEVER_MS``."""
+    async with gateway_client(tmp_path, NEVER_MS) as test_client:
         yield test_client
 
 
@@ -56,8 +76,11 @@ def _parse(data: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-async def _exchange(port: int, data: bytes, wait: float = 5.0) -> tuple[int, dict[str, str], bytes]:
-    """Send ``data``, then read one answer (its head and Content-Length bytes of body)."""
+async def _exchange(
+    port: int, data: bytes, wait: float = HANG_S
+) -> tuple[int, dict[str, str], bytes]:
+    """Send ``data``, then read one answer (its head and Content-Length bytes of body);
+    ``wait`` only bounds a hang."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)
@@ -80,20 +103,23 @@ async def test_a_body_that_stops_arriving_is_408(client: TestClient[Any, Any]) -
         port, _head("/v1/tasks/t1/claim", port, 100) + b'{"owner": "w'
     )
     elapsed = time.monotonic() - started
-    assert status == 408 and json.loads(body)["code"] == "REQUEST_TIMEOUT"
+    problem = json.loads(body)
+    assert status == 408 and problem["code"] == "REQUEST_TIMEOUT"
+    # The body timeout answered (the one configured), and not before it ran out.
+    assert f"within {BODY_TIMEOUT_MS} ms" in problem["detail"], problem
     assert headers["content-type"] == "application/problem+json"
     assert headers["connection"] == "close"
-    assert BODY_TIMEOUT_MS / 1000 <= elapsed < BODY_TIMEOUT_MS / 1000 + 2
+    assert elapsed >= BODY_TIMEOUT_MS / 1000
 
 
 async def test_a_content_length_over_the_limit_is_413_before_reading(
-    client: TestClient[Any, Any],
+    patient_client: TestClient[Any, Any],
 ) -> None:
-    port = client.server.port
+    """The body never comes and the gateway would wait ``NEVER_MS`` for it: an answer within
+    the test's own wait means it was refused before reading."""
+    port = patient_client.server.port
     for path in ("/v1/tasks/t1/claim", "/proxy/any/where"):
-        started = time.monotonic()
-        status, headers, body = await _exchange(port, _head(path, port, 10**9), wait=2)
-        assert time.monotonic() - started < BODY_TIMEOUT_MS / 1000  # no wait for the body
+        status, headers, body = await _exchange(port, _head(path, port, 10**9))
         assert status == 413 and json.loads(body)["code"] == "PAYLOAD_TOO_LARGE"
         assert headers["connection"] == "close"
 
@@ -114,18 +140,23 @@ async def test_a_chunked_body_over_the_limit_is_413(client: TestClient[Any, Any]
     assert status == 413 and json.loads(body)["code"] == "PAYLOAD_TOO_LARGE"
 
 
-async def test_a_client_gone_mid_body_is_one_info_event(client: TestClient[Any, Any]) -> None:
+async def test_a_client_gone_mid_body_is_one_info_event(
+    patient_client: TestClient[Any, Any],
+) -> None:
+    """The client goes once the gateway has its request and waits for the rest of the body
+    (which it would wait ``NEVER_MS`` for: never a 408 here, however slow the machine)."""
+    client = patient_client
     port = client.server.port
+    handled = client.server.handler.requests_count
     with capture_logs() as logs:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_head("/v1/tasks/t1/claim", port, 100) + b'{"owner"')
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await until(
+            lambda: client.server.handler.requests_count > handled, "the gateway has the request"
+        )
         writer.transport.abort()
-        for _ in range(100):
-            if any(e["event"] == "http.client_gone" for e in logs):
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: any(e["event"] == "http.client_gone" for e in logs), "http.client_gone")
     gone = [e for e in logs if e["event"] == "http.client_gone"]
     assert len(gone) == 1 and gone[0]["log_level"] == "info", logs
     assert gone[0]["path"] == "/v1/tasks/t1/claim"
@@ -157,8 +188,9 @@ def gateway(tmp_path: Path) -> Iterator[GatewayProcess]:
         process.stop()
 
 
-def _send(port: int, data: bytes, wait: float = 5.0) -> bytes:
-    """Blocking raw exchange (the gateway is another process): everything until it closes."""
+def _send(port: int, data: bytes, wait: float = HANG_S) -> bytes:
+    """Blocking raw exchange (the gateway is another process): everything until it closes
+    (``wait`` only bounds a hang)."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
         sock.sendall(data)
         chunks = []
@@ -190,11 +222,13 @@ def test_every_stderr_line_is_json_through_malformed_slow_and_vanishing_clients(
     assert status == 505 and json.loads(body)["code"] == "HTTP_VERSION_NOT_SUPPORTED"
     status, _, body = _parse(_send(port, _head("/v1/epoch/bump", port, 50) + b"{"))
     assert status == 408
-    with socket.create_connection(("127.0.0.1", port)) as sock:  # gone mid-body
+    # Gone mid-body, at once: the gateway still takes the request it parsed, and finds the
+    # client gone when it reads the body (a pause here would only let the body timeout win).
+    with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(_head("/v1/epoch/bump", port, 50) + b"{")
-        time.sleep(0.05)
     status, _, _ = _parse(_send(port, b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
     assert status == 404
+    _poll(lambda: "http.client_gone" in _event_names(gateway), "http.client_gone is logged")
     gateway.stop()
     lines = gateway.log_path.read_text().splitlines()
     events = [json.loads(line) for line in lines]  # every line, or this raises
@@ -219,13 +253,13 @@ def test_connections_over_the_limit_are_503_and_closed(gateway: GatewayProcess) 
         assert status == 503 and headers["retry-after"] == "1"
         assert json.loads(body)["code"] == "TOO_MANY_CONNECTIONS"
         held.pop().close()
-        deadline = time.monotonic() + 5
-        while True:  # the slot frees when the gateway sees the close
-            answer = _send(port, request.replace(b"1.1", b"1.0"))
-            if answer.startswith(b"HTTP/1.0 200") or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert answer.startswith(b"HTTP/1.0 200"), answer
+        answers: list[bytes] = []
+
+        def admitted() -> bool:  # the slot frees when the gateway sees the close
+            answers.append(_send(port, request.replace(b"1.1", b"1.0")))
+            return answers[-1].startswith(b"HTTP/1.0 200")
+
+        _poll(admitted, f"a freed slot admits a connection; last answer {answers[-1:]}")
     finally:
         for sock in held:
             sock.close()
@@ -234,8 +268,23 @@ def test_connections_over_the_limit_are_503_and_closed(gateway: GatewayProcess) 
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(gateway: GatewayProcess) -> None:
-    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+    """Closed by the configured idle timeout (1 s): not at once, and within the test's own
+    wait, which is shorter than aiohttp's default keep-alive (75 s)."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=HANG_S) as sock:
         sock.sendall(b"GET /v1/epoch HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
-        started = time.monotonic()
         assert sock.recv(65536) == b""  # closed by the gateway, not by the timeout here
-        assert 0.5 < time.monotonic() - started < 4
+    assert time.monotonic() - started > 0.5
+
+
+def _event_names(gateway: GatewayProcess) -> list[object]:
+    return [e.get("event") for e in gateway.log_events()]
+
+
+def _poll(check: Callable[[], bool], what: str) -> None:
+    """``tests.api.until`` for a test that talks to a gateway process with blocking sockets:
+    the bound only catches a hang."""
+    deadline = time.monotonic() + HANG_S
+    while not check():
+        assert time.monotonic() < deadline, f"never, within {HANG_S} s: {what}"
+        time.sleep(0.05)

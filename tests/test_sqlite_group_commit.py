@@ -24,6 +24,7 @@ from fencegate.ledger.effects import Fence
 from fencegate.ledger.errors import FencegateError
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, Task
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import Gateways
 from tests.test_store_clock import HOUR_MS, FakeHost
 
@@ -65,7 +66,7 @@ async def test_concurrent_steps_share_commits_and_each_keeps_its_own_instant(
     although the clock's new ceiling was written by a step inside the batch."""
     host = FakeHost()
     db = tmp_path / "batch.db"
-    store = SQLiteStore(str(db), POLICY, clock_sources=host.sources())
+    store = SQLiteStore(str(db), POLICY, clock_sources=host.sources(), timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     ids = [f"t{n}" for n in range(BURST)]
     for task_id in ids:
@@ -84,7 +85,9 @@ async def test_concurrent_steps_share_commits_and_each_keeps_its_own_instant(
     assert 1 <= after - before < BURST, f"{after - before} commits for {BURST} claims"
     latest = max(task.lease_expires_at or 0 for task in claims) - TTL_MS
     rebooted = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
-    again = SQLiteStore(str(db), POLICY, clock_sources=rebooted.sources())
+    again = SQLiteStore(
+        str(db), POLICY, clock_sources=rebooted.sources(), timeout_ms=STORE_TIMEOUT_MS
+    )
     await again.open()
     try:
         assert await again.now_ms() >= latest
@@ -103,7 +106,7 @@ async def test_a_step_that_fails_inside_a_batch_undoes_only_its_own_writes(
     """Refusals and a step that writes and then fails share batches with good steps: each
     caller gets its own answer, the failed step's write is gone, the others' are kept."""
     db = tmp_path / "mixed.db"
-    store = SQLiteStore(str(db), POLICY)
+    store = SQLiteStore(str(db), POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     ids = [f"ok{n}" for n in range(BURST)]
     for task_id in [*ids, "held"]:

@@ -62,6 +62,7 @@ from fencegate.ledger.tasks import (
     Scheduler,
     Task,
 )
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.postgres_server import PostgresServer
 from tests.servers import RedisServer
 
@@ -958,7 +959,7 @@ def test_sqlite_store_matches_model(tmp_path: Path) -> None:
                 boot_id=lambda: "boot-1",
             )
             path = str(tmp_path / f"s{next(counter)}.db")
-            return SQLiteStore(path, POLICY, clock_sources=sources)
+            return SQLiteStore(path, POLICY, clock_sources=sources, timeout_ms=STORE_TIMEOUT_MS)
 
         def advance_store_clock(self, ms: int) -> None:
             self.host["wall"] += ms
@@ -971,7 +972,12 @@ def test_sqlite_store_matches_model(tmp_path: Path) -> None:
 def test_redis_store_matches_model(redis_server: RedisServer) -> None:
     class Machine(LeaseMachine):
         def make_store(self) -> Store:
-            store = RedisStore(redis_server.url, POLICY, key_prefix=f"s{uuid.uuid4().hex[:10]}")
+            store = RedisStore(
+                redis_server.url,
+                POLICY,
+                key_prefix=f"s{uuid.uuid4().hex[:10]}",
+                timeout_ms=STORE_TIMEOUT_MS,
+            )
             store.clock_pinned_ms = START_MS  # the scripts never read TIME
             self.redis_store = store
             return store
@@ -988,7 +994,9 @@ def test_postgres_store_matches_model(postgres_server: PostgresServer) -> None:
     class Machine(LeaseMachine):
         def make_store(self) -> Store:
             self.database = f"m_{uuid.uuid4().hex[:12]}"  # a database per example
-            store = PostgresStore(postgres_server.create_database(self.database), POLICY)
+            store = PostgresStore(
+                postgres_server.create_database(self.database), POLICY, timeout_ms=STORE_TIMEOUT_MS
+            )
             store.clock_pinned_ms = START_MS  # the database's clock is never read
             self.postgres_store = store
             return store

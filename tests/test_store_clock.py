@@ -18,6 +18,7 @@ from fencegate.ledger.effects import EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import FencegateError
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy
+from tests.conftest import STORE_TIMEOUT_MS
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
 HOUR_MS = 3_600_000
@@ -108,7 +109,7 @@ async def test_a_closed_resend_window_stays_closed_when_the_wall_clock_steps_bac
     refuse to re-send it (EFFECT_UNKNOWN), on the same boot and after a reboot."""
     host = FakeHost()
     path = str(tmp_path / "clock.db")
-    store = SQLiteStore(path, POLICY, clock_sources=host.sources())
+    store = SQLiteStore(path, POLICY, clock_sources=host.sources(), timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     fence = await _claimed(store, "t1")
     request = EffectRequest(fence, "main", "s1", "pay", "POST", "/charge", "digest-1")
@@ -130,7 +131,7 @@ async def test_a_closed_resend_window_stays_closed_when_the_wall_clock_steps_bac
         host.wall -= HOUR_MS
         host.boot_id = boot_id
         host.run(10)
-        again = SQLiteStore(path, POLICY, clock_sources=host.sources())
+        again = SQLiteStore(path, POLICY, clock_sources=host.sources(), timeout_ms=STORE_TIMEOUT_MS)
         await again.open()
         assert await again.now_ms() >= last
         refused = await again.prepare_effect(request, 5_000, resend_window_ms=window)
@@ -144,7 +145,9 @@ async def test_a_forward_jump_of_the_wall_clock_does_not_expire_a_running_forwar
     tmp_path: Path,
 ) -> None:
     host = FakeHost()
-    store = SQLiteStore(str(tmp_path / "jump.db"), POLICY, clock_sources=host.sources())
+    store = SQLiteStore(
+        str(tmp_path / "jump.db"), POLICY, clock_sources=host.sources(), timeout_ms=STORE_TIMEOUT_MS
+    )
     await store.open()
     fence = await _claimed(store, "t1")
     request = EffectRequest(fence, "main", "s1", "pay", "POST", "/charge", "digest-1")
@@ -161,12 +164,12 @@ async def test_a_forward_jump_of_the_wall_clock_does_not_expire_a_running_forwar
 
 
 async def test_the_real_clock_sources_run_forward(tmp_path: Path) -> None:
-    store = SQLiteStore(str(tmp_path / "real.db"), POLICY)
+    store = SQLiteStore(str(tmp_path / "real.db"), POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     first = await store.now_ms()
     await store.put_task("t1", "in", None)  # a write persists the mark
     await store.close()
-    again = SQLiteStore(str(tmp_path / "real.db"), POLICY)
+    again = SQLiteStore(str(tmp_path / "real.db"), POLICY, timeout_ms=STORE_TIMEOUT_MS)
     await again.open()
     assert await again.now_ms() >= first
     await again.close()
@@ -177,7 +180,7 @@ async def test_an_instant_a_refusal_answered_is_never_handed_out_again(tmp_path:
     a reboot with the wall clock behind must not bring store time back before it."""
     host = FakeHost()
     path = str(tmp_path / "refusal.db")
-    store = SQLiteStore(path, POLICY, clock_sources=host.sources())
+    store = SQLiteStore(path, POLICY, clock_sources=host.sources(), timeout_ms=STORE_TIMEOUT_MS)
     await store.open()
     host.run(AHEAD_MS)  # past the ceiling's headroom: the next step must persist a new one
     with pytest.raises(FencegateError):
@@ -185,7 +188,7 @@ async def test_an_instant_a_refusal_answered_is_never_handed_out_again(tmp_path:
     refused_at = await store.now_ms()
     # kill -9: no close. Reboot with the wall clock an hour behind.
     rebooted = FakeHost(wall=host.wall - HOUR_MS, boot=10, boot_id="boot-2")
-    again = SQLiteStore(path, POLICY, clock_sources=rebooted.sources())
+    again = SQLiteStore(path, POLICY, clock_sources=rebooted.sources(), timeout_ms=STORE_TIMEOUT_MS)
     await again.open()
     assert await again.now_ms() >= refused_at
     await again.close()

@@ -27,6 +27,7 @@ from fencegate.ledger.effects import Action, EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import StoreRegressed
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.tasks import ClaimRequest, CommitRequest, LeasePolicy, Task
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import RedisServer
 
 POLICY = LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000)
@@ -72,7 +73,7 @@ async def test_a_fenced_call_runs_few_redis_commands(
     make_redis_server: Callable[..., RedisServer],
 ) -> None:
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY)
+    store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     client = redis.Redis.from_url(server.url, decode_responses=True)
     try:
         await store.put_task("t1", "in", None)
@@ -112,7 +113,7 @@ async def test_the_settled_index_costs_one_command_where_a_task_settles_or_reope
     fenced call (``test_a_fenced_call_runs_few_redis_commands`` holds prepare and complete
     to their budget). A create reads the task's tombstone: one HGETALL."""
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY)
+    store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     client = redis.Redis.from_url(server.url, decode_responses=True)
     counted: dict[str, dict[str, int]] = {}
 
@@ -177,8 +178,12 @@ async def test_a_wrong_revision_from_the_gateway_is_not_trusted(
     pair sends an effectId computed from the old revision; the script must see the revision
     differs and compute the id itself."""
     server = make_redis_server()
-    proxy = RedisStore(server.url, POLICY)  # the gateway serving the agent's calls
-    other = RedisStore(server.url, POLICY)  # another gateway, serving the claims
+    proxy = RedisStore(
+        server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS
+    )  # the gateway serving the agent's calls
+    other = RedisStore(
+        server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS
+    )  # another gateway, serving the claims
     client = redis.Redis.from_url(server.url, decode_responses=True)
     try:
         await other.put_task("t1", "in-1", None)
@@ -192,7 +197,9 @@ async def test_a_wrong_revision_from_the_gateway_is_not_trusted(
         # script does with the old revision the gateway remembers, after that.
         with pytest.raises(StoreRegressed):
             await proxy.prepare_effect(_request(old, "s2"), 30_000)
-        operator = RedisStore(server.url, POLICY)  # `fencegate failover ack`: a fresh store
+        operator = RedisStore(
+            server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS
+        )  # `fencegate failover ack`: a fresh store
         try:
             epoch = (await operator.acknowledge_failover()).epoch
         finally:
@@ -219,7 +226,7 @@ async def test_the_benchmarks_split_redis_time_by_script(
     make_redis_server: Callable[..., RedisServer],
 ) -> None:
     server = make_redis_server()
-    store = RedisStore(server.url, POLICY)
+    store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     try:
         await store.put_task("t1", "in", None)
         task = await store.claim("t1", ClaimRequest("w", 60_000, 1))

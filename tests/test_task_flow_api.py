@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from fencegate.gateway.config import Config
 from fencegate.gateway.events import Batch, EventHub
 from fencegate.gateway.state import EVENTS
 from fencegate.ledger.events import Event
-from tests.api import Answer, Api, Lease
+from tests.api import HANG_S, Answer, Api, Lease, until
 from tests.conftest import build_test_store, make_config
 
 CLAIM_KEYS = {
@@ -175,13 +175,14 @@ async def test_a_waiting_queue_claim_gets_a_task_put_meanwhile(
         started = time.monotonic()
         empty = await claim_next(api, waitMs=300)
         assert empty.status == 204 and time.monotonic() - started >= 0.3
-        # The wait's deadline (10 min) is far past the 30 s this test waits: an answer at
-        # all means the put woke it, however slow the machine (no wall-clock race).
+        # The wait's deadline (10 min) is far past what this test waits: an answer at all
+        # means the put woke it, however slow the machine (no wall-clock race). The put
+        # comes once the claim waits (the hub counts it), so it is a put made meanwhile.
         waiting = asyncio.ensure_future(claim_next(api, waitMs=600_000))
-        await asyncio.sleep(0.2)
+        await until(lambda: hub(api).waiters == 1, "the queue claim waits")
         assert not waiting.done()
         await api.put("late", queue="q")
-        answer = await asyncio.wait_for(waiting, 30)
+        answer = await asyncio.wait_for(waiting, HANG_S)
         assert answer.status == 200 and answer.body["taskId"] == "late"
 
 
@@ -318,10 +319,10 @@ async def test_wait_for_answers_as_soon_as_the_task_commits(
         waiting = asyncio.ensure_future(
             api.call("GET", "/v1/tasks/t1?waitFor=COMMITTED&waitMs=600000")
         )
-        await asyncio.sleep(0.2)
+        await until(lambda: hub(api).waiters == 1, "the long-poll waits")
         assert not waiting.done()
         await api.commit(lease)
-        answer = await asyncio.wait_for(waiting, 30)
+        answer = await asyncio.wait_for(waiting, HANG_S)
         assert answer.status == 200 and answer.body["state"] == "COMMITTED"
 
 
@@ -419,17 +420,6 @@ async def flow_api(store_url: str, key_prefix: str, **sections: Any) -> AsyncIte
         yield Api(client)
 
 
-async def until(check: Callable[[], Awaitable[bool] | bool], what: str) -> None:
-    """Poll ``check`` until it holds; fail after a generous bound (a hang guard, not a
-    timing assertion)."""
-    for _ in range(600):
-        done = check()
-        if done if isinstance(done, bool) else await done:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"never: {what}")
-
-
 def hub(api: Api) -> EventHub:
     return api.client.app[EVENTS]  # type: ignore[no-any-return]
 
@@ -437,12 +427,14 @@ def hub(api: Api) -> EventHub:
 async def test_past_the_waiter_bounds_a_long_poll_is_503_not_an_early_answer(
     store_url: str, key_prefix: str
 ) -> None:
-    tasks = {"max_waiters": 3, "max_waiters_per_principal": 1}
+    # The hog may wait 10 min, far past the test: it still waits whatever the steps between
+    # took on a loaded machine.
+    tasks = {"max_waiters": 3, "max_waiters_per_principal": 1, "max_wait_ms": 600_000}
     async with flow_api(store_url, key_prefix, tasks=tasks) as api:
         await api.put("hog")
         await api.put("victim")
         hogging = asyncio.ensure_future(
-            api.call("GET", "/v1/tasks/hog?waitFor=COMMITTED&waitMs=5000")
+            api.call("GET", "/v1/tasks/hog?waitFor=COMMITTED&waitMs=600000")
         )
         await until(lambda: hub(api).waiters == 1, "the first long-poll waits")
         # Every anonymous caller is one principal: its one long-poll is taken.
@@ -477,12 +469,13 @@ async def test_each_principal_has_its_own_waiters_within_the_gateways(
             for name, token in names.items()
         ]
     }
-    tasks = {"max_waiters": 2, "max_waiters_per_principal": 1}
+    # Waits of 10 min: both still wait when the hub closes, however slow the steps between.
+    tasks = {"max_waiters": 2, "max_waiters_per_principal": 1, "max_wait_ms": 600_000}
     async with flow_api(store_url, key_prefix, tasks=tasks, auth=auth) as api:
 
         def wait(who: str) -> Any:
             return api.client.get(
-                "/v1/tasks/t1?waitFor=COMMITTED&waitMs=5000",
+                "/v1/tasks/t1?waitFor=COMMITTED&waitMs=600000",
                 headers={"Authorization": f"Bearer {names[who]}"},
             )
 
@@ -513,7 +506,7 @@ async def test_on_shutdown_every_long_poll_answers_at_once(store_url: str, key_p
         polls = [asyncio.ensure_future(wait_for), asyncio.ensure_future(queue)]
         await until(lambda: hub(api).waiters == 2, "both long-polls wait")
         await api.client.app.shutdown()  # what `fencegate serve` runs on SIGTERM first
-        waited_for, queued = await asyncio.wait_for(asyncio.gather(*polls), 30)
+        waited_for, queued = await asyncio.wait_for(asyncio.gather(*polls), HANG_S)
         assert waited_for.status == 200 and waited_for.body["state"] == "READY"
         assert queued.status == 204
         # One that comes in while the gateway drains does not wait either.

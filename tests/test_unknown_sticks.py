@@ -10,13 +10,14 @@ Item 4: a ``conditional`` downstream re-sends an UNKNOWN effect only when the re
 a precondition (``If-Match`` / ``If-None-Match``); without one a second delivery is a second
 write.
 
-Every story counts executions AT THE DOWNSTREAM (``tests/late_servers.py``), which forgets
-idempotency keys after a real window, and runs on both stores.
+Every story counts executions AT THE DOWNSTREAM (``tests/late_servers.py``), which loses the
+answer of the forward that executed (UNKNOWN however loaded the machine) and forgets
+idempotency keys after a window on its own clock; the gateway's window is on the store's clock.
+The test moves both clocks, never waits them out. Every store.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -39,17 +40,22 @@ from fencegate.ledger.effects import (
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import ClaimRequest
 from tests.api import Api, Lease
+from tests.clocks import ManualClock
 from tests.conftest import build_test_store, make_config
 from tests.late_servers import LateServers
 from tests.test_adapters import call, record
 
-TIMEOUT_MS = 300
-#: The downstream answers this long after it executed: after the gateway gave up.
-LATE_MS = TIMEOUT_MS + 100
-#: The downstream's deduplication window, and the gateway's ``dedupe_window_ms`` (equal).
-WINDOW_MS = 1_000
-#: At least 1000 (the forward start limit is half of it): a loaded machine must not trip it.
-MARGIN_MS = 1_000
+#: Only bounds a hang: the downstream loses its answers by closing the connection at once.
+TIMEOUT_MS = 10_000
+#: The downstream's deduplication window, and the gateway's ``dedupe_window_ms`` (equal):
+#: store time and the downstream's clock, both moved by the test.
+WINDOW_MS = 20_000
+MARGIN_MS = 10_000
+#: Wide (a loaded machine may start a forward late); the forward clock stands still anyway,
+#: until a test moves it past this limit.
+START_LIMIT_MS = 5_000
+#: The leases outlive every move of the store's clock.
+TTL_MS = 60_000
 CHARGE = {"amount": 100}
 
 
@@ -71,7 +77,7 @@ def late_config(store_url: str, key_prefix: str, late: LateServers) -> Config:
         store_url,
         key_prefix,
         downstreams=downstreams,
-        proxy={"prepared_margin_ms": MARGIN_MS},
+        proxy={"prepared_margin_ms": MARGIN_MS, "forward_start_limit_ms": START_LIMIT_MS},
         reconciler={"enabled": False},
     )
 
@@ -84,43 +90,49 @@ async def late() -> AsyncIterator[LateServers]:
 
 
 @pytest.fixture
-async def api(store_url: str, key_prefix: str, late: LateServers) -> AsyncIterator[Api]:
+def forward_clock() -> ManualClock:
+    """The gateway's forward window clock: it stands still unless a test stalls the gateway."""
+    return ManualClock()
+
+
+@pytest.fixture
+async def api(
+    store_url: str, key_prefix: str, late: LateServers, forward_clock: ManualClock
+) -> AsyncIterator[Api]:
     config = late_config(store_url, key_prefix, late)
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=forward_clock.now)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 
 
 async def take_over(api: Api, lease: Lease, owner: str = "B") -> Lease:
-    """Another worker takes the task over (A hands it back; no clock games: the windows and
-    settle times of these stories are real time at the downstream)."""
+    """Another worker takes the task over (A hands it back)."""
     assert (await api.release(lease)).status == 200
-    return await api.claim(lease.task_id, owner)
+    return await api.claim(lease.task_id, owner, ttl_ms=TTL_MS)
 
 
 async def lost_charge(api: Api, late: LateServers, target: str) -> tuple[Lease, str]:
-    """A's charge executes at the downstream, whose answer comes after the gateway's timeout."""
+    """A's charge executes at the downstream, whose answer is lost."""
     await api.put("t1")
-    a = await api.claim("t1", "A")
-    late.answer_delay_ms = LATE_MS
+    a = await api.claim("t1", "A", ttl_ms=TTL_MS)
+    late.lose_answers = True
     lost = await call(api, a, "POST", target, body=CHARGE)
+    late.lose_answers = False
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
     effect_id = lost.headers["Fence-Effect-Id"]
-    await late.until(lambda: bool(late.executed))  # the timeout may fire before it arrives
-    assert late.executed == [effect_id]
-    await late.settled()
-    late.answer_delay_ms = 0
+    assert late.executed == [effect_id]  # executed before the connection closed
     return a, effect_id
 
 
 async def past_both_windows(api: Api, late: LateServers, effect_id: str) -> None:
-    """Until the gateway's window (store time, from the effect's creation) and the
-    downstream's (from its first sight of the key) have both closed: from here on, a re-send
+    """Move the gateway's window (store time, from the effect's creation) and the
+    downstream's (from its first sight of the key) past their end: from here on, a re-send
     of the key would execute the charge again."""
     created_at = (await record(api, effect_id))["createdAt"]
-    async with asyncio.timeout(5):
-        while await api.store.now_ms() < created_at + WINDOW_MS or late.remembers(effect_id):
-            await asyncio.sleep(0.02)
+    api.advance(WINDOW_MS)
+    late.clock.advance(WINDOW_MS / 1000)
+    assert await api.store.now_ms() >= created_at + WINDOW_MS
+    assert not late.remembers(effect_id)
 
 
 async def after_the_window_nothing_goes_out(api: Api, late: LateServers, lease: Lease,
@@ -180,15 +192,19 @@ async def test_not_applied_status_override_after_unknown_leaves_the_effect_unkno
 
 
 async def test_aborted_resend_through_the_proxy_leaves_the_effect_unknown(
-    api: Api, late: LateServers, monkeypatch: pytest.MonkeyPatch
+    api: Api, late: LateServers, forward_clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The gateway stalls between the re-send's prepare and its first byte, past the forward
     start limit: it aborts the re-send (``effects.abort``), which forwarded nothing."""
     a, effect_id = await lost_charge(api, late, "charges/charges")
-    stall_ms = MARGIN_MS // 2 + 100  # past the start limit (half the margin)
-    monkeypatch.setitem(failpoints._ARMED, "after_prepare", stall_ms)
+
+    async def stall(point: str) -> None:
+        if point == "after_prepare":  # the stall, on the forward window's clock
+            forward_clock.advance((START_LIMIT_MS + 1) / 1000)
+
+    monkeypatch.setattr(failpoints, "hit", stall)
     aborted = await call(api, a, "POST", "charges/charges", body=CHARGE)
-    monkeypatch.delitem(failpoints._ARMED, "after_prepare")
+    monkeypatch.undo()
     assert aborted.status == 503 and aborted.code == "STORE_UNAVAILABLE", aborted.body
     assert aborted.headers["Fence-Effect-State"] == "UNKNOWN"
     rec = await record(api, effect_id)
@@ -250,13 +266,12 @@ async def test_operator_resolve_not_applied_resets_the_history(api: Api, late: L
     came; an operator checks, resolves NOT_APPLIED, and from then on a refused connect leaves
     the effect NOT_APPLIED, so it can go again."""
     await api.put("t1")
-    a = await api.claim("t1", "A")
-    late.answer_delay_ms, late.apply_after_ms = LATE_MS, None
+    a = await api.claim("t1", "A", ttl_ms=TTL_MS)
+    late.lose_answers, late.queue = True, "drop"
     lost = await call(api, a, "POST", "plain/orders", body={"item": "book"})
     assert lost.status == 504
     effect_id = lost.headers["Fence-Effect-Id"]
-    await late.settled()
-    late.answer_delay_ms, late.apply_after_ms = 0, 0
+    late.lose_answers, late.queue = False, "apply"
     assert (await call(api, a, "POST", "plain/orders", body={"item": "book"})).status == 409
     # The operator knows the queue dropped it, so it cannot land later: force (settle_ms has
     # not passed yet, tests/test_resolve_landing.py).
@@ -268,7 +283,6 @@ async def test_operator_resolve_not_applied_resets_the_history(api: Api, late: L
     assert resolved.status == 200 and resolved.body["state"] == "NOT_APPLIED"
 
     await late.stop_listening()
-    await asyncio.sleep(0.05)  # the gateway's pool sees its idle connections closed
     refused = await call(api, a, "POST", "plain/orders", body={"item": "book"})
     assert refused.status == 502 and refused.headers["Fence-Effect-State"] == "NOT_APPLIED"
     rec = await record(api, effect_id)
@@ -278,7 +292,7 @@ async def test_operator_resolve_not_applied_resets_the_history(api: Api, late: L
     await late.listen()
     sent = await call(api, a, "POST", "plain/orders", body={"item": "book"})
     assert sent.status == 202 and sent.headers["Fence-Effect-State"] == "COMMITTED"
-    await late.landed(1)
+    assert late.order_creates == 1
     again = await call(api, a, "POST", "plain/orders", body={"item": "book"})
     assert again.status == 202 and again.headers["Fence-Replayed"] == "true"
     assert late.order_creates == 1 and late.received["orders"] == 2
@@ -294,13 +308,11 @@ async def test_conditional_without_a_precondition_is_never_resent(
     late.docs["d"] = (b"v1", '"v1"')
     await api.put("t1")
     a = await api.claim("t1", "A")
-    late.answer_delay_ms = LATE_MS
+    late.lose_answers = True
     lost = await call(api, a, method, "docs/docs/d", data=b"v2")
+    late.lose_answers = False
     assert lost.status == 504 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
-    await late.written(1)
-    await late.settled()
     assert late.doc_writes == 1
-    late.answer_delay_ms = 0
     b = await take_over(api, a)
     retry = await call(api, b, method, "docs/docs/d", data=b"v2")
     assert retry.status == 409 and retry.code == "EFFECT_UNKNOWN", retry.body
@@ -320,13 +332,11 @@ async def test_conditional_with_a_precondition_is_resent_and_its_412_commits(
         headers = {"If-None-Match": "*"}
     await api.put("t1")
     a = await api.claim("t1", "A")
-    late.answer_delay_ms = LATE_MS
+    late.lose_answers = True
     lost = await call(api, a, "PATCH", "docs/docs/d", data=b"v2", headers=headers)
+    late.lose_answers = False
     assert lost.status == 504
-    await late.written(1)
-    await late.settled()
     assert late.doc_writes == 1
-    late.answer_delay_ms = 0
     b = await take_over(api, a)
     retry = await call(api, b, "PATCH", "docs/docs/d", data=b"v2", headers=headers)
     # Re-sent; the downstream refuses the second write, which shows the first one landed.

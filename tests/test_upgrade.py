@@ -23,10 +23,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.api import until
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, free_port
 
 OLD = Path(__file__).parent / "fixtures" / "upgrade" / "fencegate-815bed5.tar.xz"
+#: The TTL of a claim held across the upgrade (two gateway starts and two migrations): past
+#: the per-test timeout, so however slowly a loaded machine starts processes, it holds.
+HELD_TTL_MS = 600_000
 #: package folder -> repository folder (pyproject.toml's package-dir of that version).
 _LAYOUT = {"gateway": "gateway", "ledger": "ledger", "adapters": "adapters"}
 
@@ -56,7 +60,7 @@ def write_config(
         f'[server]\nlisten = "127.0.0.1:{port}"\n'
         f"[store]\nurl = {json.dumps(store_url)}\nredis_key_prefix = {json.dumps(key_prefix)}\n"
         "timeout_ms = 2000\n"
-        "[leases]\nmax_ttl_ms = 60000\n"
+        f"[leases]\nmax_ttl_ms = {HELD_TTL_MS}\n"
         "[reconciler]\nenabled = false\n"
         f'[[downstreams]]\nname = "api"\nurl = "{downstream.url}"\ntimeout_ms = 2000\n' + extra
     )
@@ -134,6 +138,12 @@ class Gateway:
         )
 
 
+async def gone_from(gateway: Gateway, task_id: str) -> bool:
+    """Has retention expired the task (410)?"""
+    status, _ = await gateway.call("GET", f"/v1/tasks/{task_id}")
+    return bool(status == 410)
+
+
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as client:
@@ -195,7 +205,7 @@ async def test_a_store_written_by_the_previous_version_is_migrated_and_served(
     assert (await old.commit(done))[0] == 200
     assert (await old.put("open"))[0] == 201
     assert (await old.put("held"))[0] == 201
-    held = await old.claim("held")
+    held = await old.claim("held", ttl_ms=HELD_TTL_MS)
     assert (await old.put("waiting", dependsOn=["open"]))[0] == 201
     old.process.stop()
 
@@ -216,10 +226,7 @@ async def test_a_store_written_by_the_previous_version_is_migrated_and_served(
     assert status in (409, 410)
     assert downstream.per_key and set(downstream.per_key.values()) == {1}
     # Retention sees what the old version settled: the committed task expires, nothing else.
-    for _ in range(100):
-        if (await new.call("GET", "/v1/tasks/done"))[0] == 410:
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: gone_from(new, "done"), "retention expires the old version's task")
     status, gone = await new.call("GET", "/v1/tasks/done")
     assert (status, gone["code"]) == (410, "TASK_EXPIRED")
     for task_id, state in (("open", "READY"), ("held", "CLAIMED"), ("waiting", "WAITING")):
@@ -278,6 +285,8 @@ async def test_old_and_new_gateways_on_one_redis_never_disagree(
     # and the stale lease is fenced by both.
     assert (await old.put("takeover"))[0] == 201
     stale = await old.claim("takeover", ttl_ms=200)
+    # The worker pauses past its 200 ms lease (the scenario, in store time: the lease started
+    # before this sleep did, and a sleep only ever runs long).
     await asyncio.sleep(0.4)
     fresh = await new.claim("takeover")
     assert fresh["claimGeneration"] == stale["claimGeneration"] + 1
@@ -286,7 +295,9 @@ async def test_old_and_new_gateways_on_one_redis_never_disagree(
         assert status == 409 and json.loads(body)["code"] == "FENCED"
     assert len(downstream.per_key) == 12 and set(downstream.per_key.values()) == {1}
     # Nothing expired while the old version served (its gateways do not check tombstones);
-    # once the last one stopped, the migration lets retention start.
+    # once the last one stopped, the migration lets retention start. The old version serves
+    # on past settled_ms (the scenario: however long this sleep really takes, roll-0 must
+    # still be there).
     await asyncio.sleep(1.5)
     for gateway in (old, new):
         status, record = await gateway.call("GET", "/v1/tasks/roll-0")
@@ -294,11 +305,7 @@ async def test_old_and_new_gateways_on_one_redis_never_disagree(
     old.process.stop()
     migrated = migrate(new_config)
     assert migrated.returncode == 0 and "migrated from format 1 to format 2" in migrated.stdout
-    for _ in range(100):
-        if (await new.call("GET", "/v1/tasks/roll-0"))[0] == 410:
-            break
-        await asyncio.sleep(0.1)
-    assert (await new.call("GET", "/v1/tasks/roll-0"))[0] == 410
+    await until(lambda: gone_from(new, "roll-0"), "retention starts after the migration")
 
 
 def test_a_newer_format_is_refused_by_serve_and_by_migrate(

@@ -29,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from fencegate.adapters import ProbeAdapter
+from fencegate.gateway import answers
 from fencegate.gateway.api_models import check_task_id, parse_body
 from fencegate.gateway.auth import auth_state
 from fencegate.gateway.console import CONSOLE, ROUTES
@@ -67,7 +68,6 @@ from fencegate.ledger.errors import (
     Unauthenticated,
 )
 from fencegate.ledger.store import Store
-from fencegate.ledger.tasks import task_to_json
 
 __all__ = ["refusal", "setup", "template_environment"]
 
@@ -639,7 +639,7 @@ async def tasks(request: web.Request, viewer: Viewer) -> web.StreamResponse:
         "tasks.html",
         viewer,
         query=task_id,
-        task=task_to_json(task),
+        task=answers.Task.of(task).wire(),
         effects=[shown_record(viewer.principal, e) for e in found],
         now=await store.now_ms(),
     )
