@@ -270,13 +270,17 @@ async def claims_paused(env: Env) -> object:
 
 async def store_unavailable(env: Env) -> object:
     if env.store_url.startswith("sqlite:///"):
-        locker = sqlite3.connect(env.store_url.removeprefix("sqlite:///"), isolation_level=None)
-        try:
-            locker.execute("BEGIN EXCLUSIVE")  # a backup tool, an operator's shell...
-            return await env.client.put_task("t1", "in-1")
-        finally:
-            locker.execute("ROLLBACK")
-            locker.close()
+        # A gateway that gives up on a locked file well inside the SDK's own timeout (the
+        # suite's store timeout only bounds a hang, and is as long as the SDK's).
+        impatient = make_config(env.store_url, "x", store={"timeout_ms": 500})
+        async with running_gateway(impatient) as (url, _, _), Client(url) as client:
+            locker = sqlite3.connect(env.store_url.removeprefix("sqlite:///"), isolation_level=None)
+            try:
+                locker.execute("BEGIN EXCLUSIVE")  # a backup tool, an operator's shell...
+                return await client.put_task("t1", "in-1")
+            finally:
+                locker.execute("ROLLBACK")
+                locker.close()
     # Redis: a gateway whose Redis is down.
     dead = make_config(f"redis://127.0.0.1:{refused_port()}/0", "x")
     async with running_gateway(dead) as (url, _, _), Client(url) as client:
