@@ -32,6 +32,7 @@ __all__ = [
     "ResolveBody",
     "approve_as",
     "check_effect_id",
+    "preview_resolve",
     "reconcile_as",
     "resolve_as",
     "routes",
@@ -165,34 +166,56 @@ async def resolve_effect(request: web.Request) -> web.Response:
     )
 
 
+def _response_json(body: ResolveBody) -> str | None:
+    """The operator's answer as the ledger stores it (None: none given)."""
+    if body.response is None:
+        return None
+    given = body.response
+    return responses.response_json(given.status, given.headers.items(), given.body.encode())
+
+
+def _decide(
+    app: web.Application,
+    record: Effect | None,
+    operator: str,
+    body: ResolveBody,
+    response_json: str | None,
+    now: int,
+) -> effects.Resolution:
+    return effects.resolution(
+        record,
+        EffectState(body.outcome),
+        body.note,
+        operator,
+        response_json,
+        now,
+        settle_ms=settle_ms_of(app, record),
+        force=body.force,
+    )
+
+
+async def preview_resolve(
+    app: web.Application, effect_id: str, operator: str, body: ResolveBody
+) -> effects.Resolution:
+    """What ``resolve_as`` would decide now, without writing it (its refusals included):
+    the console's confirmation page says from it what duplicates will be answered, by the
+    ledger's own rule rather than a copy of it."""
+    store = app[STORE]
+    record = await store.get_effect(effect_id)
+    return _decide(app, record, operator, body, _response_json(body), await store.now_ms())
+
+
 async def resolve_as(
     app: web.Application, effect_id: str, operator: str, body: ResolveBody
 ) -> tuple[Effect, effects.Resolution]:
     """Settle an effect as ``operator``: the one path of the JSON API and the console, so
     both validate, log and record the action trail alike."""
-    response_json = None
-    if body.response is not None:
-        given = body.response
-        response_json = responses.response_json(
-            given.status, given.headers.items(), given.body.encode()
-        )
-    outcome = EffectState(body.outcome)
+    response_json = _response_json(body)
     decided: list[effects.Resolution] = []
 
     def settle(record: Effect | None, now: int) -> Effect:
         # The store may run this more than once (compare-and-set); the last run is written.
-        decided.append(
-            effects.resolution(
-                record,
-                outcome,
-                body.note,
-                operator,
-                response_json,
-                now,
-                settle_ms=settle_ms_of(app, record),
-                force=body.force,
-            )
-        )
+        decided.append(_decide(app, record, operator, body, response_json, now))
         return decided[-1].effect
 
     try:

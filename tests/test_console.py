@@ -9,13 +9,14 @@ effect is made by a real timed-out forward; and a manual downstream that require
 from __future__ import annotations
 
 import html
+import io
 import json
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -60,8 +61,11 @@ def auth_section(names: tuple[str, ...] = tuple(TOKENS), **roles: list[str]) -> 
     }
 
 
-def console_config(db: Path, downstream: Downstream, auth: bool = True) -> Config:
+def console_config(
+    db: Path, downstream: Downstream, auth: bool = True, **more: dict[str, Any]
+) -> Config:
     sections: dict[str, Any] = {
+        **more,
         "reconciler": {"enabled": False},
         # The forward clock stands still (``create_app(..., forward_clock=still)``) and the
         # start limit (then a real-time bound on the pool wait and connect) is 10 s off: a
@@ -401,12 +405,19 @@ async def test_an_observer_sees_no_action_and_a_forged_post_is_refused(env: Env)
     page = await env.get(f"/console/effects/{effect_id}", olive)
     assert page.status == 200 and "read-only" in page.text
     assert 'id="actions"' not in page.text and '<button type="submit" id=' not in page.text
+    assert 'name="responseStatus"' not in page.text
     fleet = await env.get("/console/fleet", olive)
     assert 'id="actions"' not in fleet.text
     csrf = page.csrf  # the logout form's token: an observer's session has one too
     for path, form in [
         (f"/console/effects/{effect_id}/resolve",
          {"outcome": "NOT_APPLIED", "note": "forged", "confirm": "yes"}),
+        (f"/console/effects/{effect_id}/resolve",
+         {"outcome": "COMMITTED", "note": "forged", "responseStatus": "200",
+          "responseBody": "{}"}),
+        (f"/console/effects/{effect_id}/resolve",
+         {"outcome": "COMMITTED", "note": "forged", "responseStatus": "200",
+          "responseBody": "{}", "confirm": "yes"}),
         (f"/console/effects/{effect_id}/reconcile", {"confirm": "yes"}),
         ("/console/fleet/bump", {"typed": "1"}),
         ("/console/fleet/pause", {"confirm": "yes"}),
@@ -440,9 +451,14 @@ async def test_observers_do_not_see_stored_bodies_operators_do(env: Env) -> None
 async def _confirmed(env: Env, cookie: str, path: str, form: dict[str, str]) -> Page:
     """Send the form, then the confirmation page's own form, as a browser would."""
     first = await env.post(path, form, cookie)
-    assert first.status == 200 and 'name="confirm" value="yes"' in first.text, first.text
-    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', first.text))
-    return await env.post(path, {k: html.unescape(v) for k, v in fields.items()}, cookie)
+    return await env.post(path, _confirmation(first), cookie)
+
+
+def _confirmation(page: Page) -> dict[str, str]:
+    """The form a confirmation page sends."""
+    assert page.status == 200 and 'name="confirm" value="yes"' in page.text, page.text
+    fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', page.text))
+    return {k: html.unescape(v) for k, v in fields.items()}
 
 
 async def test_resolve_records_the_principal_and_logs_as_the_api_does(env: Env) -> None:
@@ -466,8 +482,8 @@ async def test_resolve_records_the_principal_and_logs_as_the_api_does(env: Env) 
     _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
     assert record["state"] == "NOT_APPLIED"
     assert record["actions"][-1]["by"] == "alice" and record["actions"][-1]["action"] == "resolve"
-    # Resolving again is the API's EFFECT_SETTLED, as a page.
-    again = await _confirmed(env, alice, path, {"outcome": "COMMITTED", "note": "n", "csrf": csrf})
+    # Resolving again is the API's EFFECT_SETTLED, as a page, before any confirmation.
+    again = await env.post(path, {"outcome": "COMMITTED", "note": "n", "csrf": csrf}, alice)
     assert again.status == 409 and "EFFECT_SETTLED" in again.text
 
 
@@ -478,8 +494,11 @@ async def test_not_applied_waits_for_the_settle_time_unless_forced(env: Env) -> 
     assert 'id="landing-until"' in page.text and 'name="force"' in page.text
     path = f"/console/effects/{effect_id}/resolve"
     form = {"outcome": "NOT_APPLIED", "note": "nothing in the queue", "csrf": page.csrf}
-    early = await _confirmed(env, alice, path, form)
+    # The ledger's rule is asked before the confirmation: refused at once, nothing recorded.
+    early = await env.post(path, form, alice)
     assert early.status == 409 and "EFFECT_IN_FLIGHT" in early.text and "landingUntil" in early.text
+    _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
+    assert record["state"] == "UNKNOWN" and record["actions"] == []
     # The checkbox: the confirmation says what it risks, the force goes through it, the trail
     # shows it.
     first = await env.post(path, {**form, "force": "true"}, alice)
@@ -490,6 +509,185 @@ async def test_not_applied_waits_for_the_settle_time_unless_forced(env: Env) -> 
     assert record["state"] == "NOT_APPLIED" and record["actions"][-1]["force"] is True
     trail = await env.get(f"/console/effects/{effect_id}", alice)
     assert "resolve (forced: could still land until" in trail.text
+
+
+# --- resolve COMMITTED with the downstream's answer -------------------------------------------
+
+
+def _retry_summary(page: Page) -> str:
+    found = re.search(r'<p id="retry-summary"><strong>(.*?)</strong></p>', page.text)
+    assert found, page.text[:3000]
+    return html.unescape(found.group(1))
+
+
+async def test_resolve_committed_with_the_downstreams_answer_and_retries_get_it(env: Env) -> None:
+    effect_id, fence = await env.unknown_effect("t-answer")
+    alice = await env.login(TOKENS["alice"][1])
+    page = await env.get(f"/console/effects/{effect_id}", alice)
+    assert 'name="responseStatus"' in page.text and "204 with an empty body" in page.text
+    path = f"/console/effects/{effect_id}/resolve"
+    answer = '{"charge": "ch_42",\n "ok": true}'
+    form = {
+        "outcome": "COMMITTED",
+        "note": "the bank shows charge ch_42",
+        "csrf": page.csrf,
+        "responseStatus": " 201 ",
+        # As a browser sends textareas: CRLF line breaks.
+        "responseHeaders": "Content-Type: application/json\r\n\r\nX-Charge:ch_42\r\n",
+        "responseBody": answer.replace("\n", "\r\n"),
+    }
+    first = await env.post(path, form, alice)
+    assert first.status == 200 and 'id="confirm"' in first.text
+    size = len(answer.encode())
+    assert _retry_summary(first) == (
+        f"the answer you pasted: status 201, 2 header(s), a {size}-byte body."
+    )
+    shown = re.search(r'<pre class="body" id="retry-body">(.*?)</pre>', first.text, re.S)
+    assert shown and html.unescape(shown.group(1)) == answer
+    assert "<code>X-Charge: ch_42</code>" in first.text
+    _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
+    assert record["state"] == "UNKNOWN" and record["actions"] == []  # nothing before confirm
+    with capture_logs() as logs:
+        done = await _confirmed(env, alice, path, form)
+    assert done.status == 200 and "Resolved COMMITTED" in done.text
+    assert "Retries of this call get the answer you gave (status 201)." in done.text
+    [resolved] = [e for e in logs if e["event"] == "operator.resolve"]
+    assert resolved["operator"] == "alice" and resolved["empty_replay"] is False
+    assert resolved["response_digest"]
+    # The agent's retry: the pasted answer, and nothing is sent again.
+    sent = len(env.downstream.calls("/slow/"))
+    status, headers, body = await env.api(
+        "POST", f"/proxy/api/slow/{TIMEOUT_MS + 100}/pay", "worker", {"amount": 5}, fence
+    )
+    assert status == 201 and headers["Fence-Replayed"] == "true"
+    assert headers["X-Charge"] == "ch_42" and headers["Content-Type"] == "application/json"
+    assert body == {"charge": "ch_42", "ok": True}
+    assert len(env.downstream.calls("/slow/")) == sent
+
+
+async def test_without_an_answer_the_confirmation_says_retries_get_an_empty_204(env: Env) -> None:
+    effect_id, fence = await env.unknown_effect("t-no-answer")
+    alice = await env.login(TOKENS["alice"][1])
+    csrf = (await env.get(f"/console/effects/{effect_id}", alice)).csrf
+    path = f"/console/effects/{effect_id}/resolve"
+    form = {"outcome": "COMMITTED", "note": "it happened", "csrf": csrf,
+            "responseStatus": "", "responseHeaders": " \r\n", "responseBody": ""}  # fmt: skip
+    first = await env.post(path, form, alice)
+    assert first.status == 200
+    assert _retry_summary(first).startswith("204 with an empty body (Fence-Replay-Body: none)")
+    assert "responseStatus" not in first.text  # nothing pasted, nothing carried
+    done = await _confirmed(env, alice, path, form)
+    assert done.status == 200 and "answered 204 with no body" in done.text
+    status, headers, body = await env.api(
+        "POST", f"/proxy/api/slow/{TIMEOUT_MS + 100}/pay", "worker", {"amount": 5}, fence
+    )
+    assert status == 204 and body is None and headers["Fence-Replay-Body"] == "none"
+
+
+async def test_a_bad_pasted_answer_is_refused_by_the_apis_rule_with_nothing_recorded(
+    env: Env,
+) -> None:
+    effect_id, _ = await env.unknown_effect("t-bad-answer")
+    alice = await env.login(TOKENS["alice"][1])
+    csrf = (await env.get(f"/console/effects/{effect_id}", alice)).csrf
+    path = f"/console/effects/{effect_id}/resolve"
+    base = {"outcome": "COMMITTED", "note": "checked", "csrf": csrf}
+    cases: list[tuple[dict[str, str], str]] = [
+        ({"responseStatus": "abc"}, "response.status: Input should be a valid integer"),
+        ({"responseStatus": "2OO"}, "response.status: Input should be a valid integer"),
+        ({"responseStatus": "99"}, "response.status: Input should be greater than or equal to 100"),
+        ({"responseStatus": "600"}, "response.status: Input should be less than or equal to 599"),
+        ({"responseStatus": "1234567"}, "response.status: Input should be a valid integer"),
+        ({"responseBody": "{}"}, "response.status: the answer's status is required"),
+        ({"responseHeaders": "X: 1"}, "response.status: the answer's status is required"),
+        ({"responseStatus": "200", "responseHeaders": "no colon"},
+         "response.headers, line 1: expected 'Name: value', got 'no colon'"),
+        ({"responseStatus": "200", "responseHeaders": "X-A: 1\n: 2"},
+         "response.headers, line 2: expected 'Name: value'"),
+        ({"responseStatus": "200", "responseHeaders": "X-A: 1\nx-a: 2"},
+         "response.headers, line 2: 'x-a' is given twice"),
+        ({"responseStatus": "200", "responseHeaders": "X-A: " + "v" * 8193},
+         "response.headers.X-A: String should have at most 8192 characters"),
+        ({"responseStatus": "200",
+          "responseHeaders": "\n".join(f"X-{i}: v" for i in range(101))},
+         "response.headers: Dictionary should have at most 100 items"),
+        # The ledger's rule: an answer goes with COMMITTED only.
+        ({"outcome": "NOT_APPLIED", "responseStatus": "200"},
+         "response: only with outcome COMMITTED"),
+    ]  # fmt: skip
+    for extra, words in cases:
+        for confirm in ({}, {"confirm": "yes"}):
+            page = await env.post(path, {**base, **extra, **confirm}, alice)
+            assert page.status == 400 and "BAD_REQUEST" in page.text, (extra, page.status)
+            assert words in html.unescape(page.text), (extra, page.text[-1500:])
+            assert "Traceback" not in page.text
+    _, _, record = await env.api("GET", f"/v1/effects/{effect_id}", "alice")
+    assert record["state"] == "UNKNOWN" and record["actions"] == []
+    # The confirmation is no promise: the ledger decides again when it is sent.
+    good = {**base, "responseStatus": "200", "responseBody": "ok"}
+    first = await env.post(path, good, alice)
+    assert first.status == 200 and _retry_summary(first).startswith("the answer you pasted")
+    status, _, _ = await env.api("POST", f"/v1/effects/{effect_id}/resolve", "alice",
+                                 {"outcome": "NOT_APPLIED", "note": "meanwhile"})  # fmt: skip
+    assert status == 200
+    late = await env.post(path, _confirmation(first), alice)
+    assert late.status == 409 and "EFFECT_SETTLED" in late.text
+
+
+async def _post_big(env: Env, path: str, form: dict[str, str], cookie: str) -> Page:
+    """``Env.post`` for a form of megabytes (aiohttp wants a stream for a body that big)."""
+    headers = {"Cookie": f"{COOKIE}={cookie}", "Origin": env.origin,
+               "Content-Type": "application/x-www-form-urlencoded"}  # fmt: skip
+    data = io.BytesIO(urlencode(form).encode())
+    async with env.client.post(path, data=data, headers=headers, allow_redirects=False) as resp:
+        return Page(resp.status, resp.headers, await resp.text())
+
+
+async def test_an_oversized_pasted_body_is_a_clear_refusal_never_a_500(
+    env: Env, tmp_path: Path, downstream: Downstream
+) -> None:
+    one_mib = 1024 * 1024
+    effect_id, _ = await env.unknown_effect("t-big-answer")
+    alice = await env.login(TOKENS["alice"][1])
+    csrf = (await env.get(f"/console/effects/{effect_id}", alice)).csrf
+    form = {"outcome": "COMMITTED", "note": "n", "csrf": csrf, "responseStatus": "200",
+            "responseBody": "a" * (one_mib + 1)}  # fmt: skip
+    # Over server.max_body_bytes (1 MiB by default): the request guard refuses the form
+    # before the console reads it.
+    guarded = await _post_big(env, f"/console/effects/{effect_id}/resolve", form, alice)
+    assert guarded.status == 413 and "PAYLOAD_TOO_LARGE" in guarded.text
+    assert "server.max_body_bytes" in guarded.text
+    # Under a larger server.max_body_bytes, the API's own bound on the body (1 MiB) holds.
+    config = console_config(tmp_path / "big.db", downstream,
+                            server={"max_body_bytes": 4 * one_mib})  # fmt: skip
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        big = Env(client, downstream)
+        effect_id, _ = await big.unknown_effect("t-big-answer")
+        alice = await big.login(TOKENS["alice"][1])
+        csrf = (await big.get(f"/console/effects/{effect_id}", alice)).csrf
+        path = f"/console/effects/{effect_id}/resolve"
+        for confirm in ({}, {"confirm": "yes"}):
+            page = await _post_big(big, path, {**form, "csrf": csrf, **confirm}, alice)
+            assert page.status == 400 and "text/html" in page.headers["Content-Type"]
+            assert "response.body: String should have at most 1048576 characters" in page.text
+        _, _, record = await big.api("GET", f"/v1/effects/{effect_id}", "alice")
+        assert record["state"] == "UNKNOWN"
+
+
+# --- Needs attention refreshes itself -------------------------------------------------------
+
+
+async def test_needs_attention_is_one_element_the_script_can_swap_with_its_time(env: Env) -> None:
+    effect_id, _ = await env.unknown_effect()
+    olive = await env.login(TOKENS["olive"][1])
+    page = await env.get("/console", olive)
+    found = re.search(r'<div id="attention" data-refresh-ms="(\d+)">', page.text)
+    assert found and 0 < int(found.group(1)) <= 10_000
+    # Everything that changes lives inside it: the counts, the time, the rows.
+    inside = page.text[found.start() : page.text.index("</main>")]
+    assert 'id="unknown-count">1 UNKNOWN' in inside and effect_id in inside
+    assert re.search(r'id="as-of"[^>]*>as of \d\d:\d\d:\d\d UTC<', inside)
 
 
 async def test_approve_shows_the_digest_and_expiry_and_records_the_approver(env: Env) -> None:

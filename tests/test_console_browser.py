@@ -11,6 +11,7 @@ module fails when ``CI=true`` (CI installs it: ``.ci/run``) and is skipped elsew
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,7 +27,7 @@ if not (Path(CHROMIUM).exists() or shutil.which("chromium")):
         raise RuntimeError(f"no Chromium at {CHROMIUM}: CI must install it (.ci/run)")
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
 
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page, async_playwright, expect
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -114,6 +115,89 @@ async def test_an_operator_resolves_an_unknown_effect_and_the_retry_goes_through
     status, headers, _ = await stage.pay(fence, "/pay/b1")
     assert status == 200 and headers["Fence-Effect-State"] == "COMMITTED"
     assert stage.downstream.calls["/pay/b1"] == 2
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_an_operator_pastes_the_downstreams_answer_and_retries_get_it(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, fence = await stage.unknown_payment("browser/pay-4", "/pay/b4")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "alice", f"/console/effects/{effect_id}")
+    await page.wait_for_selector("#resolve-form")
+    assert "204 with an empty body" in await page.inner_text("#answer")
+    answer = '{"charge": "ch_b4",\n "status": "succeeded"}'
+    await page.check("input[name=outcome][value=COMMITTED]")
+    await page.fill("#response-status", "201")
+    await page.fill("#response-headers", "Content-Type: application/json")
+    await page.fill("#response-body", answer)
+    await page.fill("#note", "the bank shows charge ch_b4 for invoice b4")
+    await visit.shot("effect-answer")
+    await page.click("#resolve")
+    await page.wait_for_selector("#confirm")
+    # Before confirming: what the agent's retries will receive.
+    summary = await page.inner_text("#retry-summary")
+    assert summary.startswith("the answer you pasted: status 201, 1 header(s)"), summary
+    assert await page.inner_text("#retry-body") == answer
+    await visit.shot("confirm-answer")
+    await page.click("#confirm")
+    await page.wait_for_selector(".result")
+    assert "Retries of this call get the answer you gave (status 201)" in await page.inner_text(
+        ".result"
+    )
+    await visit.shot("result-answer")
+    status, headers, body = await stage.pay(fence, "/pay/b4")
+    assert status == 201 and headers["Fence-Replayed"] == "true"
+    assert headers["Content-Type"] == "application/json"
+    assert body == {"charge": "ch_b4", "status": "succeeded"}
+    assert stage.downstream.calls["/pay/b4"] == 1
+    # No answer given: the confirmation says so before anything is recorded.
+    effect_id, fence = await stage.unknown_payment("browser/pay-5", "/pay/b5")
+    await page.goto(f"{stage.base}/console/effects/{effect_id}")
+    await page.check("input[name=outcome][value=COMMITTED]")
+    await page.fill("#note", "it happened; the bank's answer is lost")
+    await page.click("#resolve")
+    await page.wait_for_selector("#confirm")
+    assert (await page.inner_text("#retry-summary")).startswith("204 with an empty body")
+    await visit.shot("confirm-empty")
+    await page.click("#confirm")
+    await page.wait_for_selector(".result")
+    status, headers, _ = await stage.pay(fence, "/pay/b5")
+    assert status == 204 and headers["Fence-Replay-Body"] == "none"
+    assert stage.downstream.calls["/pay/b5"] == 1
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_needs_attention_follows_a_resolve_made_elsewhere_without_a_reload(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    effect_id, _ = await stage.unknown_payment("browser/pay-6", "/pay/b6")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    # The page's timers run on a clock the test moves: no waiting out the refresh interval.
+    await page.clock.install()
+    await visit.login(stage, "olive")  # an observer: reading the list needs no more
+    row = page.locator(f"#attention a[href='/console/effects/{effect_id}']")
+    await expect(row).to_have_count(1)
+    every = int(await page.get_attribute("#attention", "data-refresh-ms") or "0")
+    assert 0 < every <= 10_000
+    count = int((await page.inner_text("#unknown-count")).split()[0])
+    assert re.fullmatch(r"as of \d\d:\d\d:\d\d UTC", await page.inner_text("#as-of"))
+    await page.evaluate("window.notReloaded = true")
+    await page.clock.pause_at(await page.evaluate("Date.now()") / 1000 + 1)
+    await visit.shot("queue-before")
+    # Resolved elsewhere (the CLI's call), then one refresh interval on the page's clock.
+    resolved = {"outcome": "NOT_APPLIED", "note": "done in the CLI"}
+    status, _, _ = await stage.call("POST", f"/v1/effects/{effect_id}/resolve", "alice", resolved)
+    assert status == 200
+    await page.clock.run_for(every)
+    # Generous bounds, for a hang only: the refresh was already asked for.
+    await expect(row).to_have_count(0, timeout=30_000)
+    await expect(page.locator("#unknown-count")).to_have_text(f"{count - 1} UNKNOWN")
+    await expect(page).to_have_title(re.compile(rf"^\({count - 1} unknown, "))
+    assert await page.evaluate("window.notReloaded === true")
+    await visit.shot("queue-after")
     assert not visit.csp_violations, visit.csp_violations
 
 

@@ -46,6 +46,7 @@ from fencegate.gateway.ledger_api import (
     ResolveBody,
     approve_as,
     check_effect_id,
+    preview_resolve,
     reconcile_as,
     resolve_as,
     settle_ms_of,
@@ -60,7 +61,13 @@ from fencegate.gateway.principals import (
 )
 from fencegate.gateway.request_guard import origin_allowed
 from fencegate.gateway.state import ADAPTERS, CONFIG, METRICS, STORE
-from fencegate.ledger.effects import Effect, EffectState, is_awaiting_approval, landing_until
+from fencegate.ledger.effects import (
+    Effect,
+    EffectState,
+    Resolution,
+    is_awaiting_approval,
+    landing_until,
+)
 from fencegate.ledger.errors import (
     BadRequest,
     FencegateError,
@@ -79,6 +86,12 @@ _READERS: Final = frozenset({"operator", "observer"})
 _SCAN_PAGES, _PAGE, _SHOWN = 4, 500, 200
 _MAX_FORM_FIELDS = 20
 _MAX_TOKEN = 4096
+#: How often an open Needs attention page re-reads itself (``console.js``): a change made
+#: elsewhere (the CLI, the API, another operator) shows within this and one page load.
+REFRESH_MS: Final = 5_000
+#: Most characters of a pasted answer's body the confirmation page shows (all of it is sent).
+_SHOWN_BODY = 64 * 1024
+_STATUS_DIGITS = re.compile(r"[0-9]{1,6}")
 _NEXT = re.compile(r"/console(?:/[A-Za-z0-9._~/%:@-]*)?(?:\?[A-Za-z0-9._~/%:@&=+-]*)?")
 _STATIC: Final = {
     "console.css": "text/css",
@@ -114,6 +127,12 @@ def _ts(ms: object) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _clock(ms: object) -> str:
+    if not isinstance(ms, int):
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%H:%M:%S UTC")
+
+
 def _duration(ms: object) -> str:
     if not isinstance(ms, int):
         return "-"
@@ -137,6 +156,7 @@ def template_environment() -> jinja2.Environment:
     )
     env.filters["ts"] = _ts
     env.filters["duration"] = _duration
+    env.filters["clock"] = _clock
     return env
 
 
@@ -474,6 +494,7 @@ async def queue(request: web.Request, viewer: Viewer) -> web.StreamResponse:
         awaiting_count=gauges.awaiting_approval,
         more=more_unknown or more_awaiting,
         now=now,
+        refresh_ms=REFRESH_MS,
     )
 
 
@@ -522,10 +543,16 @@ async def effect_page(request: web.Request, viewer: Viewer) -> web.StreamRespons
 
 
 def _confirm(
-    request: web.Request, viewer: Viewer, title: str, what: str, fields: dict[str, str], back: str
+    request: web.Request,
+    viewer: Viewer,
+    title: str,
+    what: str,
+    fields: dict[str, str],
+    back: str,
+    retry: RetryGets | None = None,
 ) -> web.Response:
     return _render(request, "confirm.html", viewer, title=title, what=what, fields=fields,
-                   action=request.path, back=back)  # fmt: skip
+                   action=request.path, back=back, retry=retry)  # fmt: skip
 
 
 def _done(
@@ -534,21 +561,104 @@ def _done(
     return _render(request, "result.html", viewer, title=title, lines=lines, back=back)
 
 
+def _pasted_answer(form: dict[str, str]) -> dict[str, Any] | None:
+    """The downstream's answer pasted in the resolve form, as the JSON API's ``response``
+    member; None when status, headers and body are all empty. Only the form's own syntax is
+    read here (the status's digits, one ``Name: value`` header per line): what an answer may
+    be (status range, sizes, how many headers) is ``ResolveBody``'s to say, through
+    ``parse_body``, as for ``fencegate effects resolve --response-*``."""
+    status = form.get("responseStatus", "").strip()
+    lines = form.get("responseHeaders", "")
+    # A browser sends a textarea's line breaks as CRLF whatever was pasted: keep them LF.
+    body = form.get("responseBody", "").replace("\r\n", "\n")
+    if not status:
+        if lines.strip() or body:
+            raise BadRequest(
+                "response.status: the answer's status is required with its headers or body "
+                "(leave all three empty to give no answer)"
+            )
+        return None
+    headers: dict[str, str] = {}
+    for at, line in enumerate(lines.splitlines(), start=1):
+        if not line.strip():
+            continue
+        name, sep, value = line.partition(":")
+        name = name.strip()
+        if not sep or not name:
+            raise BadRequest(f"response.headers, line {at}: expected 'Name: value', "
+                             f"got {line[:100]!r}")  # fmt: skip
+        if name.lower() in (known.lower() for known in headers):
+            raise BadRequest(f"response.headers, line {at}: {name[:100]!r} is given twice")
+        headers[name] = value.strip()
+    # A few digits become the number the model checks; anything else (a letter, a digit
+    # string long enough to be slow to convert) goes as text, which the model refuses with
+    # its own words.
+    number: int | str = int(status) if _STATUS_DIGITS.fullmatch(status) else status
+    return {"status": number, "headers": headers, "body": body}
+
+
+@dataclass(frozen=True, slots=True)
+class RetryGets:
+    """What the agent's retries of a call resolved COMMITTED will be answered."""
+
+    summary: str
+    #: The ledger's own words about it (``Resolution.warnings``).
+    lines: tuple[str, ...]
+    headers: tuple[tuple[str, str], ...] = ()
+    #: The pasted body as shown (at most ``_SHOWN_BODY`` characters); None: no pasted body.
+    body: str | None = None
+
+
+def _retry_gets(body: ResolveBody, decided: Resolution) -> RetryGets | None:
+    """From the ledger's decision (``preview_resolve``), never from a rule of its own:
+    the pasted answer, the answer the forward recorded, or an empty 204."""
+    if decided.effect.state is not EffectState.COMMITTED:
+        return None
+    given = body.response
+    if given is not None:
+        size = len(given.body.encode())
+        summary = (f"the answer you pasted: status {given.status}, {len(given.headers)} "
+                   f"header(s), a {size}-byte body")  # fmt: skip
+        if len(given.body) > _SHOWN_BODY:
+            summary += f" (its first {_SHOWN_BODY} characters are shown below)"
+        return RetryGets(summary + ".", decided.warnings, tuple(given.headers.items()),
+                         given.body[:_SHOWN_BODY])  # fmt: skip
+    if decided.empty_replay:
+        return RetryGets("204 with an empty body (Fence-Replay-Body: none), not the "
+                         "downstream's answer.", decided.warnings)  # fmt: skip
+    recorded = json.loads(decided.effect.response_json or "{}")
+    return RetryGets(f"the answer the forward recorded (status {recorded.get('status')}).",
+                     decided.warnings)  # fmt: skip
+
+
 @_action
 async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) -> web.StreamResponse:
     effect_id = check_effect_id(request.match_info["effect_id"])
     fields = {"outcome": form.get("outcome", ""), "note": form.get("note", "")}
     if form.get("force") == "true":
         fields["force"] = "true"  # the checkbox; carried through the confirm page
-    # The JSON API's model and limits: a note is required, 1 to 2000 characters.
-    body = parse_body(json.dumps({**fields, "force": "force" in fields}).encode(), ResolveBody)
+    wire: dict[str, Any] = {**fields, "force": "force" in fields}
+    answer = _pasted_answer(form)
+    if answer is not None:
+        wire["response"] = answer
+        # Carried through the confirm page as read (headers one per line, body with LF).
+        fields["responseStatus"] = str(answer["status"])
+        fields["responseHeaders"] = "\n".join(f"{k}: {v}" for k, v in answer["headers"].items())
+        fields["responseBody"] = answer["body"]
+    # The JSON API's model and limits: a note is required, 1 to 2000 characters; an answer's
+    # status 100 to 599, its body at most 1 MiB, at most 100 headers.
+    body = parse_body(json.dumps(wire).encode(), ResolveBody)
     back = f"{PREFIX}/effects/{effect_id}"
     if form.get("confirm") != "yes":
-        effect = await request.app[STORE].get_effect(effect_id)
+        # The ledger's rule on the record as it is now: its refusals (an answer with
+        # NOT_APPLIED, a forward that may still land, an effect settled meanwhile) come
+        # before the confirmation, and what duplicates will get is said from its decision.
+        decided = await preview_resolve(request.app, effect_id, viewer.name, body)
+        effect = decided.effect
         meaning = (
             "the call did not happen: the agent's retry will be forwarded again"
             if body.outcome == "NOT_APPLIED"
-            else "the call happened: duplicates get an empty answer, never a second send"
+            else "the call happened: it is never sent again"
         )
         if body.force and body.outcome == "NOT_APPLIED":
             meaning += (" (forced: even if an earlier forward may still land at the "
@@ -556,7 +666,10 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
         what = (f"Resolve effect {effect_id[:12]}... (task {effect.task_id}, "
                 f"{effect.downstream} {effect.method} {effect.path}) as {body.outcome}: "
                 f"{meaning}.")  # fmt: skip
-        return _confirm(request, viewer, "Resolve this effect?", what, fields, back)
+        if decided.unchanged:
+            what += " It is already resolved this way: nothing new would be recorded."
+        retry = _retry_gets(body, decided)
+        return _confirm(request, viewer, "Resolve this effect?", what, fields, back, retry)
     effect, done = await resolve_as(request.app, effect_id, viewer.name, body)
     lines = [f"Effect is now {effect.state.value}.", f"Recorded by {viewer.name}: {body.note}"]
     if done.unchanged:
@@ -564,6 +677,9 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
     elif done.forced_until is not None:
         lines.append(f"Forced: an earlier forward could still land at the downstream until "
                      f"{_ts(done.forced_until)}.")  # fmt: skip
+    if body.response is not None:
+        lines.append(f"Retries of this call get the answer you gave (status "
+                     f"{body.response.status}).")  # fmt: skip
     lines.extend(done.warnings)
     return _done(request, viewer, f"Resolved {body.outcome}", lines, back)
 

@@ -120,9 +120,50 @@
     setInterval(poll, 5000);
   }
 
+  // Needs attention: re-read this very page every few seconds and swap in its list, counts
+  // and "as of" (one rendering, the server's; the same route, so the same session and role
+  // checks). A late answer never overwrites a newer one; a failed read (the session ended,
+  // the gateway is away) leaves the list as it was and says it is stale.
+  function attention() {
+    var box = document.getElementById("attention");
+    if (!box) return;
+    var every = Number(box.dataset.refreshMs) || 5000;
+    var issued = 0, shown = 0;
+    function stale(n) {
+      if (n < shown) return;
+      var asOf = document.getElementById("as-of");
+      if (!asOf || asOf.classList.contains("stale")) return;
+      asOf.classList.add("stale");
+      asOf.textContent += " (not refreshed since: reload the page)";
+    }
+    function poll() {
+      if (document.hidden) return;
+      var n = ++issued;
+      fetch(location.pathname + location.search, {
+        credentials: "same-origin", cache: "no-store", redirect: "manual",
+        headers: { Accept: "text/html" },
+      })
+        .then(function (r) { return r.ok ? r.text() : null; })
+        .then(function (text) {
+          var fresh = text ? new DOMParser().parseFromString(text, "text/html") : null;
+          var next = fresh ? fresh.getElementById("attention") : null;
+          var current = document.getElementById("attention");
+          if (!next || !current) { stale(n); return; }
+          if (n < shown) return;
+          shown = n;
+          current.replaceWith(document.adoptNode(next));
+          document.title = fresh.title;
+        })
+        .catch(function () { stale(n); });
+    }
+    setInterval(poll, every);
+    document.addEventListener("visibilitychange", function () { if (!document.hidden) poll(); });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
     countdowns();
     typedConfirmation();
     charts();
+    attention();
   });
 })();
