@@ -58,15 +58,18 @@ class Stream:
         self.last_id: str | None = None
         self.comments = 0
 
+    async def _line(self) -> str:
+        raw = await self.response.content.readline()
+        if not raw:
+            raise EOFError("the stream ended")
+        return raw.decode().rstrip("\r\n")
+
     async def frame(self, seconds: float = HANG_S) -> Frame:
         """The next frame with data (id-only frames only move ``last_id``)."""
         async with asyncio.timeout(seconds):
             fields: dict[str, str] = {}
             while True:
-                raw = await self.response.content.readline()
-                if not raw:
-                    raise EOFError("the stream ended")
-                line = raw.decode().rstrip("\r\n")
+                line = await self._line()
                 if line.startswith(":"):
                     self.comments += 1
                     continue
@@ -86,10 +89,7 @@ class Stream:
         it."""
         async with asyncio.timeout(seconds):
             while True:
-                raw = await self.response.content.readline()
-                if not raw:
-                    raise EOFError("the stream ended")
-                line = raw.decode().rstrip("\r\n")
+                line = await self._line()
                 if line.startswith(":"):
                     self.comments += 1
                     return
