@@ -50,8 +50,10 @@ MAX_PAGE = 500
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
 
 
-HeaderName = Annotated[str, Field(min_length=1, max_length=200)]
-HeaderValue = Annotated[str, Field(max_length=8192)]
+#: What a replay can send: an HTTP token, and a value with no line break or NUL (aiohttp
+#: refuses to write either, so a stored one would turn every retry into a 500).
+HeaderName = Annotated[str, Field(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,200}$")]
+HeaderValue = Annotated[str, Field(max_length=8192, pattern=r"^[^\r\n\x00]*$")]
 
 
 class ResolveResponse(ApiBody):

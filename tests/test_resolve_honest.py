@@ -157,3 +157,27 @@ async def test_keeping_the_forwards_answer_says_so(api: Api) -> None:
     assert "status 500" in warning
     refused = await resolve(api, effect_id, "COMMITTED", response={"status": 200})
     assert "keeping the forward's recorded answer (status 500)" in refused.body["detail"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-A": "1\r\nSet-Cookie: s=1"}, {"Bad Name": "1"}, {"X-A\r\nX-B": "1"}, {"X-A": "a\x00b"}],
+    ids=["crlf-in-value", "space-in-name", "crlf-in-name", "nul-in-value"],
+)
+async def test_an_answer_no_replay_could_send_is_refused_before_it_is_stored(
+    api: Api, downstream: Downstream, headers: dict[str, str]
+) -> None:
+    """aiohttp will not write a header with a line break (nor a name that is no HTTP token):
+    stored, such an answer would turn every retry of the call into a 500."""
+    lease, effect_id = await unknown_effect(api, "t-hostile")
+    given = {"status": 200, "headers": headers, "body": "ok"}
+    refused = await resolve(api, effect_id, "COMMITTED", response=given)
+    assert refused.status == 400 and refused.code == "BAD_REQUEST", refused.body
+    assert "response.headers" in refused.body["detail"], refused.body
+    record = (await api.call("GET", f"/v1/effects/{effect_id}")).body
+    assert record["state"] == "UNKNOWN" and resolves(record) == 0
+    # A good answer still settles it, and the retry gets it.
+    settled = await resolve(api, effect_id, "COMMITTED", response={**given, "headers": {}})
+    assert settled.status == 200
+    replay = await send(api, lease, LOST, body={"amount": 1})
+    assert (replay.status, replay.body) == (200, b"ok")
