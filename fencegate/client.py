@@ -461,10 +461,18 @@ class Client:
         owner: str | None = None,
         cursor: str | None = None,
         limit: int = 100,
+        lease_expired: bool | None = None,
     ) -> dict[str, Any]:
         """One page of ``GET /v1/tasks``, in taskId order: ``{"tasks": [...], "nextCursor"}``.
-        Pass ``nextCursor`` back as ``cursor`` for the next page (None: that was the last)."""
-        query = {"state": state, "owner": owner, "cursor": cursor, "limit": str(limit)}
+        Pass ``nextCursor`` back as ``cursor`` for the next page (None: that was the last).
+        ``lease_expired``: only CLAIMED tasks whose lease ran out (False: all the others)."""
+        query = {
+            "state": state,
+            "owner": owner,
+            "leaseExpired": None if lease_expired is None else str(lease_expired).lower(),
+            "cursor": cursor,
+            "limit": str(limit),
+        }
         params = {name: value for name, value in query.items() if value is not None}
         _, answer = await self.call("GET", "/v1/tasks?" + urlencode(params))
         return dict(answer)

@@ -62,6 +62,7 @@ __all__ = [
     "EffectEvent",
     "EffectPage",
     "Event",
+    "KeptRequest",
     "Probes",
     "ReconcileAction",
     "Released",
@@ -69,6 +70,7 @@ __all__ = [
     "ResolveAction",
     "Resolved",
     "Rollout",
+    "RolloutBlocker",
     "Scheduler",
     "StoreEffectCounts",
     "StoreRetention",
@@ -350,6 +352,39 @@ _RESPONSE: TypeAdapter[StoredResponse] = TypeAdapter(StoredResponse)
 _WITHHELD = ("bodyBase64", "bodyDigest")
 
 
+# The request an effect's last forward sent (``ledger.requests`` writes it, in this member
+# order; unknown members are kept): for downstreams with ``keep_request_bodies``.
+class KeptRequest(Answer):
+    model_config = _STORED
+
+    headers: Annotated[
+        list[tuple[str, str]],
+        Field(
+            description="as forwarded, without Fence-*, Authorization, Proxy-Authorization, "
+            "Cookie and the downstream's headers_from_env and never_store_headers names; its "
+            'redact_headers show as "<redacted>"; the idempotency key header is shown with '
+            "the effectId"
+        ),
+    ]
+    body: Annotated[
+        str, Field(description="the kept body, when it is UTF-8 text (after redaction)")
+    ] = ""
+    bodyBase64: Annotated[str, Field(json_schema_extra={"contentEncoding": "base64"})] = ""
+    bodySize: Annotated[int, Field(ge=0, description="the whole body's size in bytes")] = 0
+    truncated: Annotated[
+        bool, Field(description="true: the body is cut to keep_request_max_bytes")
+    ] = False
+    #: Why no body was kept (redact_json_fields could not be applied: not JSON).
+    bodyOmittedReason: str = ""
+    #: The reader may not see kept bodies: ``body`` and ``bodyBase64`` are left out.
+    bodyWithheld: Literal[True] = True
+
+
+_REQUEST: TypeAdapter[KeptRequest] = TypeAdapter(KeptRequest)
+#: What a reader without the operator role does not see of a kept request.
+_REQUEST_WITHHELD = ("body", "bodyBase64")
+
+
 class EffectAttempt(Answer):
     attemptId: str
     claimGeneration: Counter
@@ -448,6 +483,17 @@ class Effect(Answer):
     deadlineAt: Time | None = None
     attempts: list[EffectAttempt]
     response: SerializeAsAny[StoredResponse] | None
+    request: Annotated[
+        SerializeAsAny[KeptRequest] | None,
+        Field(description="the last forward's request (keep_request_bodies); absent: not kept"),
+    ] = None
+    lookUp: Annotated[
+        str,
+        Field(
+            description="UNKNOWN only: what to look up at the downstream to settle it (the "
+            "idempotency key it received and the call)"
+        ),
+    ] = ""
     approval: Approval | None = None
     probes: Probes = Probes(count=0, nextAt=None)
     actions: list[SerializeAsAny[EffectAction]] = Field(default_factory=list)
@@ -455,10 +501,20 @@ class Effect(Answer):
     updatedAt: Time
 
     @classmethod
-    def of(cls, effect: ledger_effects.Effect, *, withhold_body: bool = False, **more: Any) -> Self:
+    def of(
+        cls,
+        effect: ledger_effects.Effect,
+        *,
+        withhold_body: bool = False,
+        key_header: str | None = None,
+        look_up: str | None = None,
+        **more: Any,
+    ) -> Self:
         """The record of ``effect``; ``withhold_body``: without the stored answer's body and
-        its digest (``bodyWithheld: true``), for a reader who may not see stored bodies.
-        ``more``: the members of a subclass."""
+        its digest, nor the kept request's body (``bodyWithheld: true``), for a reader who
+        may not see stored bodies. ``key_header``: the downstream's idempotency key header,
+        shown in the kept request's headers with the effectId; ``look_up``: the ``lookUp``
+        text (``forward.look_up``). ``more``: the members of a subclass."""
         wanted = ledger_effects.wanted_approval(effect)
         approval = None
         if effect.approval_digest is not None:
@@ -479,6 +535,10 @@ class Effect(Answer):
                     record.pop(name, None)
                 record["bodyWithheld"] = True
             response = _stored(_RESPONSE, record)
+        if effect.request_json:
+            more["request"] = _kept_request(effect, withhold_body, key_header)
+        if look_up:
+            more["lookUp"] = look_up
         actions = json.loads(effect.actions_json) if effect.actions_json else []
         return cls.model_construct(
             effectId=effect.effect_id,
@@ -516,6 +576,21 @@ class Effect(Answer):
         )
 
 
+def _kept_request(
+    effect: ledger_effects.Effect, withhold_body: bool, key_header: str | None
+) -> BaseModel:
+    assert effect.request_json is not None
+    record = json.loads(effect.request_json)
+    if key_header is not None and isinstance(record.get("headers"), list):
+        # The prepare kept the request before the effectId was decided: it went out with it.
+        record["headers"] = [*record["headers"], [key_header, effect.effect_id]]
+    if withhold_body:
+        for name in _REQUEST_WITHHELD:
+            record.pop(name, None)
+        record["bodyWithheld"] = True
+    return _stored(_REQUEST, record)
+
+
 class Resolved(Effect):
     unchanged: Annotated[
         bool,
@@ -541,6 +616,27 @@ class EffectPage(Answer):
 # --- operations -------------------------------------------------------------------------
 
 
+_Gauge = Literal["activeLeases", "preparedEffects", "unknownEffects", "awaitingApproval"]
+#: The ``Rollout`` member each gauge of the checklist (``ledger.queries.Gauges``) is sent as.
+_ROLLOUT_MEMBERS: dict[str, _Gauge] = {
+    "active_leases": "activeLeases",
+    "prepared_effects": "preparedEffects",
+    "unknown_effects": "unknownEffects",
+    "awaiting_approval": "awaitingApproval",
+}
+
+
+# One condition of the rollout checklist that fails: a count that is not zero yet.
+class RolloutBlocker(Answer):
+    member: Annotated[
+        _Gauge, Field(description="the rollout answer's member whose count is not zero")
+    ]
+    count: Annotated[int, Field(ge=1, le=MAX_SAFE_INT)]
+    reason: Annotated[
+        str, Field(description="the condition in words, with its count: '2 leases held'")
+    ]
+
+
 # Is it safe to switch worker pools (the rollback procedure of the rollout notes)?
 class Rollout(Answer):
     schedulerEpoch: Counter
@@ -550,9 +646,15 @@ class Rollout(Answer):
     unknownEffects: Counter
     awaitingApproval: Counter
     safeToSwitchPools: bool
+    blockers: list[RolloutBlocker] = Field(
+        default_factory=list,
+        description="why safeToSwitchPools is false: each count that is not zero, in "
+        "checklist order (empty when it is true)",
+    )
 
     @classmethod
     def of(cls, scheduler: ledger_tasks.Scheduler, gauges: queries.Gauges) -> Self:
+        blockers = queries.switch_blockers(gauges)
         return cls.model_construct(
             schedulerEpoch=scheduler.epoch,
             claimsPaused=scheduler.claims_paused,
@@ -560,7 +662,13 @@ class Rollout(Answer):
             preparedEffects=gauges.prepared_effects,
             unknownEffects=gauges.unknown_effects,
             awaitingApproval=gauges.awaiting_approval,
-            safeToSwitchPools=gauges.settled,
+            safeToSwitchPools=not blockers,
+            blockers=[
+                RolloutBlocker.model_construct(
+                    member=_ROLLOUT_MEMBERS[b.gauge], count=b.count, reason=b.reason
+                )
+                for b in blockers
+            ],
         )
 
 

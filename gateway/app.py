@@ -18,7 +18,7 @@ from fencegate.adapters.mcp import McpToolCache
 from fencegate.gateway import coordination, events, ledger_api, openapi, operations, retention
 from fencegate.gateway.auth import auth_middleware
 from fencegate.gateway.config import Config
-from fencegate.gateway.console import CONSOLE, new_console
+from fencegate.gateway.console import CONSOLE, new_console, sampling
 from fencegate.gateway.console import views as console_views
 from fencegate.gateway.downstreams import build_adapter
 from fencegate.gateway.http_client import new_client_session
@@ -173,6 +173,7 @@ def create_app(
     app.cleanup_ctx.append(events.trim_loop)
     app.cleanup_ctx.append(events.cascade_loop)
     app.cleanup_ctx.append(retention.retention_loop)
+    app.cleanup_ctx.append(sampling)  # the console's Fleet charts
     app.cleanup_ctx.append(client_ctx)
     app.cleanup_ctx.append(reconciler_ctx)
     app.cleanup_ctx.append(aborts_ctx)

@@ -49,7 +49,7 @@ from fencegate.gateway.config import ROLES, AuthConfig, PrincipalConfig
 from fencegate.gateway.http_rules import split_proxy_path
 from fencegate.gateway.limits import Clock, Limits, OpenRequests, TokenBucket, retry_after_seconds
 from fencegate.gateway.principals import PRINCIPAL_KEY, Principal, Scope, scope_refusal
-from fencegate.gateway.problems import problem_response
+from fencegate.gateway.problems import problem_response, requested
 from fencegate.ledger.errors import (
     BadRequest,
     FencegateError,
@@ -411,7 +411,9 @@ def _refused(
     error: FencegateError,
     retry_after: int | None = None,
 ) -> web.StreamResponse:
-    """A refusal as problem+json, or as the session's page on the routes it covers."""
+    """A refusal as problem+json, or as the session's page on the routes it covers; its
+    detail names the request (method and path, never the query string)."""
+    error.about(requested(request))
     if sessions is None:
         return _refusal(error, path, retry_after)
     response = sessions.refusal(request, error)
@@ -458,7 +460,7 @@ class _AuthMiddleware:
             need = ", ".join(sorted(allowed)) or "no role (not in the role matrix)"
             return _refused(
                 request, path, sessions,
-                Forbidden(f"{request.method} {path} needs one of: {need}; "
+                Forbidden(f"the route {path} needs one of: {need}; "
                           f"{principal.name!r} has {', '.join(sorted(principal.roles))}")
             )  # fmt: skip
         if key is not None:

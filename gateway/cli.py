@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+# First: structlog loads without rich (its module docstring says why).
+import fencegate.gateway.structlog_without_rich  # noqa: F401
 from fencegate.gateway.config import (
     Config,
     ConfigError,

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fencegate.ledger.effects import DEFAULT_SETTLE_MS
+from fencegate.ledger.requests import MAX_KEEP_BYTES, Pointer, parse_pointer
 
 __all__ = [
     "ROLES",
@@ -601,6 +602,19 @@ class _DownstreamBase(_Section):
     #: duplicates get status and headers only (Fence-Replay-Body: omitted). For downstreams
     #: whose answers can carry secrets, e.g. one that echoes the request's headers.
     store_response_body: bool = True
+    #: Keep each forwarded request (headers and body) on its effect record, for operators
+    #: (docs/PROTOCOL.md, the effect's ``request``): what an UNKNOWN call was. Never kept:
+    #: Authorization, Proxy-Authorization, Cookie, the headers_from_env and
+    #: never_store_headers names; redact_headers and redact_json_fields are "<redacted>".
+    keep_request_bodies: bool = False
+    #: The most bytes of a request body kept (after redaction); a longer one is cut
+    #: (``truncated: true``).
+    keep_request_max_bytes: Annotated[int, Field(ge=0, le=MAX_KEEP_BYTES)] = 8192
+    #: JSON pointers (RFC 6901, e.g. "/card/number") whose values a kept body never holds;
+    #: a body that is not JSON is then not kept at all.
+    redact_json_fields: Annotated[tuple[str, ...], Field(strict=False, max_length=100)] = ()
+    #: Request headers a kept request shows as "<redacted>".
+    redact_headers: Annotated[tuple[HeaderName, ...], Field(strict=False, max_length=100)] = ()
     #: Status -> outcome overrides.
     outcomes: OutcomesConfig = OutcomesConfig()
     #: Overrides proxy.enforcement for this downstream.
@@ -624,6 +638,18 @@ class _DownstreamBase(_Section):
             if required is not None and data.get(required) is None:
                 raise ValueError(f"adapter {kind!r} needs {required}")
         return data
+
+    @field_validator("redact_json_fields")
+    @classmethod
+    def _pointers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pointer in value:
+            parse_pointer(pointer)  # ValueError in words
+        return value
+
+    @property
+    def redact_pointers(self) -> tuple[Pointer, ...]:
+        """``redact_json_fields``, parsed (checked at start-up)."""
+        return tuple(parse_pointer(pointer) for pointer in self.redact_json_fields)
 
     @property
     def unstored_headers(self) -> frozenset[str]:

@@ -31,7 +31,12 @@ from fencegate.gateway.api_models import (
     check_task_id,
     parse_body,
 )
-from fencegate.gateway.principals import acting_operator, principal_of, scope_refusal
+from fencegate.gateway.principals import (
+    Principal,
+    acting_operator,
+    principal_of,
+    scope_refusal,
+)
 from fencegate.gateway.state import CONFIG, EVENTS, METRICS, STORE
 from fencegate.ledger.errors import (
     BadRequest,
@@ -59,6 +64,7 @@ __all__ = [
     "bump_epoch_now",
     "routes",
     "set_claims_paused",
+    "task_filter",
 ]
 
 log = structlog.get_logger("fencegate.coordination")
@@ -278,6 +284,8 @@ async def claim_next(request: web.Request) -> web.Response:
         try:
             return await store.claim_next(queue, req)
         except FencegateError as exc:
+            if not isinstance(exc, StoreUnavailable):
+                exc.about(f"queue {queue}")  # what it refused: a claim from this queue
             log.info("claim.rejected", code=exc.code, reason=exc.detail, **fields)
             metrics.decision("claim", exc.code, validated=not isinstance(exc, StoreUnavailable))
             raise
@@ -494,14 +502,17 @@ def _check_dependency_scope(request: web.Request, depends_on: tuple[str, ...]) -
 
 #: Most tasks one page of ``GET /v1/tasks`` holds.
 MAX_TASK_PAGE = 500
-_TASK_QUERY = frozenset({"state", "owner", "cursor", "limit"})
+_TASK_QUERY = frozenset({"state", "owner", "leaseExpired", "cursor", "limit"})
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
 
 
 def _query(request: web.Request, allowed: frozenset[str]) -> MultiMapping[str]:
     """The query string, refused (400 naming them) with parameters not in ``allowed`` or
     given more than once."""
-    query = request.query
+    return _checked(request.query, allowed)
+
+
+def _checked(query: MultiMapping[str], allowed: frozenset[str]) -> MultiMapping[str]:
     unknown = set(query) - allowed
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")
@@ -512,9 +523,16 @@ def _query(request: web.Request, allowed: frozenset[str]) -> MultiMapping[str]:
 
 
 def _task_filter(request: web.Request) -> tuple[TaskFilter, int, str | None]:
-    """``GET /v1/tasks``'s query: the filter (with the caller's scope), the page size and the
-    task id to continue after; a bad parameter is 400 naming it."""
-    query = _query(request, _TASK_QUERY)
+    return task_filter(request.query, principal_of(request))
+
+
+def task_filter(
+    given: MultiMapping[str], principal: Principal | None
+) -> tuple[TaskFilter, int, str | None]:
+    """``GET /v1/tasks``'s query (the console's task list reads the same): the filter (with
+    ``principal``'s scope), the page size and the task id to continue after; a bad parameter
+    is 400 naming it."""
+    query = _checked(given, _TASK_QUERY)
     state = query.get("state")
     if state is not None and state not in TaskState.__members__:
         raise BadRequest(f"state: one of {', '.join(TaskState.__members__)}")
@@ -524,13 +542,20 @@ def _task_filter(request: web.Request) -> tuple[TaskFilter, int, str | None]:
     raw_limit = query.get("limit", "100")
     if not _ASCII_DIGITS.fullmatch(raw_limit) or not 1 <= int(raw_limit) <= MAX_TASK_PAGE:
         raise BadRequest(f"limit: an integer from 1 to {MAX_TASK_PAGE}")
+    lease_expired = query.get("leaseExpired")
+    if lease_expired not in (None, "true", "false"):
+        raise BadRequest("leaseExpired: true or false")
     cursor = query.get("cursor")
     if cursor is not None and (not cursor or len(cursor) > 400):
         raise BadRequest("cursor: not a cursor this gateway issued")
     after = decode_task_cursor(cursor) if cursor is not None else None
-    principal = principal_of(request)
     prefixes = principal.scope.task_prefixes if principal is not None else None
-    wanted = TaskFilter(TaskState(state) if state else None, owner, prefixes)
+    wanted = TaskFilter(
+        TaskState(state) if state else None,
+        owner,
+        prefixes,
+        lease_expired=None if lease_expired is None else lease_expired == "true",
+    )
     return wanted, int(raw_limit), after
 
 

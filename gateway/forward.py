@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import errno
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -53,6 +53,7 @@ from fencegate.ledger.errors import (
     FencegateError,
     StoreUnavailable,
 )
+from fencegate.ledger.requests import REDACTED, request_json
 
 __all__ = [
     "BUSY_RETRY_MS",
@@ -68,6 +69,8 @@ __all__ = [
     "failure_answer",
     "failure_of",
     "forward_window",
+    "kept_request",
+    "look_up",
     "prepare_effect",
     "read_up_to",
     "resend_window",
@@ -87,15 +90,16 @@ _NEVER_ROUND = float(2**31)
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """One time bound of a send, and how the agent's error names it (``timeout_ms=10000``):
-    the config key it comes from and its configured value."""
+    """One time bound of a send, and how the agent's error names it
+    (``downstreams.payments.timeout_ms = 10000``): the config key it comes from and its
+    configured value."""
 
     ms: float
     named: str
 
     @classmethod
     def of(cls, key: str, ms: float) -> Bound:
-        return cls(ms, f"{key}={round(ms)}")
+        return cls(ms, f"{key} = {round(ms)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,15 +131,16 @@ def downstream_limits(downstream: DownstreamConfig, *, streaming: bool = False) 
     """An unrecorded send's bounds: the pool wait plus connect within ``connect_timeout_ms``
     (a wait past it is DOWNSTREAM_BUSY), the whole within ``timeout_ms``. A stream (an MCP
     ``GET``) runs for as long as it is open."""
-    connect = Bound.of("connect_timeout_ms", downstream.connect_timeout)
+    key = f"downstreams.{downstream.name}."
+    connect = Bound.of(key + "connect_timeout_ms", downstream.connect_timeout)
     if streaming:
         return Limits(None, connect, connect)
     read_key = "read_timeout_ms" if downstream.read_timeout_ms is not None else "timeout_ms"
     return Limits(
-        Bound.of("timeout_ms", downstream.timeout_ms),
+        Bound.of(key + "timeout_ms", downstream.timeout_ms),
         connect,
         connect,
-        Bound.of(read_key, downstream.read_timeout),
+        Bound.of(key + read_key, downstream.read_timeout),
     )
 
 
@@ -169,7 +174,7 @@ class ForwardWindow:
         plain = downstream_limits(downstream)
         connect = plain.connect
         if connect is None or start_left < connect.ms:
-            connect = Bound(start_left, f"proxy.forward_start_limit_ms={self.start_limit_ms}")
+            connect = Bound(start_left, f"proxy.forward_start_limit_ms = {self.start_limit_ms}")
         total = plain.total
         if total is None or run_left < total.ms:
             total = Bound(run_left, f"the PREPARED deadline ({round(run_left)} ms left)")
@@ -319,7 +324,7 @@ class Target:
 
     def where(self) -> str:
         what = f" ({self.call})" if self.call else ""
-        return f"{self.downstream}: {self.method} {self.path}{what}"
+        return f"downstream {self.downstream}: {self.method} {self.path}{what}"
 
 
 def _what_happened(failure: Failure) -> str:
@@ -365,7 +370,7 @@ def failure_answer(
         )
     if failure.kind is FailureKind.BUSY:
         error = DownstreamBusy(
-            f"{where}: every pooled connection (proxy.max_connections="
+            f"{where}: every pooled connection (proxy.max_connections = "
             f"{target.max_connections}) stayed busy while the call could wait: {happened}; "
             "nothing was sent, retry after Retry-After",
             retryAfterMs=BUSY_RETRY_MS,
@@ -452,6 +457,79 @@ async def read_up_to(stream: aiohttp.StreamReader, limit: int) -> tuple[bytes, b
             return bytes(buf), True
         buf += chunk
     return bytes(buf), stream.at_eof()
+
+
+# --- what an operator can see of a forward ----------------------------------------------------
+
+#: Request headers no kept request holds, whatever the config says: the credentials an agent
+#: or the gateway may send (the downstream's ``headers_from_env`` and ``never_store_headers``
+#: names are left out too).
+_NEVER_KEPT = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+def kept_request(
+    downstream: DownstreamConfig,
+    headers: Iterable[tuple[str, str]],
+    body: bytes,
+    credentials: Iterable[str] = (),
+) -> str | None:
+    """The request a forward sends as its effect record keeps it (``ledger.requests``), for
+    the prepare that opens it; None (and no work) unless the downstream has
+    ``keep_request_bodies``. ``headers``: as forwarded, but for the idempotency key (the
+    effectId is not known before the prepare: ``ledger_api`` shows it). Left out: the
+    ``Fence-*`` headers, ``_NEVER_KEPT`` and the downstream's unstored names; shown as
+    ``"<redacted>"``: its ``redact_headers`` and any value holding a ``credentials`` one."""
+    if not downstream.keep_request_bodies:
+        return None
+    drop = _NEVER_KEPT | downstream.unstored_headers
+    drop |= {downstream.idempotency_key_header.lower()}
+    redacted = {name.lower() for name in downstream.redact_headers}
+    secrets = [value for value in credentials if value]
+    kept = []
+    for name, value in headers:
+        lower = name.lower()
+        if lower in drop or lower.startswith("fence-"):
+            continue
+        if lower in redacted or any(secret in value for secret in secrets):
+            value = REDACTED
+        kept.append((name, value))
+    return request_json(
+        kept,
+        body,
+        max_bytes=downstream.keep_request_max_bytes,
+        pointers=downstream.redact_pointers,
+    )
+
+
+#: Where an MCP tool call carries its effectId besides the idempotency key header.
+_MCP_META_KEY = 'params._meta["fencegate/effectId"]'
+_MCP_CALL_PATH = "/tools/call/"
+
+
+def look_up(downstream: DownstreamConfig | None, effect: Effect) -> str | None:
+    """What to look up at the downstream to settle an UNKNOWN effect, in words: the key it
+    received (its ``idempotency_key_header`` and the effectId) and on which call; None for
+    an effect in any other state. ``downstream``: its config, None when no longer
+    configured."""
+    if effect.state is not EffectState.UNKNOWN:
+        return None
+    name = effect.downstream
+    if all(effects.sent_nothing(a.reason) for a in effect.attempts):
+        return f"no forward of this effect reached {name!r}: it received no key"
+    call = f"{effect.method} {effect.path}"
+    if downstream is None:
+        return (
+            f"{name!r} is no longer configured: it received the effectId {effect.effect_id} "
+            f"in its idempotency key header on {call}"
+        )
+    key = f"{downstream.idempotency_key_header}: {effect.effect_id}"
+    if downstream.adapter == "mcp" and effect.path.startswith(_MCP_CALL_PATH):
+        tool = effect.path.removeprefix(_MCP_CALL_PATH)
+        return (
+            f"the MCP server {name!r} received {key} and {_MCP_META_KEY} = "
+            f"{effect.effect_id} on tools/call {tool}: look the call up there by that key"
+        )
+    return f"the downstream {name!r} received {key} on {call}: look the call up there by that key"
 
 
 # --- the prepare a forward starts from ---------------------------------------------------------

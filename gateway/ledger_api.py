@@ -20,18 +20,22 @@ from fencegate.gateway import answers
 from fencegate.gateway.answers import reply
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.auth import sees_stored_bodies
+from fencegate.gateway.forward import look_up
 from fencegate.gateway.principals import Principal, acting_operator, principal_of
 from fencegate.gateway.reconcile import reconcile
-from fencegate.gateway.state import ADAPTERS, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, STORE
 from fencegate.ledger import effects, responses
 from fencegate.ledger.effects import DEFAULT_SETTLE_MS, Effect, EffectState
 from fencegate.ledger.errors import BadRequest, NoSuchEffect
+from fencegate.ledger.queries import EFFECT_ID_OR_PREFIX, EFFECT_ID_RULE
+from fencegate.ledger.store import Store
 
 __all__ = [
     "ApproveBody",
     "ResolveBody",
     "approve_as",
     "check_effect_id",
+    "find_effect",
     "preview_resolve",
     "reconcile_as",
     "resolve_as",
@@ -45,6 +49,8 @@ log = structlog.get_logger("fencegate.ledger")
 routes = web.RouteTableDef()
 
 _EFFECT_ID = re.compile(r"[0-9a-f]{64}")
+#: Most effect ids an ambiguous prefix's refusal names (``find_effect``).
+MAX_MATCHES_SHOWN = 10
 MAX_PAGE = 500
 #: ``str.isdigit`` also takes "²" and other digits ``int`` refuses: ASCII only.
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
@@ -80,31 +86,78 @@ class ResolveBody(ApiBody):
     force: StrictBool = False
 
 
-def shown(principal: Principal | None, effect: Effect) -> answers.Effect:
-    """The record as this reader may see it: observers get the stored answer without its
-    body (``bodyWithheld: true``); operators, and everyone without ``[auth]``, all of it.
-    The JSON API and the console both show records through this, so they withhold alike."""
-    return answers.Effect.of(effect, withhold_body=not sees_stored_bodies(principal))
+def shown(
+    principal: Principal | None, effect: Effect, app: web.Application | None = None
+) -> answers.Effect:
+    """The record as this reader may see it: observers get the stored answer and the kept
+    request without their bodies (``bodyWithheld: true``); operators, and everyone without
+    ``[auth]``, all of it. The JSON API and the console both show records through this, so
+    they withhold alike. With ``app``, from the downstream's config: the idempotency key in
+    the kept request's headers and, when UNKNOWN, what to look up (``lookUp``)."""
+    key_header = look = None
+    if app is not None:
+        downstream = app[CONFIG].downstream(effect.downstream)
+        key_header = downstream.idempotency_key_header if downstream is not None else None
+        look = look_up(downstream, effect)
+    return answers.Effect.of(
+        effect,
+        withhold_body=not sees_stored_bodies(principal),
+        key_header=key_header,
+        look_up=look,
+    )
 
 
-def shown_record(principal: Principal | None, effect: Effect) -> dict[str, Any]:
+def shown_record(
+    principal: Principal | None, effect: Effect, app: web.Application | None = None
+) -> dict[str, Any]:
     """``shown`` as JSON-ready data (what the console renders)."""
-    return shown(principal, effect).wire()
+    return shown(principal, effect, app).wire()
 
 
 def _shown(request: web.Request, effect: Effect) -> answers.Effect:
-    return shown(principal_of(request), effect)
+    return shown(principal_of(request), effect, request.app)
 
 
 def check_effect_id(effect_id: str) -> str:
     """``effect_id`` if it is one (64 lowercase hex), else ``NoSuchEffect``."""
     if not _EFFECT_ID.fullmatch(effect_id):
-        raise NoSuchEffect("an effectId is 64 lowercase hex characters")
+        raise NoSuchEffect(f"no effect {effect_id[:80]!r}: an effectId is 64 lowercase hex")
     return effect_id
 
 
 def _effect_id(request: web.Request) -> str:
     return check_effect_id(request.match_info["effect_id"])
+
+
+async def find_effect(store: Store, text: str) -> Effect:
+    """The record ``text`` names: a full effectId, or a prefix of at least
+    ``MIN_EFFECT_PREFIX`` lowercase hex characters that starts exactly one live effect id
+    (the store's own index: ``Store.find_effects``). ``GET /v1/effects/{effectId}`` and the
+    console's effect page both look up through this, with the same role check and no
+    ``task_prefixes`` scope (as for a full id: the ledger is not scoped, docs/security.md).
+
+    Anything else is ``404 NO_SUCH_EFFECT`` naming the rule (as before prefixes); an
+    ambiguous prefix is ``400`` naming up to ``MAX_MATCHES_SHOWN`` of the ids
+    (``matches``); no match is ``404 NO_SUCH_EFFECT`` (an expired effect is found by its
+    full id only: ``410 EFFECT_EXPIRED``)."""
+    if _EFFECT_ID.fullmatch(text):
+        return await store.get_effect(text)
+    if not EFFECT_ID_OR_PREFIX.fullmatch(text):
+        # 404 as before prefixes were accepted (a client may rely on it), naming the rule.
+        raise NoSuchEffect(f"no effect {text[:80]!r}: {EFFECT_ID_RULE}")
+    found = await store.find_effects(text, MAX_MATCHES_SHOWN + 1)
+    if not found:
+        raise NoSuchEffect(f"no effect id starts with {text!r}")
+    if len(found) > 1:
+        named = found[:MAX_MATCHES_SHOWN]
+        count = f"more than {MAX_MATCHES_SHOWN}" if len(found) > len(named) else str(len(found))
+        raise BadRequest(
+            f"effect id prefix {text!r} is ambiguous: {count} effect ids start with it "
+            f"({', '.join(named)}{', ...' if len(found) > len(named) else ''}); give more "
+            "characters",
+            matches=named,
+        )
+    return await store.get_effect(found[0])
 
 
 @routes.get("/v1/effects")
@@ -153,7 +206,8 @@ async def list_effects(request: web.Request) -> web.Response:
 
 @routes.get("/v1/effects/{effect_id}")
 async def show_effect(request: web.Request) -> web.Response:
-    effect = await request.app[STORE].get_effect(_effect_id(request))
+    """The record, by its full id or a unique prefix (``find_effect``)."""
+    effect = await find_effect(request.app[STORE], request.match_info["effect_id"])
     return reply(_shown(request, effect))
 
 

@@ -41,6 +41,7 @@ from fencegate.gateway.forward import (
     downstream_limits,
     failure_answer,
     forward_window,
+    kept_request,
     prepare_effect,
     resend_window,
     send,
@@ -264,7 +265,10 @@ async def _post(
     if limit is not None and len(body) > limit:
         return _refuse(
             None,
-            PayloadTooLarge(f"body over downstreams.{downstream.name}.max_body_bytes"),
+            PayloadTooLarge(
+                f"{request.method} {request.rel_url.raw_path}: a body of {len(body)} bytes is "
+                f"over downstreams.{downstream.name}.max_body_bytes = {limit}"
+            ),
             has_id=False,
         )
     try:
@@ -512,6 +516,7 @@ async def _tool_call(
         path=shape.path,
         payload_digest=shape.payload_digest,
         forward_id=new_id(),
+        request_json=_kept(request, downstream, adapter, fence, body),
     )
     config = request.app[CONFIG]
     deadline_ms = downstream.timeout_ms + config.proxy.prepared_margin_ms
@@ -558,6 +563,25 @@ async def _tool_call(
                 request, downstream, adapter, fence, forward, window, message, body
             )
     raise AssertionError(decision.act)  # pragma: no cover
+
+
+def _kept(
+    request: web.Request,
+    downstream: DownstreamConfig,
+    adapter: McpAdapter,
+    fence: Fence,
+    body: bytes,
+) -> str | None:
+    """The call as the record keeps it (``forward.kept_request``), as ``/proxy`` keeps its
+    requests: the headers ``_forward_call`` sends (but the effectId's) and the JSON-RPC
+    message as the agent sent it (the server's also holds the effect's identity in
+    ``params._meta``); None, with no work done, unless the downstream keeps request bodies."""
+    if not downstream.keep_request_bodies:
+        return None
+    token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
+    credentials = adapter.outbound_headers(None, None).values()
+    headers = _outbound(request, adapter, adapter.outbound_headers(None, token))
+    return kept_request(downstream, headers.items(), body, credentials)
 
 
 def _relayed(message: dict[str, Any]) -> bytes:

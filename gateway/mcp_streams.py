@@ -135,7 +135,7 @@ STREAMS = web.AppKey("mcp_streams", StreamRegistry)
 
 def _busy(why: str, downstream: str) -> web.Response:
     error = DownstreamBusy(
-        f"{downstream}: {why}; nothing was sent, retry after a pause",
+        f"downstream {downstream}: {why}; nothing was sent, retry after a pause",
         retryAfterMs=_RETRY_AFTER_S * 1000,
     )
     return web.Response(

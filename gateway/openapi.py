@@ -76,6 +76,13 @@ _PROBLEM: Schema = _object(
         "effectState": {"type": "string"},
         "retryAfterMs": {"type": "integer", "minimum": 0},
         "fields": {"type": "array", "items": {"type": "string"}},
+        "matches": {
+            "type": "array",
+            "items": _HEX64,
+            "maxItems": 10,
+            "description": "BAD_REQUEST of GET /v1/effects/{prefix}: effect ids the "
+            "ambiguous prefix starts (the first 10, in id order)",
+        },
         "leaseExpiresAt": {**_TIME, "description": "CLAIMED, LEASE_EXPIRED: the lease's end"},
         "runtimeEndsAt": {**_TIME, "description": "RUNTIME_EXCEEDED: the attempt's last instant"},
         "probeUntil": {**_TIME, "description": "EFFECT_IN_FLIGHT: another reconciler's probe"},
@@ -276,6 +283,7 @@ def _op(
 
 _TASK_ID = {"$ref": "#/components/parameters/taskId"}
 _EFFECT_ID = {"$ref": "#/components/parameters/effectId"}
+_EFFECT_ID_OR_PREFIX = {"$ref": "#/components/parameters/effectIdOrPrefix"}
 _OPERATOR_HEADER = {"$ref": "#/components/parameters/operator"}
 _OK_TASK = {404: ("NO_SUCH_TASK",), 409: _LEASE_CODES, 410: ("TASK_EXPIRED",)}
 _WAIT_QUERY = [
@@ -307,6 +315,13 @@ def _task_paths() -> dict[str, Any]:
         {"name": "state", "in": "query", "schema": _ref("TaskState")},
         {"name": "owner", "in": "query", "schema": {"type": "string", "minLength": 1,
                                                     "maxLength": 200}},
+        {
+            "name": "leaseExpired",
+            "in": "query",
+            "description": "true: only CLAIMED tasks whose lease has run out (leaseExpiresAt "
+            "reached by the store's clock); false: every other task",
+            "schema": {"type": "boolean"},
+        },
         {
             "name": "limit",
             "in": "query",
@@ -537,10 +552,12 @@ def _ledger_paths() -> dict[str, Any]:
             )
         },
         "/v1/effects/{effect_id}": {
-            **one,
+            "parameters": [_EFFECT_ID_OR_PREFIX],
             "get": _op(
                 "getEffect",
-                "Read one effect record (observers: stored body withheld)",
+                "Read one effect record, by its id or a unique prefix of at least 6 "
+                "(observers: stored body withheld); an ambiguous prefix is 400 naming up to "
+                "10 matches",
                 "ledger",
                 {"200": _json("Effect", "the record")},
                 extra={404: ("NO_SUCH_EFFECT",), 410: ("EFFECT_EXPIRED",)},
@@ -716,7 +733,7 @@ def _console_paths() -> dict[str, Any]:
     for method, path, summary in ROUTES:
         params: list[Any] = []
         if "{effect_id}" in path:
-            params.append(_EFFECT_ID)
+            params.append(_EFFECT_ID_OR_PREFIX if method == "GET" else _EFFECT_ID)
         if "{name}" in path:
             params.append({"name": "name", "in": "path", "required": True,
                            "schema": {"type": "string"}})  # fmt: skip
@@ -881,6 +898,14 @@ def document() -> dict[str, Any]:
                     "in": "path",
                     "required": True,
                     "schema": _HEX64,
+                },
+                "effectIdOrPrefix": {
+                    "name": "effect_id",
+                    "in": "path",
+                    "required": True,
+                    "description": "an effectId, or a prefix of at least 6 characters that "
+                    "starts exactly one live effect's id",
+                    "schema": {"type": "string", "pattern": "^[0-9a-f]{6,64}$"},
                 },
                 "operator": {
                     "name": "Fence-Operator",

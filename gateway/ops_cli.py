@@ -231,6 +231,13 @@ def register(sub: SubParsers) -> None:
     task_list.add_argument("--state", type=str.upper, choices=_TASK_STATES)
     task_list.add_argument("--owner", metavar="NAME", help="claimed by NAME")
     task_list.add_argument(
+        "--lease-expired",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="only CLAIMED tasks whose lease has run out by the store's clock (--no-lease-"
+        "expired: every other task)",
+    )
+    task_list.add_argument(
         "--limit", type=_positive_int, default=50, help="most tasks shown (default: 50)"
     )
     task_claim = _leaf(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import getpass
 import json
 import os
@@ -41,6 +40,7 @@ from fencegate.client import TOKEN_ENV, Client
 from fencegate.errors import EffectInFlight, EffectUnknown, GatewayUnreachable, ProblemError
 from fencegate.gateway import ops_render as render
 from fencegate.gateway.config import ServerConfig, parse_listen
+from fencegate.ledger.queries import EFFECT_ID_OR_PREFIX, EFFECT_ID_RULE
 
 __all__ = [
     "DEFAULT_URL",
@@ -69,10 +69,7 @@ EXIT_NOT_SAFE = 4
 
 #: Largest page the ledger API serves; ``effects list`` asks for at most this many per call.
 _PAGE = 500
-#: Most ledger records an effect-id prefix is looked up among.
-_PREFIX_SCAN = 50_000
 _EFFECT_ID = re.compile(r"[0-9a-f]{64}")
-_EFFECT_PREFIX = re.compile(r"[0-9a-f]{6,63}")
 _OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
 
 #: One command: the gateway's client and the parsed arguments in, the exit code out.
@@ -353,32 +350,29 @@ def _problem(exc: ProblemError) -> CliError:
 # --- effects ------------------------------------------------------------------------------------
 
 
+async def _effect_record(client: OperatorClient, text: str) -> dict[str, Any]:
+    """The record ``text`` names: a full effectId, or a unique prefix of at least 6 (as the
+    list shows). The gateway looks the prefix up in its store (``GET /v1/effects/{prefix}``,
+    the console's path too); its refusal of a malformed or ambiguous one (400, naming the
+    rule or the matches) is a usage error here, as is a malformed one (the gateway answers
+    it 404, as before prefixes)."""
+    wanted = text.strip().lower()
+    if not EFFECT_ID_OR_PREFIX.fullmatch(wanted):
+        raise CliError(f"{text!r} is not an effect id: {EFFECT_ID_RULE}", EXIT_USAGE)
+    try:
+        return await client.get_effect(wanted)
+    except ProblemError as exc:
+        if exc.code == "BAD_REQUEST":
+            raise CliError(str(exc.problem.get("detail") or exc.code), EXIT_USAGE) from None
+        raise
+
+
 async def _effect_id(client: OperatorClient, text: str) -> str:
-    """A full effectId, or the one effect whose id starts with ``text`` (as the list shows)."""
+    """A full effectId as given, or the one a unique prefix names (``_effect_record``)."""
     wanted = text.strip().lower()
     if _EFFECT_ID.fullmatch(wanted):
         return wanted
-    if not _EFFECT_PREFIX.fullmatch(wanted):
-        raise CliError(
-            f"{text!r} is not an effect id: 64 hex characters, or a unique prefix of at "
-            "least 6 (as `fencegate effects list` shows)",
-            EXIT_USAGE,
-        )
-    matches: list[str] = []
-    records = client.iter_effects(page_size=_PAGE, limit=_PREFIX_SCAN)
-    async with contextlib.aclosing(records):
-        async for record in records:
-            if str(record.get("effectId", "")).startswith(wanted):
-                matches.append(record["effectId"])
-                if len(matches) > 1:
-                    raise CliError(
-                        f"effect id prefix {wanted!r} is ambiguous ({', '.join(matches)}...); "
-                        "give more characters",
-                        EXIT_USAGE,
-                    )
-    if not matches:
-        raise CliError(f"NO_SUCH_EFFECT: no effect id starts with {wanted!r}", EXIT_REFUSED)
-    return matches[0]
+    return str((await _effect_record(client, wanted))["effectId"])
 
 
 async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
@@ -421,7 +415,7 @@ def _replay_response(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 async def effects_show(client: OperatorClient, args: argparse.Namespace) -> int:
-    record = await client.get_effect(await _effect_id(client, args.effect_id))
+    record = await _effect_record(client, args.effect_id)
     _answer(client, args, record, render.effect(record))
     return 0
 
@@ -499,6 +493,7 @@ async def tasks_list(client: OperatorClient, args: argparse.Namespace) -> int:
         page = await client.list_tasks(
             state=args.state or None,
             owner=args.owner or None,
+            lease_expired=args.lease_expired,
             cursor=cursor,
             limit=min(_PAGE, args.limit - len(tasks)),
         )

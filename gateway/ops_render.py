@@ -170,6 +170,25 @@ def _response_lines(response: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _request_lines(kept: Mapping[str, Any]) -> list[str]:
+    """A kept request (``keep_request_bodies``): every header, then the body as kept."""
+    headers = kept.get("headers") or []
+    lines = [f"  header   {printable(name)}: {printable(value)}" for name, value in headers]
+    size = cell(kept.get("bodySize"))
+    cut = f" (cut to keep_request_max_bytes of {size} bytes)" if kept.get("truncated") else ""
+    if kept.get("bodyWithheld"):
+        lines.append(f"  body     withheld: kept requests are for operators ({size} bytes)")
+    elif kept.get("bodyOmittedReason"):
+        lines.append(f"  body     not kept ({printable(kept['bodyOmittedReason'])})")
+    elif "body" in kept:
+        lines.append(f"  body{cut}")
+        lines.extend(f"    {printable(line)}" for line in str(kept["body"]).splitlines())
+    elif "bodyBase64" in kept:
+        lines.append(f"  body     {size} bytes, not UTF-8{cut}; base64:")
+        lines.append(f"    {cell(kept['bodyBase64'])}")
+    return lines
+
+
 def effect(r: Mapping[str, Any]) -> str:
     """``effects show``: the record, its attempts, operator actions and stored response."""
     pairs: list[tuple[str, object]] = [
@@ -191,6 +210,8 @@ def effect(r: Mapping[str, Any]) -> str:
     ]
     if r.get("state") == "PREPARED":
         pairs.append(("deadline", time_text(r.get("deadlineAt"), precise=True)))
+    if r.get("lookUp"):
+        pairs.append(("look up", r["lookUp"]))
     approval = r.get("approval")
     if isinstance(approval, dict):
         pairs.append(
@@ -240,6 +261,10 @@ def effect(r: Mapping[str, Any]) -> str:
             for a in actions
         ]
         out.append(_indent(table(["AT", "ACTION", "BY", "RESULT", "NOTE"], rows)))
+    kept = r.get("request")
+    if isinstance(kept, dict):
+        out.append("\nrequest (as forwarded):")
+        out.extend(_request_lines(kept))
     response = r.get("response")
     out.append("\nresponse:" if isinstance(response, dict) else "\nresponse: none stored")
     if isinstance(response, dict):
@@ -412,8 +437,17 @@ def rollout(status: Mapping[str, Any]) -> str:
     )
     if status.get("safeToSwitchPools"):
         return checklist + "\nsafe to switch pools"
+    # The gateway's own words for each condition that fails (none from an older gateway).
+    blockers = status.get("blockers")
+    reasons = [
+        cell(b.get("reason"), 80)
+        for b in (blockers if isinstance(blockers, list) else [])
+        if isinstance(b, dict)
+    ]
+    why = f": {', '.join(reasons)};" if reasons else ":"
     return (
-        checklist + "\nNOT safe to switch pools: wait for leases to expire and settle the effects"
+        checklist + f"\nNOT safe to switch pools{why} wait for leases to expire and settle "
+        "the effects"
     )
 
 

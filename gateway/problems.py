@@ -23,9 +23,11 @@ __all__ = [
     "ROUTING_PROBLEMS",
     "TIME_MEMBERS",
     "error_middleware",
+    "http_detail",
     "problem_body",
     "problem_response",
     "readable_detail",
+    "requested",
     "retry_after",
 ]
 
@@ -100,14 +102,34 @@ ROUTING_PROBLEMS: dict[int, tuple[str, str]] = {
 }
 
 
-def _from_http(exc: web.HTTPException) -> web.Response:
+def requested(request: web.BaseRequest) -> str:
+    """The agent's request as a detail names it: its method and path, never the query string
+    (an agent's query may hold its own secrets)."""
+    return f"{request.method} {request.rel_url.raw_path}"
+
+
+def http_detail(request: web.BaseRequest, exc: web.HTTPException) -> str:
+    """The detail of one of aiohttp's own refusals, naming the request it refuses."""
+    if exc.status == 404:
+        return f"{requested(request)}: no such route"
+    if exc.status == 405:
+        allowed = exc.headers.get("Allow")
+        return f"{requested(request)}: method not allowed" + (
+            f" (Allow: {allowed})" if allowed else ""
+        )
+    return f"{requested(request)}: {exc.reason}"
+
+
+def _from_http(request: web.Request, exc: web.HTTPException) -> web.Response:
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return problem_response(PayloadTooLarge(f"body over the limit: {exc.text}"))
+        return problem_response(
+            PayloadTooLarge(f"{requested(request)}: body over server.max_body_bytes: {exc.text}")
+        )
     if exc.status in ROUTING_PROBLEMS:
         code, title = ROUTING_PROBLEMS[exc.status]
     else:
         code, title = "BAD_REQUEST" if exc.status < 500 else "INTERNAL", exc.reason
-    body = problem_body(exc.status, code, title, exc.reason)
+    body = problem_body(exc.status, code, title, http_detail(request, exc))
     headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
     return web.Response(
         status=exc.status,
@@ -122,14 +144,17 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except FencegateError as exc:
+        if exc.about_request:
+            exc.about(requested(request))
         return problem_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http(exc)
+        return _from_http(request, exc)
     except Exception:
         log.exception("http.internal_error", method=request.method, path=request.path)
-        body = problem_body(500, "INTERNAL", "Internal error", "see the gateway's log")
+        detail = f"{requested(request)} failed: see the gateway's log"
+        body = problem_body(500, "INTERNAL", "Internal error", detail)
         return web.Response(
             status=500, body=json.dumps(body).encode(), content_type="application/problem+json"
         )

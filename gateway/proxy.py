@@ -49,6 +49,7 @@ from fencegate.gateway.forward import (
     downstream_limits,
     failure_answer,
     forward_window,
+    kept_request,
     prepare_effect,
     read_up_to,
     resend_window,
@@ -64,7 +65,7 @@ from fencegate.gateway.http_rules import (
     without_secret_values,
 )
 from fencegate.gateway.principals import principal_of
-from fencegate.gateway.problems import problem_body, problem_response
+from fencegate.gateway.problems import http_detail, problem_body, problem_response, requested
 from fencegate.gateway.proxy_decisions import (
     Decision,
     Forward,
@@ -207,7 +208,10 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
     limit = downstream.max_body_bytes
     body = await request.read()
     if limit is not None and len(body) > limit:
-        raise PayloadTooLarge(f"body over downstreams.{name}.max_body_bytes ({limit} bytes)")
+        raise PayloadTooLarge(
+            f"{requested(request)}: a body of {len(body)} bytes is over "
+            f"downstreams.{name}.max_body_bytes = {limit}"
+        )
     enforcement = downstream.enforcement or config.proxy.enforcement
     return _Call(
         downstream,
@@ -321,12 +325,14 @@ async def _answer(request: web.Request, progress: _Progress) -> web.StreamRespon
     except FencegateError as exc:
         return _refusal(exc)
     except web.HTTPRequestEntityTooLarge as exc:
-        return _refusal(PayloadTooLarge(f"body over server.max_body_bytes: {exc.text}"))
+        return _refusal(
+            PayloadTooLarge(f"{requested(request)}: body over server.max_body_bytes: {exc.text}")
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = "METHOD_NOT_ALLOWED" if exc.status == 405 else "BAD_REQUEST"
-        body = problem_body(exc.status, code, exc.reason, exc.reason)
+        body = problem_body(exc.status, code, exc.reason, http_detail(request, exc))
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         headers.update(_fence_headers(None, None, False))
         return web.Response(status=exc.status, body=json.dumps(body).encode(),
@@ -337,7 +343,8 @@ async def _answer(request: web.Request, progress: _Progress) -> web.StreamRespon
         headers = {"Fence-Effect-State": progress.state, "Fence-Replayed": "false"}
         if progress.effect_id is not None:
             headers["Fence-Effect-Id"] = progress.effect_id
-        body = problem_body(500, "INTERNAL", "Internal error", "see the gateway's log",
+        body = problem_body(500, "INTERNAL", "Internal error",
+                            f"{requested(request)} failed: see the gateway's log",
                             effectState=progress.state)  # fmt: skip
         return web.Response(status=500, body=json.dumps(body).encode(),
                             content_type="application/problem+json", headers=headers)  # fmt: skip
@@ -441,11 +448,22 @@ def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, i
         payload_digest=shape.payload_digest,
         forward_id=new_id(),
         approval_digest=shape.approval_digest,
+        request_json=_kept(request, call),
     )
     return effect_request, resend_window(
         call.adapter.resend_window_ms(shape.preconditions),
         request.app[CONFIG].proxy.start_limit_ms,
     )
+
+
+def _kept(request: web.Request, call: _Call) -> str | None:
+    """The request as ``_forward_effect`` will send it (``_forward_headers``: the identity
+    but the effectId, which the prepare decides), for the record (``forward.kept_request``);
+    None, with no work done, unless the downstream keeps request bodies."""
+    if not call.downstream.keep_request_bodies:
+        return None
+    headers = _forward_headers(request, call, call.adapter.outbound_headers(None, _token(call)))
+    return kept_request(call.downstream, headers.items(), call.body, _credential_values(call))
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,13 +620,7 @@ async def _forward(
 
     Every forward is observed in ``fencegate_forward_seconds``, answered or not: with
     ``outcome_of(status)`` (what the answer means for an effect), or how it failed."""
-    headers = downstream_request_headers(
-        request.headers.items(),
-        identity,
-        forward_authorization=call.downstream.forward_authorization,
-        reserved=(call.downstream.idempotency_key_header, call.downstream.fencing_token_header),
-        peer=request.remote,
-    )
+    headers = _forward_headers(request, call, identity)
     started = time.monotonic()
     began = time.perf_counter()
     observed = False
@@ -643,6 +655,19 @@ async def _forward(
                 time.monotonic() - started
             )
         raise
+
+
+def _forward_headers(
+    request: web.Request, call: _Call, identity: dict[str, str]
+) -> CIMultiDict[str]:
+    """The headers a forward of ``call`` sends, with the adapter's ``identity``."""
+    return downstream_request_headers(
+        request.headers.items(),
+        identity,
+        forward_authorization=call.downstream.forward_authorization,
+        reserved=(call.downstream.idempotency_key_header, call.downstream.fencing_token_header),
+        peer=request.remote,
+    )
 
 
 def _where(request: web.Request, call: _Call) -> Target:
@@ -757,6 +782,7 @@ def _replay(answer: Answer, effect: Effect) -> web.Response:
 
 
 def _with_effect(error: FencegateError, effect: Effect, state: EffectState) -> FencegateError:
+    error.about_effect(effect.effect_id)
     error.extra.update(effectId=effect.effect_id, effectState=state.value)
     return error
 

@@ -59,7 +59,7 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
     except UnsafeProbePath as exc:
         # Never sent: an "absent" from some other path would let the effect go out again.
         return ProbeVerdict.INCONCLUSIVE, None, f"probe not sent: {exc}"
-    limits = Limits(Bound.of("probe.timeout_ms", spec.timeout_ms))
+    limits = Limits(Bound.of(f"downstreams.{downstream.name}.probe.timeout_ms", spec.timeout_ms))
     try:
         async with send(
             app,

@@ -15,6 +15,9 @@ In the middleware (``request_guard``, every app, with or without ``[auth]``), in
 * a non-empty body on ``/v1/*`` that is not ``application/json`` (or ``application/*+json``)
   is 415 ``UNSUPPORTED_MEDIA_TYPE``. ``/proxy`` bodies are the downstream's business.
 
+Each refusal is problem+json, except on ``/console/*``: there it is the console's HTML error
+page, with the same status and code (a form over ``server.max_body_bytes`` is a 413 page).
+
 At the connection (``GuardedSite``, what ``fencegate serve`` listens with): at most
 ``server.max_connections`` open connections (one more is answered 503
 ``TOO_MANY_CONNECTIONS`` and closed), at most ``server.max_connections_per_peer`` from one
@@ -41,8 +44,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from fencegate.gateway.config import ServerConfig, parse_listen
+from fencegate.gateway.console import CONSOLE
 from fencegate.gateway.principals import principal_of
-from fencegate.gateway.problems import problem_body, problem_response
+from fencegate.gateway.problems import problem_body, problem_response, requested
 from fencegate.gateway.state import CONFIG
 from fencegate.ledger.errors import (
     BadRequest,
@@ -174,11 +178,21 @@ def origin_allowed(server: ServerConfig, origin: str, local_port: int | None = N
 # --- the middleware -------------------------------------------------------------------------
 
 
-def _refuse(error: FencegateError, *, close: bool = False) -> web.Response:
-    """The problem answer; ``close`` ends the connection after it (a body that was not read
-    cannot be skipped reliably). aiohttp first reads and discards what the client still sends
-    for up to its lingering time (10 s), so the client sees this answer, not a reset."""
-    response = problem_response(error)
+def _refuse(
+    request: web.Request, error: FencegateError, *, close: bool = False
+) -> web.StreamResponse:
+    """The problem answer: problem+json, or on ``/console/*`` the console's own HTML error
+    page with the same status and code (as every other refusal there: a browser shows a page,
+    never JSON); ``close`` ends the connection after it (a body that was not read cannot be
+    skipped reliably). aiohttp first reads and discards what the client still sends for up to
+    its lingering time (10 s), so the client sees this answer, not a reset. The detail names
+    the request (its method and path, never the query string)."""
+    error.about(requested(request))
+    console = request.app.get(CONSOLE)
+    if console is not None and console.sessions.covers(request.path):
+        response = console.sessions.refusal(request, error)
+    else:
+        response = problem_response(error)
     if close:
         response.force_close()
     return response
@@ -205,12 +219,13 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
     if tuple(request.version) not in _VERSIONS:
         major, minor = request.version
         version = HttpVersionNotSupported(f"HTTP/{major}.{minor} is not served: use HTTP/1.1")
-        return _refuse(version, close=True)
+        return _refuse(request, version, close=True)
     if request.path not in _ANY_HOST:
         host = request.headers.get(hdrs.HOST)
         if not host_allowed(server, host):
             log.info("http.host_refused", host=host, method=request.method, path=request.path)
             return _refuse(
+                request,
                 MisdirectedRequest(
                     f"Host {host!r} is not one of this gateway's names (server.allowed_hosts)"
                     if host
@@ -222,7 +237,9 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
     if origin is not None and not origin_allowed(server, origin, _local_port(request)):
         log.info("http.origin_refused", origin=origin, method=request.method, path=request.path)
         return _refuse(
-            Forbidden(f"Origin {origin!r} is not allowed (server.allowed_origins)"), close=True
+            request,
+            Forbidden(f"Origin {origin!r} is not allowed (server.allowed_origins)"),
+            close=True,
         )
     if request.method == hdrs.METH_CONNECT:
         problem = problem_body(405, "METHOD_NOT_ALLOWED", "Method not allowed",
@@ -239,10 +256,11 @@ async def request_guard(request: web.Request, handler: Handler) -> web.StreamRes
         body = await request.read()  # from memory now
         if body and request.path.startswith("/v1/") and not _is_json(request.content_type):
             return _refuse(
+                request,
                 UnsupportedMediaType(
                     f"Content-Type {request.headers.get(hdrs.CONTENT_TYPE, '(none)')!r}: "
                     "a body on /v1 must be application/json"
-                )
+                ),
             )
     return await handler(request)
 
@@ -261,14 +279,15 @@ async def connection_vouch(request: web.Request, handler: Handler) -> web.Stream
     return await handler(request)
 
 
-async def _read_body(request: web.Request, server: ServerConfig) -> web.Response | None:
+async def _read_body(request: web.Request, server: ServerConfig) -> web.StreamResponse | None:
     """Read the whole body now, bounded in size and time; handlers then get it from memory
     (``request.read()`` keeps it). None when it arrived."""
     length = request.content_length
     if length is not None and length > server.max_body_bytes:
         return _refuse(
+            request,
             PayloadTooLarge(
-                f"Content-Length {length} is over server.max_body_bytes ({server.max_body_bytes})"
+                f"Content-Length {length} is over server.max_body_bytes = {server.max_body_bytes}"
             ),
             close=True,
         )
@@ -285,7 +304,10 @@ async def _read_body(request: web.Request, server: ServerConfig) -> web.Response
         # Answer and close now: aiohttp would otherwise linger (up to 10 s) reading the rest
         # of a body from a client that already stopped sending it.
         response = _refuse(
-            RequestTimeout(f"the body did not arrive within {server.body_timeout_ms} ms"),
+            request,
+            RequestTimeout(
+                f"the body did not arrive within server.body_timeout_ms = {server.body_timeout_ms}"
+            ),
             close=True,
         )
         await response.prepare(request)
@@ -294,7 +316,8 @@ async def _read_body(request: web.Request, server: ServerConfig) -> web.Response
         return response
     except web.HTTPRequestEntityTooLarge:
         return _refuse(
-            PayloadTooLarge(f"body over server.max_body_bytes ({server.max_body_bytes})"),
+            request,
+            PayloadTooLarge(f"body over server.max_body_bytes = {server.max_body_bytes}"),
             close=True,
         )
     except asyncio.CancelledError:  # aiohttp cancels on disconnect when handler_cancellation
@@ -306,12 +329,14 @@ async def _read_body(request: web.Request, server: ServerConfig) -> web.Response
         log.info("http.client_gone", method=request.method, path=request.path,
                  peer=request.remote, after_ms=round((time.monotonic() - started) * 1000),
                  reason=str(exc) or type(exc).__name__)  # fmt: skip
-        return _refuse(BadRequest("the client went away before its body arrived"), close=True)
+        return _refuse(
+            request, BadRequest("the client went away before its body arrived"), close=True
+        )
     except web.RequestPayloadError as exc:
         cause = exc.__cause__ or exc
         log.info("http.bad_body", method=request.method, path=request.path,
                  peer=request.remote, reason=str(cause))  # fmt: skip
-        return _refuse(BadRequest(f"the body could not be read: {cause}"), close=True)
+        return _refuse(request, BadRequest(f"the body could not be read: {cause}"), close=True)
     return None
 
 
@@ -338,6 +363,9 @@ class ConnectionSlots:
         self._peer_refused = 0
         self._last_peer_report = 0.0
         self.peer_busy = _busy_bytes(_peer_detail(per_peer, authenticated))
+        self.busy = _busy_bytes(
+            f"{limit} connections are open (server.max_connections = {limit}): try again shortly"
+        )
 
     def admit(self, peer: str | None) -> bool:
         """Whether a new connection from ``peer`` may be served; counts it if so. A
@@ -388,7 +416,7 @@ def _peer_detail(per_peer: int, authenticated: bool) -> str:
     )
 
 
-def _busy_bytes(detail: str = "try again shortly") -> bytes:
+def _busy_bytes(detail: str) -> bytes:
     error = TooManyConnections(detail)
     body = json.dumps(problem_body(error.status, error.code, error.title, error.detail)).encode()
     head = (
@@ -399,9 +427,6 @@ def _busy_bytes(detail: str = "try again shortly") -> bytes:
         "Connection: close\r\n\r\n"
     )
     return head.encode() + body
-
-
-_BUSY = _busy_bytes()
 
 
 def _peer_host(transport: asyncio.BaseTransport) -> str | None:
@@ -434,7 +459,7 @@ class _GuardedHandler(web.RequestHandler):
         if self._slots.open >= self._slots.limit:
             self._over_limit = True
             self._slots.refused()
-            _refuse_connection(transport, _BUSY)
+            _refuse_connection(transport, self._slots.busy)
             return
         peer = _peer_host(transport)
         if not self._slots.admit(peer):
@@ -481,7 +506,8 @@ class _GuardedHandler(web.RequestHandler):
             log.info("http.malformed_request", status=status, detail=detail, header=header,
                      peer=request.remote)  # fmt: skip
             if _names_unserved_version(raw or ""):
-                error = HttpVersionNotSupported("this HTTP version is not served: use HTTP/1.1")
+                named = ", ".join(sorted({f"HTTP/{a}.{b}" for a, b in _VERSION_TOKEN.findall(raw)}))
+                error = HttpVersionNotSupported(f"{named} is not served: use HTTP/1.1")
             else:
                 error = BadRequest(detail)
         else:

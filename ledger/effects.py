@@ -219,6 +219,9 @@ class EffectRequest:
     #: What an approval of this request must name (``approval_digest``); None: the same as
     #: ``payload_digest`` (no effect-changing header was sent).
     approval_digest: str | None = None
+    #: The request as forwarded, for operators (``ledger.requests``: headers and body, less
+    #: what no record keeps); None unless the downstream keeps request bodies.
+    request_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +279,9 @@ class Effect:
     #: payload digest and the effect-changing headers); None when it is ``payload_digest``
     #: (no such header was sent, or the record was bound before approval digests existed).
     requested_digest: str | None = None
+    #: The last forward's request as ``ledger.requests`` keeps it (JSON text), written by the
+    #: prepare that opened it; None when its downstream keeps no request bodies.
+    request_json: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +400,9 @@ def effective(effect: Effect, now: int) -> Effect:
 
 
 def _rejection(error: FencegateError, effect: Effect) -> FencegateError:
+    """``error`` about ``effect``: named in its detail (mirrored in ``RedisStore``'s
+    prepare) and in its members."""
+    error.about_effect(effect.effect_id)
     error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
     return error
 
@@ -500,6 +509,7 @@ def prepare(
             probe_holder=None,
             probe_until=None,
             updated_at=now,
+            request_json=request.request_json,
         )
         return PrepareOutcome(Action.FORWARD, again, write=True)
     if not same:
@@ -1024,6 +1034,8 @@ def effect_to_fields(effect: Effect) -> dict[str, str]:
         out["response"] = effect.response_json
     if effect.actions_json is not None:
         out["actions"] = effect.actions_json
+    if effect.request_json is not None:
+        out["request"] = effect.request_json
     for i, attempt in enumerate(effect.attempts):
         for name in _ATTEMPT_STR + _ATTEMPT_INT:
             value = getattr(attempt, name)
@@ -1100,4 +1112,5 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         actions_json=get("actions"),
         requested_by=get("requested_by"),
         requested_digest=get("requested_digest"),
+        request_json=get("request"),
     )

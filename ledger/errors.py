@@ -32,12 +32,15 @@ The tree::
 
 The pure models raise these, the stores translate their own failures into them with
 ``raise ... from exc``, and ``gateway.problems`` renders any of them as problem+json. Codes are
-the stable part: clients switch on ``code``, never on ``title`` or ``detail``.
+the stable part: clients switch on ``code``, never on ``title`` or ``detail``. A detail names
+what it is about (``FencegateError.about``): the task, the effect, the downstream by its
+configured name, the agent's method and path, the limit that fired with its config key.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import re
+from typing import Any, ClassVar, Self
 
 __all__ = [
     "CLAIM_REFUSED_CODES",
@@ -90,12 +93,35 @@ class FencegateError(Exception):
     code: ClassVar[str] = "INTERNAL"
     status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal error"
+    #: A refusal of the HTTP request itself (its credential, body, headers): the gateway
+    #: names the request (method and path, no query string) in its detail.
+    about_request: ClassVar[bool] = False
 
     def __init__(self, detail: str | None = None, **extra: Any) -> None:
         self.detail = detail or self.title
         #: Extra members for the problem body (e.g. ``retryAfterMs``), camelCase keys.
         self.extra = extra
         super().__init__(self.detail)
+
+    def about(self, subject: str) -> Self:
+        """This problem, its detail naming what it is about (``task t-1``, ``effect 3fa2...``,
+        ``POST /v1/tasks/t-1/claim``) at its head unless it names it already: ``task t-1: no
+        such task``. The one rule by which a refusal names its object; each store applies it
+        where it refines its refusals (``sql_steps.expired_refusal``, ``RedisStore._refusal``),
+        so every store says the same words. Returns ``self``."""
+        if not re.search(re.escape(subject) + r"(?![\w.-]|:\S)", self.detail):
+            text = self.detail
+            if text == self.title:
+                text = text[:1].lower() + text[1:]
+            self.detail = f"{subject}: {text}"
+            self.args = (self.detail,)
+        return self
+
+    def about_task(self, task_id: str) -> Self:
+        return self.about(f"task {task_id}")
+
+    def about_effect(self, effect_id: str) -> Self:
+        return self.about(f"effect {effect_id}")
 
 
 class BadRequest(FencegateError):
@@ -110,6 +136,7 @@ class Unauthenticated(FencegateError):
     code = "UNAUTHENTICATED"
     status = 401
     title = "A valid credential is required"
+    about_request = True
 
 
 class Forbidden(FencegateError):
@@ -118,6 +145,7 @@ class Forbidden(FencegateError):
     code = "FORBIDDEN"
     status = 403
     title = "Not allowed for this principal"
+    about_request = True
 
 
 class ClaimRefused(FencegateError):
@@ -188,6 +216,7 @@ class EventsGone(FencegateError):
     code = "EVENTS_GONE"
     status = 410
     title = "That event position is older than the retained history"
+    about_request = True
 
 
 class Fenced(Rejected, ClaimRefused):
@@ -257,6 +286,7 @@ class PayloadTooLarge(FencegateError):
     code = "PAYLOAD_TOO_LARGE"
     status = 413
     title = "Body over the configured limit"
+    about_request = True
 
 
 class DownstreamUnreachable(FencegateError):
@@ -304,6 +334,7 @@ class RequestTimeout(FencegateError):
     code = "REQUEST_TIMEOUT"
     status = 408
     title = "The request body did not arrive in time"
+    about_request = True
 
 
 class UnsupportedMediaType(FencegateError):
@@ -312,6 +343,7 @@ class UnsupportedMediaType(FencegateError):
     code = "UNSUPPORTED_MEDIA_TYPE"
     status = 415
     title = "The body must be application/json"
+    about_request = True
 
 
 class MisdirectedRequest(FencegateError):
@@ -320,6 +352,7 @@ class MisdirectedRequest(FencegateError):
     code = "MISDIRECTED_REQUEST"
     status = 421
     title = "This gateway does not serve that host"
+    about_request = True
 
 
 class HttpVersionNotSupported(FencegateError):
@@ -334,6 +367,7 @@ class TooManyConnections(FencegateError):
     code = "TOO_MANY_CONNECTIONS"
     status = 503
     title = "Too many open connections"
+    about_request = True
 
 
 class DownstreamBusy(FencegateError):
@@ -352,6 +386,7 @@ class RateLimited(FencegateError):
     code = "RATE_LIMITED"
     status = 429
     title = "Too many requests from this principal"
+    about_request = True
 
 
 def _codes() -> dict[str, type[FencegateError]]:

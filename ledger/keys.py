@@ -183,6 +183,18 @@ class Keys:
         """Hash: effectId -> taskId, to find a record from its id alone."""
         return f"{self.prefix}:effects:task"
 
+    @property
+    def effect_ids(self) -> str:
+        """Sorted set (all scores 0) of every live effectId: lexical order is id order, so
+        an id prefix is one ZRANGEBYLEX (``effect_prefix.lua``). ``prepare.lua`` adds an
+        effect as it creates it, ``retention.lua`` removes it with the record."""
+        return f"{self.prefix}:effects:ids"
+
+    @property
+    def effect_ids_indexed(self) -> str:
+        """Set once every effect created before ``effect_ids`` existed has been added."""
+        return f"{self.prefix}:effects:ids:indexed"
+
 
 #: Members of ``Keys`` that build no key: the prefix itself, a SCAN pattern and its parser.
 NOT_KEYS = frozenset({"prefix", "task_pattern", "task_id_of"})

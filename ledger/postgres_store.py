@@ -231,6 +231,24 @@ def _numbered(text: str) -> str:
     return re.sub(r"\?", lambda _: f"${next(count)}", text)
 
 
+#: The first transaction id whose events may still be written (``sql_steps.read_events``
+#: reads only below it): the oldest transaction the statement's snapshot sees running, left
+#: out those known to run in another database of the server (a session is bound to one
+#: database for life, so they cannot write this database's ``events``), else the snapshot's
+#: xmax. A transaction of another database (another application's long write, a forgotten
+#: prepared transaction, a neighbouring test's) no longer holds this store's events back;
+#: one of this database still does (docs/stores.md, "The change feed"). A running id the
+#: activity views do not show (it ended meanwhile, or they hide it) counts as this database's:
+#: a later read goes on. The views are read only when the snapshot shows something running.
+_EVENTS_HORIZON = """(SELECT COALESCE(
+        (SELECT min(x) FROM pg_snapshot_xip(snap.s) AS x
+          WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity AS a
+                            WHERE a.backend_xid = xid(x) AND a.datname <> current_database())
+            AND NOT EXISTS (SELECT 1 FROM pg_prepared_xacts AS p
+                            WHERE p.transaction = xid(x) AND p.database <> current_database())),
+        pg_snapshot_xmax(snap.s))::text::bigint
+    FROM (SELECT pg_current_snapshot() AS s) AS snap)"""
+
 #: PostgreSQL's fragments for the shared steps (``ledger.sql_steps.Dialect``).
 _POSTGRES = sql_steps.Dialect(
     for_update=" FOR UPDATE",
@@ -240,8 +258,8 @@ _POSTGRES = sql_steps.Dialect(
     json_int=lambda key: f"((fields::jsonb ->> '{key}')::bigint)",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
     lock_dependency_graph=f"SELECT pg_advisory_xact_lock({_GRAPH_LOCK})",
-    events_visible="xid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
-    events_end=f"SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint - 1, {2**62}",
+    events_visible=f"xid < {_EVENTS_HORIZON}",
+    events_end=f"SELECT {_EVENTS_HORIZON} - 1, {2**62}",
     # Each table with its indexes and TOAST, found on the search path like every statement.
     table_bytes="SELECT name, COALESCE(pg_total_relation_size(to_regclass(name)), 0) "
     f"FROM unnest(ARRAY[{', '.join(repr(t) for t in sql_steps.STORE_TABLES)}]::text[]) AS name",

@@ -92,7 +92,7 @@ from fencegate.ledger.errors import (
     StoreUnavailable,
 )
 from fencegate.ledger.events import Event
-from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.queries import Gauges, TaskFilter, effect_prefix_bounds, page_tasks
 from fencegate.ledger.retention import (
     EffectTombstone,
     ExpiryReport,
@@ -162,9 +162,10 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "retention": ("task_lib", "effect_lib"),
     "settled_index": ("task_lib",),
     "stats": (),
+    "effect_prefix": (),
 }
 #: The scripts that never write: no WAIT follows them (every other script may write).
-_READ_ONLY_SCRIPTS = frozenset({"fence", "gauges", "events_read", "stats"})
+_READ_ONLY_SCRIPTS = frozenset({"fence", "gauges", "events_read", "stats", "effect_prefix"})
 #: Bounds of ``[store] redis_min_replicas`` (gateway.config checks them too).
 MAX_MIN_REPLICAS = 16
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
@@ -245,6 +246,16 @@ def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
         extra = {name: int(value) for name, value in _pairs(reply[3:]).items()}
         raise ERRORS_BY_CODE[code](detail or None, **extra)
     return status, _pairs(reply[1:])
+
+
+def _about(exc: FencegateError, task_id: str | None, effect_id: str | None) -> FencegateError:
+    """A step's refusal named by its effect or task (``FencegateError.about``); the store's
+    own failures (STORE_UNAVAILABLE) are left as they are, as in ``sql_steps``."""
+    if isinstance(exc, StoreUnavailable):
+        return exc
+    if effect_id is not None:
+        return exc.about_effect(effect_id)
+    return exc.about_task(task_id) if task_id is not None else exc
 
 
 def _json_list(items: list[str]) -> str:
@@ -728,6 +739,7 @@ class RedisStore(Store):
         self._format_current = False
         self._tasks_indexed = False
         self._settled_indexed = False
+        self._effect_ids_indexed = False
         self._effect_indexes = [
             self._keys.prepared,
             self._keys.unknown,
@@ -1150,13 +1162,16 @@ class RedisStore(Store):
         read, after the step answered, of the tombstone and the store's time. It only changes
         which refusal is given, never what a step did, so it need not be atomic with the step;
         a tombstone past its ``forget_at`` on the store's clock counts as absent, whether or
-        not Redis has expired the key yet."""
+        not Redis has expired the key yet.
+
+        Also the one place this store names any refusal of such a step by its task (effect):
+        ``FencegateError.about``, as ``sql_steps.expired_refusal`` does."""
         if type(exc) is NoSuchTask and task_id is not None:
             key = self._keys.tombstone(task_id)
         elif type(exc) is NoSuchEffect and effect_id is not None:
             key = self._keys.effect_tombstone(effect_id)
         else:
-            return exc
+            return _about(exc, task_id, effect_id)
 
         async def read() -> Any:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -1166,7 +1181,7 @@ class RedisStore(Store):
 
         fields, (sec, usec) = await self._call(read)
         if not fields or int(fields["forget_at"]) <= self._store_time(sec, usec):
-            return exc
+            return _about(exc, task_id, effect_id)
         if task_id is not None:
             return expired_task(_task_tombstone(fields))
         return expired_effect(_effect_tombstone(fields))
@@ -1204,6 +1219,8 @@ class RedisStore(Store):
         if not self._tasks_indexed:
             await self._index_old_tasks()
         started = time.monotonic()
+        # The store's clock, read once: "lease expired" is its decision, not the gateway's.
+        now = await self.now_ms() if wanted.lease_expired is not None else 0
         scanned: list[tuple[str, Task | None]] = []
         start = "-" if after is None else f"({after}"
         more = True
@@ -1236,11 +1253,11 @@ class RedisStore(Store):
             for task_id in ids:
                 fields = records.get(task_id)
                 scanned.append((task_id, task_from_fields(fields) if fields else None))
-            page, _ = page_tasks(scanned, more, wanted, limit)
+            page, _ = page_tasks(scanned, more, wanted, limit, now)
             if len(page) == limit:
                 break
         self.observe("list_tasks", time.monotonic() - started)
-        return page_tasks(scanned, more, wanted, limit)
+        return page_tasks(scanned, more, wanted, limit, now)
 
     async def claim(self, task_id: str, request: ClaimRequest) -> Task:
         reply = await self._task_script(
@@ -1259,7 +1276,7 @@ class RedisStore(Store):
         )
         try:
             task = task_from_fields(_parse(reply)[1])
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=task_id) from None
         self._remember_revision(task_id, task.claim_generation, task.revision)
         return task
@@ -1317,7 +1334,7 @@ class RedisStore(Store):
         )
         try:
             return task_from_fields(_parse(reply)[1])
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=task_id) from None
 
     async def release(self, task_id: str, identity: Identity) -> Task:
@@ -1334,7 +1351,7 @@ class RedisStore(Store):
         )
         try:
             return task_from_fields(_parse(reply)[1])
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=task_id) from None
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
@@ -1356,7 +1373,7 @@ class RedisStore(Store):
         )
         try:
             status, fields = _parse(reply)
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=task_id) from None
         return task_from_fields(fields), status == "REPLAY"
 
@@ -1366,7 +1383,7 @@ class RedisStore(Store):
         )
         try:
             return task_from_fields(_parse(reply)[1])
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=task_id) from None
 
     async def continue_cascades(self, limit: int) -> int:
@@ -1437,7 +1454,7 @@ class RedisStore(Store):
         )
         try:
             return task_from_fields(_parse(reply)[1])
-        except NoSuchTask as exc:
+        except FencegateError as exc:
             raise await self._refusal(exc, task_id=fence.task_id) from None
 
     async def prepare_effect(
@@ -1464,6 +1481,7 @@ class RedisStore(Store):
                 self._keys.effects_index,
                 self._keys.effect_tasks,
                 *self._effect_indexes,
+                self._keys.effect_ids,
             ],
             [
                 fence.attempt_id,
@@ -1484,13 +1502,14 @@ class RedisStore(Store):
                 "" if revision is None else revision,
                 eid,
                 request.approval_digest or "",
+                request.request_json or "",
             ],
         )
         status = reply[0]
         if status == "ERR":
             try:
                 _parse(reply)  # raises
-            except NoSuchTask as exc:
+            except FencegateError as exc:
                 raise await self._refusal(exc, task_id=fence.task_id) from None
         if status == "REJECT":
             code, detail, retry = reply[1], reply[2], reply[3]
@@ -1498,6 +1517,7 @@ class RedisStore(Store):
             error = ERRORS_BY_CODE[code](detail or None)
             if retry:
                 error.extra["retryAfterMs"] = int(retry)
+            error.about_effect(effect.effect_id)  # as effects._rejection
             error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
             if code == "APPROVAL_REQUIRED":
                 error.extra["approvalDigest"] = effects.wanted_approval(effect)
@@ -1527,7 +1547,7 @@ class RedisStore(Store):
         if status == "ERR":
             try:
                 _parse(reply)  # raises
-            except NoSuchEffect as exc:
+            except FencegateError as exc:
                 raise await self._refusal(exc, effect_id=effect_id) from None
         return _record(reply[1]), status == "OK"
 
@@ -1565,6 +1585,40 @@ class RedisStore(Store):
         if effect is None:
             raise await self._refusal(NoSuchEffect(), effect_id=effect_id)
         return effect
+
+    async def _index_old_effects(self) -> None:
+        """Add the effects created before the effect ids index existed (an older fencegate)
+        to it: one HSCAN of the effectId -> taskId hash, once per store (a marker key
+        remembers). Effects created meanwhile are indexed by prepare.lua anyway; two gateways
+        doing it at once is harmless (ZADD of the same members)."""
+        if await self._call(lambda: self._redis.exists(self._keys.effect_ids_indexed)):
+            self._effect_ids_indexed = True
+            return
+        cursor: Any = 0
+        found: Any
+        while True:
+            cursor, found = await self._call(
+                functools.partial(self._redis.hscan, self._keys.effect_tasks, cursor, count=1000)
+            )
+            if found:
+                members = dict.fromkeys(found, 0)
+                await self._call(
+                    functools.partial(self._redis.zadd, self._keys.effect_ids, members)
+                )
+            if int(cursor) == 0:
+                break
+        await self._call(lambda: self._redis.set(self._keys.effect_ids_indexed, "1"))
+        log.info("store.effect_ids_indexed", store="redis")
+        self._effect_ids_indexed = True
+
+    async def find_effects(self, prefix: str, limit: int) -> list[str]:
+        effect_prefix_bounds(prefix)  # refuses anything but lowercase hex
+        if not self._effect_ids_indexed:
+            await self._index_old_effects()
+        reply = await self._script(
+            "effect_prefix", [self._keys.effect_ids, self._keys.effect_tasks], [prefix, limit]
+        )
+        return [str(effect_id) for effect_id in reply]
 
     async def list_effects(
         self,
@@ -1866,7 +1920,7 @@ class RedisStore(Store):
             current = None if raw is None else effects.effect_from_fields(json.loads(raw))
             try:
                 updated = transition(current, now)
-            except NoSuchEffect as exc:  # the record went (expired) since _task_of found it
+            except FencegateError as exc:  # NO_SUCH_EFFECT: it went (expired) since _task_of
                 raise await self._refusal(exc, effect_id=effect_id) from None
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]

@@ -32,13 +32,15 @@ from fencegate.ledger.errors import (
     BadRequest,
     EffectExpired,
     EventsGone,
+    FencegateError,
     NoSuchEffect,
     NoSuchTask,
     StoreIncompatible,
+    StoreUnavailable,
     TaskExpired,
 )
 from fencegate.ledger.events import Event
-from fencegate.ledger.queries import Gauges, TaskFilter, page_tasks
+from fencegate.ledger.queries import Gauges, TaskFilter, effect_prefix_bounds, page_tasks
 from fencegate.ledger.retention import EffectTombstone, ExpiryReport, StoreStats
 from fencegate.ledger.store import TASK_SCAN, EffectTransition, encode_cursor
 from fencegate.ledger.tasks import (
@@ -206,7 +208,7 @@ class Dialect:
     #: at a time, so the cycle check walks a graph no concurrent put is changing.
     lock_dependency_graph: str
     #: SQL condition an ``events`` row must meet to be read: its transaction can no longer be
-    #: overtaken by one still running (PostgreSQL: below the snapshot's xmin).
+    #: overtaken by one still running (PostgreSQL: ``postgres_store._EVENTS_HORIZON``).
     events_visible: str
     #: SELECT of the position "after everything visible now" (two columns: xid, seq).
     events_end: str
@@ -443,27 +445,39 @@ def expired_refusal(
 
     The one place the SQL stores refine that refusal, in the same transaction as the step:
     the tombstone is read only after the step refused (one more statement on that path, none
-    on any other), and it changes only which refusal is given, never whether one is."""
+    on any other), and it changes only which refusal is given, never whether one is.
+
+    Also the one place a refusal of such a step is named by its task (effect):
+    ``FencegateError.about``, as ``RedisStore._refusal`` names it."""
     try:
-        return (yield from step)
-    except (TaskExpired, EffectExpired):
+        try:
+            return (yield from step)
+        except (TaskExpired, EffectExpired):
+            raise
+        except NoSuchTask:
+            if task_id is None:
+                raise
+            stone = yield from load_task_tombstone(task_id)
+            now = yield NOW
+            if stone is None or stone.forget_at <= now:
+                raise
+            raise tasks.expired_task(stone) from None
+        except NoSuchEffect:
+            if effect_id is None:
+                raise
+            effect_stone = yield from load_effect_tombstone(effect_id)
+            now = yield NOW
+            if effect_stone is None or effect_stone.forget_at <= now:
+                raise
+            raise retention.expired_effect(effect_stone) from None
+    except StoreUnavailable:
         raise
-    except NoSuchTask:
-        if task_id is None:
-            raise
-        stone = yield from load_task_tombstone(task_id)
-        now = yield NOW
-        if stone is None or stone.forget_at <= now:
-            raise
-        raise tasks.expired_task(stone) from None
-    except NoSuchEffect:
-        if effect_id is None:
-            raise
-        effect_stone = yield from load_effect_tombstone(effect_id)
-        now = yield NOW
-        if effect_stone is None or effect_stone.forget_at <= now:
-            raise
-        raise retention.expired_effect(effect_stone) from None
+    except FencegateError as exc:
+        if effect_id is not None:
+            exc.about_effect(effect_id)
+        elif task_id is not None:
+            exc.about_task(task_id)
+        raise
 
 
 # --- tasks ----------------------------------------------------------------------------------
@@ -565,7 +579,9 @@ def list_tasks(
     scanned = [
         (task_id, tasks.task_from_fields(json.loads(raw))) for task_id, raw in rows[:TASK_SCAN]
     ]
-    return page_tasks(scanned, len(rows) > TASK_SCAN, wanted, limit)
+    # The store's clock, in the same transaction: "lease expired" is its decision.
+    now = (yield NOW) if wanted.lease_expired is not None else 0
+    return page_tasks(scanned, len(rows) > TASK_SCAN, wanted, limit, now)
 
 
 def claim(
@@ -803,6 +819,18 @@ def get_effect(d: Dialect, effect_id: str) -> Step[Effect]:
         raise NoSuchEffect()
     now = yield NOW
     return effects.effective(effect, now)
+
+
+def find_effects(prefix: str, limit: int) -> Step[list[str]]:
+    """``ledger.queries.effects_with_prefix``: a range of the effects' primary key."""
+    low, high = effect_prefix_bounds(prefix)
+    rows = yield Sql(
+        "SELECT effect_id FROM effects WHERE effect_id >= ? AND effect_id < ? "
+        "ORDER BY effect_id LIMIT ?",
+        (low, high, limit),
+        "all",
+    )
+    return [str(row[0]) for row in rows]
 
 
 def list_effects(
@@ -1120,8 +1148,9 @@ def _parse_position(position: str) -> tuple[int, int]:
 def read_events(d: Dialect, after: str | None, limit: int) -> Step[tuple[list[Event], str]]:
     """Events in (xid, seq) order. On PostgreSQL a sequence number is drawn before its
     transaction commits, so seq order alone could show a later event before an earlier one
-    commits; reading only transactions below the snapshot's xmin (all finished) in (xid, seq)
-    order means nothing can later appear before a position already handed out."""
+    commits; reading in (xid, seq) order only below a horizon under which every transaction
+    that could write an event has finished means nothing can later appear before a position
+    already handed out."""
     if after is None:
         row = yield Sql(d.events_end, (), "one")
         return [], _position(int(row[0]), int(row[1]))

@@ -246,6 +246,9 @@ class SqlStore(Store):
             lambda: sql_steps.get_effect(self.dialect, effect_id), "get_effect", effect_id=effect_id
         )
 
+    async def find_effects(self, prefix: str, limit: int) -> list[str]:
+        return await self._steps(lambda: sql_steps.find_effects(prefix, limit), "find_effects")
+
     async def list_effects(
         self,
         *,

@@ -255,7 +255,8 @@ class Store(abc.ABC):
     ) -> tuple[list[Task], str | None]:
         """Tasks in task id order after ``after``, filtered (``ledger.queries.page_tasks``),
         and the task id to continue after (None at the end). Reads at most ``TASK_SCAN``
-        records per call, so a page may be short while the answer says to go on."""
+        records per call, so a page may be short while the answer says to go on.
+        ``wanted.lease_expired`` is judged by the store's clock, read once per call."""
 
     @abc.abstractmethod
     async def claim(self, task_id: str, request: ClaimRequest) -> Task: ...
@@ -350,6 +351,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get_effect(self, effect_id: str) -> Effect:
         """The record as of now (a PREPARED past its deadline reads as UNKNOWN)."""
+
+    @abc.abstractmethod
+    async def find_effects(self, prefix: str, limit: int) -> list[str]:
+        """The ids of up to ``limit`` live effects whose id starts with ``prefix`` (lowercase
+        hex), in id order, from the store's own index: never a scan of the ledger
+        (``ledger.queries.effects_with_prefix``). An expired effect is not found by a
+        prefix (its full id still answers ``EFFECT_EXPIRED``)."""
 
     @abc.abstractmethod
     async def list_effects(

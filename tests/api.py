@@ -7,15 +7,18 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from fencegate.gateway.app import create_app
+from fencegate.gateway.config import load_config
 from fencegate.gateway.state import STORE
 from fencegate.ledger.store import Store
 
-__all__ = ["HANG_S", "Answer", "Api", "Lease", "until"]
+__all__ = ["HANG_S", "Answer", "Api", "InProcessGateway", "Lease", "until"]
 
 #: How long ``until`` waits before it calls the wait a hang: far past anything a loaded
 #: machine needs, and inside the per-test timeout.
@@ -231,3 +234,30 @@ class ServeLikeServer(TestServer):
     async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
         kwargs["handler_cancellation"] = False
         return await super()._make_runner(**kwargs)
+
+
+class InProcessGateway:
+    """``fencegate serve``'s app, built from its config file as ``serve`` builds it, served in
+    the test's own process on a port the system picks (``ServeLikeServer``). For tests where a
+    real process is not the point (no kill -9, no signals, no start-up or log lines): it costs
+    no interpreter start-up and import. ``url`` as ``GatewayProcess.url``; ``stop`` it."""
+
+    def __init__(self, config_path: Path) -> None:
+        self.config_path = config_path
+        self.server: ServeLikeServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None and self.server.port is not None
+        return f"http://127.0.0.1:{self.server.port}"
+
+    async def start(self) -> InProcessGateway:
+        app = create_app(load_config(self.config_path))
+        self.server = ServeLikeServer(app, host="127.0.0.1")
+        await self.server.start_server()
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+            self.server = None

@@ -26,7 +26,10 @@ answers 503 before doing anything.
 
 The app state lives on this object, and ``stop_listening`` / ``listen`` close and reopen only
 the TCP listener, on the same port: while it is closed, a forward gets "connection refused"
-(certainly not delivered), and what the downstream remembers survives the outage. Every
+(certainly not delivered), and what the downstream remembers survives the outage. The port
+stays ours meanwhile: a second socket holds it bound, never listening (``SO_REUSEPORT`` on
+both, which Linux grants only to sockets of one user), so a connection to it is refused and no
+other process's bind or outgoing connection can take it before ``listen`` binds it again. Every
 answer closes its connection, so the gateway never holds an idle pooled connection that the
 outage would break under a later forward.
 """
@@ -34,6 +37,7 @@ outage would break under a later forward.
 from __future__ import annotations
 
 import hashlib
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -73,6 +77,8 @@ class LateServers:
     doc_writes: int = 0
     runner: web.AppRunner | None = None
     port: int = 0
+    #: Bound to ``port`` and never listening, from the first ``listen`` to ``close``.
+    _holder: socket.socket | None = None
 
     @property
     def url(self) -> str:
@@ -167,7 +173,8 @@ class LateServers:
     # --- the listener -------------------------------------------------------------------------
 
     async def listen(self) -> LateServers:
-        """Start serving (again): the first time on a free port, later on the same one."""
+        """Start serving (again): the first time on a port the system picks, later on the
+        same one, which ``_holder`` kept meanwhile."""
         assert self.runner is None, "already listening"
         app = web.Application(middlewares=[self._close_after])
         app.router.add_post("/charges", self.charge)
@@ -178,11 +185,12 @@ class LateServers:
         app.router.add_get("/docs/{name}", self.docs_read)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", self.port)
-        await site.start()
-        server = site._server
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        listener = _reuseport_socket(self.port)
+        self.port = listener.getsockname()[1]
+        if self._holder is None:
+            self._holder = _reuseport_socket(self.port)
+        listener.listen()
+        await web.SockSite(runner, listener).start()
         self.runner = runner
         return self
 
@@ -194,3 +202,19 @@ class LateServers:
 
     async def close(self) -> None:
         await self.stop_listening()
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+
+
+def _reuseport_socket(port: int) -> socket.socket:
+    """A TCP socket bound to 127.0.0.1:``port`` (0: one the system picks) with
+    ``SO_REUSEPORT``, not listening yet."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -47,7 +47,10 @@ async def kinds() -> AsyncIterator[KindServers]:
 
 
 def kinds_config(store_url: str, key_prefix: str, kinds: KindServers, **overrides: Any) -> Config:
-    common = {"url": kinds.url, "timeout_ms": TIMEOUT_MS}
+    # The bound a held call runs into is the read timeout: it starts once the connection is
+    # there and fires only after the request was handed to the socket, so a held call always
+    # arrives (a whole-forward timer of 300 ms could fire before a slow connect sent it).
+    common = {"url": kinds.url, "timeout_ms": 10_000, "read_timeout_ms": TIMEOUT_MS}
     downstreams: list[dict[str, Any]] = [
         {"name": "stripe", "adapter": "idempotent", "dedupe_window_ms": 60_000, **common},
         {"name": "stripe-short", "adapter": "idempotent", "dedupe_window_ms": 1_000, **common},

@@ -21,7 +21,7 @@ import pytest
 from pydantic import BaseModel
 
 from fencegate.gateway import answers
-from fencegate.ledger import effects, responses
+from fencegate.ledger import effects, requests, responses
 from fencegate.ledger.effects import Effect, EffectAttempt, EffectState, ProbeVerdict
 from fencegate.ledger.events import effect_event, task_event
 from fencegate.ledger.queries import Gauges
@@ -319,7 +319,7 @@ def _set_everywhere(model: BaseModel, where: str) -> None:
 
 #: Records whose members depend on what happened (the stored response and the action
 #: trail, which the ledger writes and the comparisons above hold to their writers).
-_PARTIAL = {"StoredResponse", "ResolveAction", "ApproveAction", "ReconcileAction"}
+_PARTIAL = {"StoredResponse", "KeptRequest", "ResolveAction", "ApproveAction", "ReconcileAction"}
 
 
 def test_every_builder_sets_every_member_it_declares() -> None:
@@ -327,10 +327,15 @@ def test_every_builder_sets_every_member_it_declares() -> None:
     claimed, committed = tasks[1], tasks[2]
     _set_everywhere(answers.Task.of(committed), "Task")
     _set_everywhere(answers.ClaimGranted.of(claimed), "ClaimGranted")
-    approved = _effects()[3]
+    # With a kept request and what to look up (keep_request_bodies, gateway.forward.look_up).
+    kept = requests.request_json([("A", "1")], b"{}", max_bytes=10)
+    approved = replace(_effects()[3], request_json=kept)
     assert approved.approval_digest is not None
-    _set_everywhere(answers.Effect.of(approved), "Effect")
-    _set_everywhere(answers.Resolved.of(approved, unchanged=False, warnings=[]), "Resolved")
+    shown = {"key_header": "Idempotency-Key", "look_up": "look it up"}
+    _set_everywhere(answers.Effect.of(approved, **shown), "Effect")
+    _set_everywhere(
+        answers.Resolved.of(approved, unchanged=False, warnings=[], **shown), "Resolved"
+    )
     _set_everywhere(answers.Scheduler.of(Scheduler(3, True)), "Scheduler")
     gauges = Gauges(active_leases=1, prepared_effects=2, unknown_effects=3, awaiting_approval=4)
     _set_everywhere(answers.Rollout.of(Scheduler(), gauges), "Rollout")

@@ -28,11 +28,14 @@ from fencegate.gateway.config import AuthConfig, Config
 from fencegate.gateway.console import CONSOLE, new_console
 from fencegate.gateway.console.session import COOKIE, SECRET_ENV, SessionCodec
 from fencegate.gateway.console.views import CSP
-from fencegate.gateway.state import STORE
+from fencegate.gateway.state import METRICS, STORE
+from fencegate.ledger.tasks import ClaimRequest
 from tests.api import claim_fence
 from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
+from tests.test_effect_prefix import colliding_slots, effects_of
+from tests.test_retention import claim_as
 
 TOKENS = {
     "scheduler": (["scheduler"], "tok-console-scheduler-0123456789"),
@@ -653,9 +656,10 @@ async def test_an_oversized_pasted_body_is_a_clear_refusal_never_a_500(
     form = {"outcome": "COMMITTED", "note": "n", "csrf": csrf, "responseStatus": "200",
             "responseBody": "a" * (one_mib + 1)}  # fmt: skip
     # Over server.max_body_bytes (1 MiB by default): the request guard refuses the form
-    # before the console reads it.
+    # before the console reads it, with the console's own page.
     guarded = await _post_big(env, f"/console/effects/{effect_id}/resolve", form, alice)
     assert guarded.status == 413 and "PAYLOAD_TOO_LARGE" in guarded.text
+    assert guarded.headers["Content-Type"].startswith("text/html")
     assert "server.max_body_bytes" in guarded.text
     # Under a larger server.max_body_bytes, the API's own bound on the body (1 MiB) holds.
     config = console_config(tmp_path / "big.db", downstream,
@@ -745,7 +749,11 @@ async def test_reconcile_fleet_actions_and_tasks(env: Env) -> None:
     assert 'class="countdown"' in task.text
     assert (await env.get("/console/tasks?id=nope", alice)).status == 404
     assert (await env.get("/console/tasks?id=" + "x" * 300, alice)).status == 400
+    # Not an id nor a prefix of one: 404 naming the rule, as on the JSON API.
     assert (await env.get("/console/effects/NOT-HEX", alice)).status == 404
+    # One sample now (the background one comes every 5 s: tests/test_console_fleet.py).
+    app = env.client.app
+    assert await app[CONSOLE].series.take(app[METRICS], app[STORE])
     async with env.client.get(
         "/console/fleet/series", headers={"Cookie": f"{COOKIE}={alice}"}
     ) as resp:
@@ -820,3 +828,66 @@ async def test_reconcile_now_probes_the_downstream_and_shows_what_it_found(env: 
     assert len(env.downstream.calls("/ok/probe/")) == 1
     after = await env.get(f"/console/effects/{effect_id}", alice)
     assert "operator:alice" in after.text and 'id="stored-body"' in after.text
+
+
+# --- the task list, effects by a prefix (issue 27, item 7) ------------------------------------
+
+
+async def test_the_task_list_filters_by_state_owner_and_expired_lease_and_pages(
+    env: Env,
+) -> None:
+    store = env.client.app[STORE]
+    for task_id in ("t-a", "t-b", "t-c", "t-d"):
+        await store.put_task(task_id, "in", None)
+    await store.claim("t-a", claim_as("w1"))  # a 10 s lease
+    await store.claim("t-b", ClaimRequest(owner="w2", ttl_ms=60_000, scheduler_epoch=1))
+    store.clock_offset_ms += 10_000
+    alice = await env.login(TOKENS["alice"][1])
+
+    def listed(page: Page) -> list[str]:
+        return re.findall(r'<a href="/console/tasks\?id=([^"]+)">', page.text)
+
+    every = await env.get("/console/tasks", alice)
+    assert every.status == 200 and listed(every) == ["t-a", "t-b", "t-c", "t-d"]
+    _no_inline_code(every.text)
+    expired = await env.get("/console/tasks?state=&owner=&leaseExpired=true", alice)
+    assert listed(expired) == ["t-a"] and 'class="lease-expired"' in expired.text
+    assert '<option value="true" selected>' in expired.text
+    assert listed(await env.get("/console/tasks?leaseExpired=false&state=CLAIMED", alice)) == [
+        "t-b"
+    ]
+    assert listed(await env.get("/console/tasks?owner=w2", alice)) == ["t-b"]
+    assert listed(await env.get("/console/tasks?state=READY", alice)) == ["t-c", "t-d"]
+    # Pages of two, the filters kept in the links.
+    first = await env.get("/console/tasks?limit=2", alice)
+    assert listed(first) == ["t-a", "t-b"] and "First page" not in first.text
+    (following,) = re.findall(r'<a href="([^"]+)" rel="next">', first.text)
+    second = await env.get(html.unescape(following), alice)
+    assert listed(second) == ["t-c", "t-d"] and "First page" in second.text
+    assert 'rel="next"' not in second.text
+    bad_queries = [("leaseExpired=yes", "leaseExpired: true or false"),
+                   ("state=DONE", "state: one of"), ("color=red", "unknown query")]  # fmt: skip
+    for bad, named in bad_queries:
+        refused = await env.get(f"/console/tasks?{bad}", alice)
+        assert refused.status == 400 and named in html.unescape(refused.text), bad
+
+
+async def test_an_effect_page_by_a_prefix_and_an_ambiguous_one(env: Env) -> None:
+    store = env.client.app[STORE]
+    ids = sorted(await effects_of(store, "t-pair", colliding_slots("t-pair")))
+    olive = await env.login(TOKENS["olive"][1])
+    full = await env.get(f"/console/effects/{ids[0]}", olive)
+    assert full.status == 200
+    unique = ids[0][:12] if ids[0][:12] != ids[1][:12] else ids[0]
+    short = await env.get(f"/console/effects/{unique}", olive)
+    assert (short.status, short.text) == (200, full.text)
+    ambiguous = await env.get(f"/console/effects/{ids[0][:6]}", olive)
+    assert ambiguous.status == 400
+    _no_inline_code(ambiguous.text)
+    assert re.findall(r'<a href="/console/effects/([0-9a-f]{64})">', ambiguous.text) == ids
+    assert "is ambiguous" in ambiguous.text
+    nothing = await env.get("/console/effects/abcdef12", olive)
+    assert nothing.status == 404 and "no effect id starts with" in html.unescape(nothing.text)
+    # Roles as for the full id: the console is the ledger's readers'.
+    refused = await env.get(f"/console/effects/{ids[0][:6]}", None)
+    assert refused.status in (303, 302)

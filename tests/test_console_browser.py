@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 
 from bench.console_screenshot import CHROMIUM, ConsoleStage, console_stage
+from tests.api import until
 
 if not (Path(CHROMIUM).exists() or shutil.which("chromium")):
     if os.environ.get("CI") == "true":
@@ -283,6 +284,34 @@ async def test_a_page_without_a_session_goes_to_login_and_a_revoked_token_ends_o
     assert not visit.csp_violations, visit.csp_violations
 
 
+async def test_the_fleet_page_says_why_not_and_labels_its_charts_in_words(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    await stage.unknown_payment("browser/pay-7", "/pay/b7")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "olive", "/console/fleet")
+    await page.wait_for_selector("#switch")
+    # Which conditions fail, by how much (the lease above is still held, its effect UNKNOWN).
+    assert await page.inner_text("#switch .badge") == "no"
+    blockers = await page.inner_text("#blockers")
+    assert re.search(r"\b\d+ leases? held\b", blockers), blockers
+    assert re.search(r"\b\d+ effects? UNKNOWN\b", blockers), blockers
+    # The gateway sampled since it started: the charts draw at once, legends in words.
+    await expect(page.locator("[data-legend=unsettled] li")).to_have_text(
+        ["effects in flight (PREPARED)", "effects UNKNOWN", "effects awaiting approval"]
+    )
+    await expect(page.locator("[data-legend=activeLeases] li")).to_have_text(["active leases"])
+    # The payment's outcome shows in the effects legend once a sample after it is drawn (the
+    # gateway samples every 5 s, the page reads every 5 s: the bound is for a hang only).
+    unknown = page.locator("[data-legend=effects] li", has_text="payments: outcome unknown")
+    await expect(unknown).to_have_count(1, timeout=30_000)
+    await visit.shot("fleet-legends")
+    for text in await page.locator("ul.legend li").all_inner_texts():
+        assert "/" not in text and not re.search(r"[a-z][A-Z]", text), text
+    assert not visit.csp_violations, visit.csp_violations
+
+
 async def test_the_queue_and_an_effect_fit_a_phone(
     stage: ConsoleStage, browser: Browser, tmp_path: Path
 ) -> None:
@@ -298,4 +327,58 @@ async def test_the_queue_and_an_effect_fit_a_phone(
             "document.documentElement.scrollWidth - document.documentElement.clientWidth"
         )
         assert overflow <= 0, (path, overflow)
+    assert not visit.csp_violations, visit.csp_violations
+
+
+async def test_an_operator_finds_the_tasks_whose_lease_expired(
+    stage: ConsoleStage, browser: Browser, tmp_path: Path
+) -> None:
+    """The task list: filtered by owner and "lease expired" (the store's clock decides),
+    paged, each task linked to its page; the 12 characters of an effect id work in a URL."""
+    for task_id, ttl_ms in (("browser/lapsed-1", 1), ("browser/held-1", 600_000)):
+        status, _, _ = await stage.call("PUT", f"/v1/tasks/{task_id}", "scheduler",
+                                        {"inputDigest": "in-1"})  # fmt: skip
+        assert status == 201
+        status, _, claim = await stage.call(
+            "POST", f"/v1/tasks/{task_id}/claim", "worker",
+            {"owner": "agent-lapse", "ttlMs": ttl_ms, "schedulerEpoch": 1},
+        )  # fmt: skip
+        assert status == 200, claim
+
+    async def lapsed() -> bool:  # a 1 ms lease: over once the store's clock moved on
+        _, _, page = await stage.call(
+            "GET", "/v1/tasks?owner=agent-lapse&leaseExpired=true", "alice"
+        )
+        return [t["taskId"] for t in page["tasks"]] == ["browser/lapsed-1"]
+
+    await until(lapsed, "the 1 ms lease expired")
+    visit = await _visit(browser, tmp_path)
+    page = visit.page
+    await visit.login(stage, "alice", "/console/tasks")
+    await page.wait_for_selector("#task-filters")
+    await page.fill("#filter-owner", "agent-lapse")
+    await page.select_option("#filter-lease", "true")
+    await page.click("#task-filters button[type=submit]")
+    await page.wait_for_url(re.compile(r".*leaseExpired=true.*"))
+    rows = page.locator("#task-list tbody tr")
+    await expect(rows).to_have_count(1)
+    await expect(rows.first).to_contain_text("browser/lapsed-1")
+    await expect(rows.first).to_contain_text("expired")
+    await visit.shot("tasks-expired")
+    await page.select_option("#filter-lease", "false")
+    await page.click("#task-filters button[type=submit]")
+    await page.wait_for_url(re.compile(r".*leaseExpired=false.*"))
+    await expect(rows).to_have_count(1)
+    await expect(rows.first).to_contain_text("browser/held-1")
+    await visit.shot("tasks-held")
+    await page.click("#task-list a[href$='held-1']")
+    await page.wait_for_url(re.compile(r".*id=browser(/|%2F)held-1$"))
+    assert "CLAIMED" in await page.inner_text("main")
+    await visit.shot("task")
+    # An effect by the 12 characters the queue shows.
+    effect_id, _ = await stage.unknown_payment("browser/pay-prefix", "/pay/bp")
+    await page.goto(f"{stage.base}/console/effects/{effect_id[:12]}")
+    await page.wait_for_selector("#resolve-form")
+    assert effect_id in await page.inner_text("main")
+    await visit.shot("effect-by-prefix")
     assert not visit.csp_violations, visit.csp_violations

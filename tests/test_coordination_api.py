@@ -277,7 +277,9 @@ async def test_epoch_bump_fences_every_older_claim(api: Api) -> None:
     assert stale.code == "STALE_EPOCH"
     # The detail says what was sent, what the claim was made under and what is current
     # (the same words on every store).
-    assert stale.body["detail"] == "schedulerEpoch 1 sent, claim made under 1, current is 2"
+    assert (
+        stale.body["detail"] == "task t1: schedulerEpoch 1 sent, claim made under 1, current is 2"
+    )
     assert (await api.renew(lease, schedulerEpoch=lease.scheduler_epoch + 1)).code == "STALE_EPOCH"
     assert (await api.commit(lease)).code == "STALE_EPOCH"
     assert (await api.commit(lease, schedulerEpoch=lease.scheduler_epoch + 1)).code == "STALE_EPOCH"
@@ -387,6 +389,7 @@ async def test_health_and_readiness(api: Api) -> None:
 CLAIM_OK = {"owner": "w1", "ttlMs": 1000, "schedulerEpoch": 1}
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     ("body", "field"),
     [
@@ -414,6 +417,7 @@ async def test_bad_claim_body_names_the_field(api: Api, body: dict[str, Any], fi
     assert (await api.get("t1")).body["state"] == "READY"  # nothing reached the store
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     "raw", [b"{not json", b"[1,2]", b'"text"', b"", b"null", b"\xff\xfe", b"[" * 100_000]
 )
@@ -424,6 +428,7 @@ async def test_malformed_body_is_400(api: Api, raw: bytes) -> None:
         assert resp.status == 400 and (await resp.json())["code"] == "BAD_REQUEST"
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     "body",
     [
@@ -440,12 +445,14 @@ async def test_bad_put_writes_nothing(api: Api, body: dict[str, Any]) -> None:
     assert (await api.get("t1")).code == "NO_SUCH_TASK"
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize("task_id", ["x" * 201, "bad%20id", "semi;colon", "br{ace}"])
 async def test_bad_task_id_is_400(api: Api, task_id: str) -> None:
     answer = await api.call("PUT", f"/v1/tasks/{task_id}", {"inputDigest": "x"})
     assert answer.status == 400 and "taskId" in answer.body["detail"]
 
 
+@pytest.mark.one_store
 async def test_oversized_body_is_413(api: Api) -> None:
     answer = await api.call("PUT", "/v1/tasks/t1", data=io.BytesIO(b"x" * (2 * 1024 * 1024)))
     assert answer.status == 413 and answer.code == "PAYLOAD_TOO_LARGE"
@@ -459,6 +466,7 @@ async def test_oversized_result_is_413_and_not_committed(api: Api) -> None:
     assert (await api.get("t1")).body["state"] == "CLAIMED"
 
 
+@pytest.mark.one_store
 async def test_unknown_route_and_wrong_method_are_problems(api: Api) -> None:
     missing = await api.call("GET", "/v1/nothing")
     assert missing.status == 404 and missing.content_type == "application/problem+json"
@@ -480,7 +488,9 @@ async def test_claimed_says_when_the_lease_ends_and_when_to_retry(api: Api) -> N
     assert 29 <= retry_after <= 30 and 29_000 <= problem["retryAfterMs"] <= 30_000
     iso = iso_utc(lease.lease_expires_at)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", iso)
-    assert problem["detail"] == f"held until {iso} (leaseExpiresAt {lease.lease_expires_at})"
+    assert (
+        problem["detail"] == f"task t1: held until {iso} (leaseExpiresAt {lease.lease_expires_at})"
+    )
     # A lease about to end (half a second left: real time passes too) still says 1 second.
     api.advance(29_500)
     async with api.client.post(
@@ -502,6 +512,7 @@ async def test_lease_and_runtime_ends_are_also_in_iso(api: Api) -> None:
     assert f"{iso_utc(lease.lease_expires_at)} (leaseExpiresAt " in expired.body["detail"]
 
 
+@pytest.mark.one_store
 async def test_healthz_names_the_version(api: Api) -> None:
     health = await api.call("GET", "/healthz")
     assert health.body == {"status": "ok", "version": metadata.version("fencegate")}

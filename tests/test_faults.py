@@ -15,7 +15,7 @@ import signal
 import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,13 +32,14 @@ from fencegate.ledger.tasks import (
     RenewRequest,
     Task,
 )
-from tests.api import Answer, Api, Lease
+from tests.api import HANG_S, Answer, Api, Lease
 from tests.servers import GatewayProcess, Gateways, RedisServer
 
 WORKER_SCRIPT = Path(__file__).with_name("worker_script.py")
 POLICY = LeasePolicy(max_ttl_ms=60_000, default_max_runtime_ms=600_000)
-#: Upper bound for "answers instead of hanging"; the stores time out after 0.5 s here.
-NO_HANG_S = 5.0
+#: Bounds only a hang of a wait for something that happens whatever the machine's load (a
+#: lease running out, a reconnect): never how soon it happens (``tests.api.HANG_S``).
+NO_HANG_S = HANG_S
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -80,16 +81,13 @@ def identity(attempt_id: str, owner: str, *, epoch: int) -> Identity:
     )
 
 
-async def timed(call: Awaitable[Answer]) -> tuple[Answer, float]:
-    started = time.monotonic()
-    answer = await call
-    return answer, time.monotonic() - started
-
-
-def assert_store_unavailable(answer: Answer) -> None:
+def assert_store_unavailable(answer: Answer, because: str | None = None) -> None:
+    """503 ``STORE_UNAVAILABLE``; with ``because``, its detail says so (e.g. the timeout)."""
     assert answer.status == 503, (answer.status, answer.body)
     assert answer.code == "STORE_UNAVAILABLE", answer.body
     assert answer.content_type == "application/problem+json"
+    if because is not None:
+        assert because in answer.body["detail"], answer.body
 
 
 async def wait_until_ready(api: Api, within_s: float = 10.0) -> None:
@@ -399,21 +397,20 @@ async def test_paused_redis_answers_503_quickly_and_the_gateway_recovers(
         await api.put("after", "in-after")
         assert (await api.call("GET", "/readyz")).status == 200
 
-        server.pause()  # SIGSTOP: connections stay open, nothing answers
+        # SIGSTOP: connections stay open, nothing answers. Every answer below comes while the
+        # server is still paused (it resumes only after them), so the gateway gave up on its
+        # own timer, whatever the time the machine took; the client's bound only ends a hang.
+        server.pause()
         try:
-            answer, elapsed = await timed(api.try_claim("t0", "w1", epoch=1))
-            assert_store_unavailable(answer)
-            assert elapsed < NO_HANG_S
-            ready, elapsed = await timed(api.call("GET", "/readyz"))
+            answer = await api.try_claim("t0", "w1", epoch=1)
+            assert_store_unavailable(answer, "Redis did not answer (TimeoutError")
+            ready = await api.call("GET", "/readyz")
             assert_store_unavailable(ready)
-            assert elapsed < NO_HANG_S
             assert (await api.call("GET", "/healthz")).status == 200  # the process is up
             # Several requests stuck on the paused server at once all answer too.
-            started = time.monotonic()
             stuck = await asyncio.gather(*(api.get(t) for t in task_ids))
-            assert time.monotonic() - started < NO_HANG_S
             for stuck_answer in stuck:
-                assert_store_unavailable(stuck_answer)
+                assert_store_unavailable(stuck_answer, "Redis did not answer (TimeoutError")
         finally:
             server.resume()
 
@@ -444,17 +441,17 @@ async def test_locked_sqlite_answers_503_and_works_again_once_released(
         await api.put("t2")
         locker = sqlite3.connect(db, isolation_level=None)
         try:
-            locker.execute("BEGIN EXCLUSIVE")  # e.g. a backup tool or an operator's shell
-            answer, elapsed = await timed(api.try_claim("t1", "w1", epoch=1))
+            # e.g. a backup tool or an operator's shell. It holds the lock until the answers
+            # below came, so they came from the gateway's own timeout (the client's bound
+            # only ends a hang), however slow the machine.
+            locker.execute("BEGIN EXCLUSIVE")
+            answer = await api.try_claim("t1", "w1", epoch=1)
             assert_store_unavailable(answer)
-            assert elapsed < NO_HANG_S
             # Many requests at once: none queues behind the others until it hangs.
-            started = time.monotonic()
             answers = await asyncio.gather(
                 *(api.try_claim("t1", f"w{i}", epoch=1) for i in range(5)),
                 api.call("GET", "/readyz"),
             )
-            assert time.monotonic() - started < NO_HANG_S
             for each in answers:
                 assert_store_unavailable(each)
         finally:

@@ -269,7 +269,7 @@ async def via_proxy(g: Gateway, lease: Lease, slot: str = "s1") -> tuple[str | N
     assert resp.content_type == "application/problem+json", text
     assert body.get("effectState", "NONE") == resp.headers["Fence-Effect-State"], text
     if body["code"].startswith("DOWNSTREAM_"):  # the agent's own method and path
-        assert body["detail"].startswith("api: POST /proxy/api/pay"), text
+        assert body["detail"].startswith("downstream api: POST /proxy/api/pay"), text
     assert "note=1" not in body["detail"], text  # never the query string
     return body["code"], body.get("effectState")
 
@@ -296,7 +296,9 @@ async def via_mcp(g: Gateway, lease: Lease) -> tuple[str | None, str | None]:
         return None, resp.headers.get("Fence-Effect-State")
     data = body["error"]["data"]
     if data["code"].startswith("DOWNSTREAM_"):  # the agent's own method and path
-        assert data["detail"].startswith("tools: POST /mcp/tools (tools/call charge)"), text
+        assert data["detail"].startswith("downstream tools: POST /mcp/tools (tools/call charge)"), (
+            text
+        )
     return data["code"], data.get("effectState")
 
 
@@ -445,7 +447,9 @@ async def test_idempotent_resend_window_is_shortened_by_the_start_limit(
         calls = []
         for route in ("proxy", "mcp"):
             await g.api.put(f"{route}-1")
-            calls.append((route, await g.api.claim(f"{route}-1")))
+            # A lease that outlives the test however slow the machine: four calls each wait
+            # out the downstream's real timeout, and the store clock then moves 4 s.
+            calls.append((route, await g.api.claim(f"{route}-1", ttl_ms=600_000)))
 
         async def call(route: str, lease: Lease) -> tuple[str | None, str | None]:
             return await (via_proxy(g, lease) if route == "proxy" else via_mcp(g, lease))
@@ -464,10 +468,10 @@ async def test_idempotent_resend_window_is_shortened_by_the_start_limit(
 # --- the pure table and decision ------------------------------------------------------------------
 
 LIMITS = Limits(
-    Bound.of("timeout_ms", 10_000),
-    Bound(400, "proxy.forward_start_limit_ms=1000"),
-    Bound.of("connect_timeout_ms", 5_000),
-    Bound.of("read_timeout_ms", 3_000),
+    Bound.of("downstreams.payments.timeout_ms", 10_000),
+    Bound(400, "proxy.forward_start_limit_ms = 1000"),
+    Bound.of("downstreams.payments.connect_timeout_ms", 5_000),
+    Bound.of("downstreams.payments.read_timeout_ms", 3_000),
 )
 ADDRESS = "http://10.9.8.7:8443/internal/pay?token=s3cret"
 
@@ -482,19 +486,21 @@ def connector_error(code: int) -> aiohttp.ClientConnectorError:
 #: exception, status, waiting -> (kind, outcome, reason prefix, limit)
 TABLE: list[tuple[BaseException, int | None, bool, FailureKind, EffectState, str, str | None]] = [
     (TimeoutError(), None, True, FailureKind.BUSY, EffectState.NOT_APPLIED,
-     "never sent: no pooled connection in time", "proxy.forward_start_limit_ms=1000"),
+     "never sent: no pooled connection in time", "proxy.forward_start_limit_ms = 1000"),
     (aiohttp.ConnectionTimeoutError(f"Connection timeout to host {ADDRESS}"), None, True,
-     FailureKind.BUSY, EffectState.NOT_APPLIED, "never sent", "proxy.forward_start_limit_ms=1000"),
+     FailureKind.BUSY, EffectState.NOT_APPLIED, "never sent",
+     "proxy.forward_start_limit_ms = 1000"),
     (connector_error(errno.ECONNREFUSED), None, False, FailureKind.CONNECT,
      EffectState.NOT_APPLIED, "connect failed: ClientConnectorError", None),
     (aiohttp.ConnectionTimeoutError(f"Connection timeout to host {ADDRESS}"), None, False,
      FailureKind.CONNECT, EffectState.NOT_APPLIED, "connect failed: ConnectionTimeoutError",
-     "proxy.forward_start_limit_ms=1000"),
+     "proxy.forward_start_limit_ms = 1000"),
     (TimeoutError(), None, False, FailureKind.TIMEOUT, EffectState.UNKNOWN,
-     "timed out: TimeoutError (timeout_ms=10000)", "timeout_ms=10000"),
+     "timed out: TimeoutError (downstreams.payments.timeout_ms = 10000)",
+     "downstreams.payments.timeout_ms = 10000"),
     (aiohttp.SocketTimeoutError("Timeout on reading data from socket"), None, False,
      FailureKind.TIMEOUT, EffectState.UNKNOWN, "timed out: SocketTimeoutError",
-     "read_timeout_ms=3000"),
+     "downstreams.payments.read_timeout_ms = 3000"),
     (aiohttp.ServerDisconnectedError(), None, False, FailureKind.RESET, EffectState.UNKNOWN,
      "failed after sending: ServerDisconnectedError", None),
     (aiohttp.ClientOSError(errno.ECONNRESET, "Connection reset by peer"), None, False,
@@ -505,7 +511,8 @@ TABLE: list[tuple[BaseException, int | None, bool, FailureKind, EffectState, str
      FailureKind.BROKE_OFF, EffectState.UNKNOWN,
      "response 200, then the body failed after sending: ClientPayloadError", None),
     (TimeoutError(), 201, False, FailureKind.BROKE_OFF, EffectState.UNKNOWN,
-     "response 201, then the body timed out: TimeoutError", "timeout_ms=10000"),
+     "response 201, then the body timed out: TimeoutError",
+     "downstreams.payments.timeout_ms = 10000"),
 ]  # fmt: skip
 
 
@@ -562,7 +569,7 @@ def test_the_decision_names_the_call_and_the_limit_never_the_address(
     error = failure_answer(TARGET, failure, effect=EFFECT, recorded=recorded)  # type: ignore[arg-type]
     assert error.code == code
     assert error.extra["effectId"] == "e1" and error.extra["effectState"] == state
-    assert error.detail.startswith("payments: POST /proxy/payments/charge"), error.detail
+    assert error.detail.startswith("downstream payments: POST /proxy/payments/charge"), error.detail
     if failure.limit is not None:
         assert failure.limit in error.detail, error.detail
     assert ("stays UNKNOWN" in error.detail) == (
@@ -571,7 +578,7 @@ def test_the_decision_names_the_call_and_the_limit_never_the_address(
     for secret in ("10.9.8.7", "8443", "internal", "s3cret"):
         assert secret not in error.detail, error.detail
     if code == "DOWNSTREAM_BUSY":
-        assert "proxy.max_connections=200" in error.detail
+        assert "proxy.max_connections = 200" in error.detail
         assert error.extra["retryAfterMs"] == forward.BUSY_RETRY_MS
 
 

@@ -1,6 +1,7 @@
 """The MCP gateway end to end: a real MCP server process (``tests/mcp_server.py``, the official
-SDK), a real ``fencegate serve`` process on every store, and the official ``mcp`` client talking
-streamable HTTP to ``/mcp/{downstream}`` with its lease in the ``Fence-*`` headers.
+SDK), the gateway built from the config file ``fencegate serve`` reads and served over real HTTP
+(in the test's process: ``tests.api.InProcessGateway``), and the official ``mcp`` client
+talking streamable HTTP to ``/mcp/{downstream}`` with its lease in the ``Fence-*`` headers.
 
 What ran is counted at the server (``McpServerProcess.executions()``), never taken from the
 gateway: a gateway that says "replayed" while the tool ran twice must fail here. The ledger is
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -26,8 +28,9 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, RequestParamsMeta, TextContent
 
+from tests.api import InProcessGateway
 from tests.mcp_server import EFFECT_ID_META_KEY, McpServerProcess
-from tests.servers import GatewayProcess, Gateways, write_gateway_config
+from tests.servers import write_gateway_config
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
 pytestmark = pytest.mark.one_store
@@ -87,14 +90,16 @@ def mcp_server(mcp_process: McpServerProcess) -> McpServerProcess:
 
 
 @pytest.fixture
-def gateway(
-    store_url: str, key_prefix: str, gateways: Gateways, mcp_server: McpServerProcess
-) -> GatewayProcess:
-    """``fencegate serve`` on this test's store with the MCP downstream ``tools``; its tools
-    table is appended by hand (``write_gateway_config`` writes flat pairs only, and TOML attaches
-    ``[downstreams.tools.NAME]`` to the last ``[[downstreams]]`` element)."""
-    process = write_gateway_config(
-        gateways.root / "gw",
+async def gateway(
+    store_url: str, key_prefix: str, tmp_path: Path, mcp_server: McpServerProcess
+) -> AsyncIterator[InProcessGateway]:
+    """The gateway on this test's store with the MCP downstream ``tools``, from the config file
+    ``fencegate serve`` would read, served in this process (a process is not what these tests
+    are about); its tools table is appended by hand (``write_gateway_config`` writes flat pairs
+    only, and TOML attaches ``[downstreams.tools.NAME]`` to the last ``[[downstreams]]``
+    element)."""
+    config = write_gateway_config(
+        tmp_path / "gw",
         store_url,
         key_prefix=key_prefix,
         downstreams=[
@@ -109,9 +114,12 @@ def gateway(
             }
         ],
     )
-    process.config_path.write_text(process.config_path.read_text() + TOOLS_TABLE)
-    gateways.started.append(process)
-    return process.start()
+    config.config_path.write_text(config.config_path.read_text() + TOOLS_TABLE)
+    gateway = await InProcessGateway(config.config_path).start()
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
 
 
 # --- the scheduler's and the workers' side: /v1 over HTTP ----------------------------------------
@@ -221,7 +229,7 @@ class Coordinator:
 
 
 @pytest.fixture
-async def api(gateway: GatewayProcess) -> AsyncIterator[Coordinator]:
+async def api(gateway: InProcessGateway) -> AsyncIterator[Coordinator]:
     """The test's scheduler, workers and operator, on the test's gateway."""
     async with aiohttp.ClientSession() as http:
         yield Coordinator(http, gateway.url)
@@ -232,7 +240,7 @@ async def api(gateway: GatewayProcess) -> AsyncIterator[Coordinator]:
 
 @asynccontextmanager
 async def agent(
-    gateway: GatewayProcess, lease: Lease | None, mode: str = "auto"
+    gateway: InProcessGateway, lease: Lease | None, mode: str = "auto"
 ) -> AsyncIterator[Client]:
     """The official MCP client on ``/mcp/tools``, its lease set once on its HTTP client (as an
     agent framework would): every request of the session carries it."""
@@ -282,7 +290,7 @@ def modern_call(request_id: Any, name: str, arguments: dict[str, Any]) -> dict[s
     }
 
 
-async def forwards_observed(gateway: GatewayProcess, outcome: str) -> int:
+async def forwards_observed(gateway: InProcessGateway, outcome: str) -> int:
     """``fencegate_forward_seconds`` observations of the MCP downstream with ``outcome``."""
     async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/metrics") as resp:
         text_ = await resp.text()
@@ -295,7 +303,7 @@ async def forwards_observed(gateway: GatewayProcess, outcome: str) -> int:
 
 
 async def raw_post(
-    gateway: GatewayProcess, lease: Lease, body: Any, name: str = "counter"
+    gateway: InProcessGateway, lease: Lease, body: Any, name: str = "counter"
 ) -> dict[str, Any]:
     """POST one body to ``/mcp/tools`` with the modern era's headers; the JSON answer."""
     headers = {
@@ -323,7 +331,7 @@ async def raw_post(
 
 @pytest.mark.parametrize("mode", ["auto", "legacy"])
 async def test_duplicate_call_runs_once_and_is_replayed_under_its_own_id(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator, mode: str
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator, mode: str
 ) -> None:
     """The same tool with the same arguments twice in one task revision is one effect (its
     slot is derived from the name and the arguments): an agent that re-sends after a crash or
@@ -360,7 +368,7 @@ async def test_duplicate_call_runs_once_and_is_replayed_under_its_own_id(
 
 
 async def test_explicit_slot_with_other_arguments_is_a_payload_conflict(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """An agent that names its slot (``_meta["fencegate/slot"]``) says "this is that one
     effect": other arguments under the same slot are a bug in the agent, refused before the
@@ -384,7 +392,7 @@ async def test_explicit_slot_with_other_arguments_is_a_payload_conflict(
 
 
 async def test_concurrent_duplicates_run_once(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """Two sessions of one worker send the same call at once (an agent's parallel tool calls,
     or a retry racing the original): one is forwarded, the other must not be, whether it comes
@@ -413,7 +421,7 @@ async def test_concurrent_duplicates_run_once(
 
 
 async def test_stale_lease_after_a_takeover_is_fenced(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """The zombie case: worker A's lease expired and worker B took the task over; A, still
     running with its MCP session open, calls a tool. The gateway must refuse it (JSON-RPC error
@@ -437,7 +445,7 @@ async def test_stale_lease_after_a_takeover_is_fenced(
 
 
 async def test_epoch_bump_fences_the_next_call(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """An operator's epoch bump (e.g. a scheduler failover) fences every lease of the old epoch
     at once: the agent's next call in its open session is a JSON-RPC error and reaches nothing."""
@@ -454,7 +462,7 @@ async def test_epoch_bump_fences_the_next_call(
 
 
 async def test_a_fenced_agents_session_end_still_reaches_the_server(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A fenced agent's handshake-era session ends with a DELETE carrying its (now stale)
     lease, as the SDK client sends it on exit (an epoch bump fences it here: a takeover is the
@@ -496,7 +504,7 @@ async def test_a_fenced_agents_session_end_still_reaches_the_server(
 
 
 async def test_lost_answer_of_an_effect_is_unknown_and_never_resent(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A call whose answer never came may have run: the gateway says UNKNOWN (it cannot know),
     and a tool without hints may not run twice, so the takeover worker's retry of the same call
@@ -525,7 +533,7 @@ async def test_lost_answer_of_an_effect_is_unknown_and_never_resent(
 
 
 async def test_lost_answer_of_an_idempotent_tool_is_resent_once_under_its_effect_id(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """``charge`` (``idempotentHint``, the server dedupes on the effectId inside the configured
     ``dedupe_window_ms``) charged but its answer was lost: the takeover worker's retry is
@@ -562,7 +570,7 @@ async def test_lost_answer_of_an_idempotent_tool_is_resent_once_under_its_effect
 
 
 async def test_header_mismatch_before_the_tool_ran_does_not_block_the_clients_resend(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A 2026-07-28 client mirrors ``x-mcp-header`` arguments into ``Mcp-Param-*`` headers only
     for tools it has listed; called first, ``routed`` is refused by the server with -32020
@@ -587,7 +595,7 @@ async def test_header_mismatch_before_the_tool_ran_does_not_block_the_clients_re
 
 
 async def test_read_only_tool_is_never_recorded(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """``lookup`` (``readOnlyHint``) changes nothing, so it gets no ledger entry and is not
     deduplicated: each call reaches the server. A recorded call in the same task shows the
@@ -603,7 +611,7 @@ async def test_read_only_tool_is_never_recorded(
 
 
 async def test_tools_list_needs_no_lease_but_a_call_does(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """Setting up and describing a session (discover or the handshake, ``tools/list``) is
     lease-free, so an agent can learn its tools before it has a task; ``tools/call`` without a
@@ -637,7 +645,7 @@ class ProgressLog:
 
 
 async def test_progress_streams_through_and_the_result_is_committed(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A long tool's progress notifications reach the agent as they come (the SSE stream is
     relayed, not buffered until the end: the first one arrives well before the answer), while
@@ -676,7 +684,7 @@ async def test_progress_streams_through_and_the_result_is_committed(
 
 
 async def test_batch_is_refused_and_nothing_runs(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A JSON-RPC batch would be several effects in one request with one answer: MCP dropped
     batches, and the gateway refuses one whole (-32600) rather than run part of it."""
@@ -696,7 +704,7 @@ async def test_batch_is_refused_and_nothing_runs(
 
 
 async def _raw(
-    gateway: GatewayProcess, method: str, headers: dict[str, str], body: bytes | None = None
+    gateway: InProcessGateway, method: str, headers: dict[str, str], body: bytes | None = None
 ) -> tuple[int, str]:
     async with (
         aiohttp.ClientSession() as http,
@@ -706,7 +714,7 @@ async def _raw(
 
 
 async def test_a_call_without_an_id_is_refused_and_never_reaches_the_server(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A ``tools/call`` without an ``id`` is a notification: it would get no answer, so no
     record, and a server that runs notifications would run it every time. Refused (-32600)."""
@@ -725,7 +733,7 @@ async def test_a_call_without_an_id_is_refused_and_never_reaches_the_server(
 
 
 async def test_routing_headers_that_disagree_with_the_call_are_refused_before_it_is_recorded(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """2026-07-28: a wrong ``Mcp-Name`` is refused by the gateway itself (-32020, as the server
     would), so the call is not recorded UNKNOWN and the correct re-send runs once."""
@@ -744,7 +752,7 @@ async def test_routing_headers_that_disagree_with_the_call_are_refused_before_it
 
 
 async def test_a_stream_needs_a_lease_and_nesting_past_any_parser_is_a_parse_error(
-    gateway: GatewayProcess, mcp_server: McpServerProcess, api: Coordinator
+    gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
     """A GET holds a pooled connection for as long as it is open: not without a lease. JSON
     nested past what a parser follows is a parse error (-32700), never a 500."""
@@ -760,13 +768,13 @@ async def test_a_stream_needs_a_lease_and_nesting_past_any_parser_is_a_parse_err
 
 
 async def test_a_failed_call_whose_answer_was_not_stored_replays_as_a_failure(
-    store_url: str, key_prefix: str, gateways: Gateways, mcp_server: McpServerProcess
+    store_url: str, key_prefix: str, tmp_path: Path, mcp_server: McpServerProcess
 ) -> None:
     """With ``store_response_body = false`` the record keeps no body, yet a duplicate of a
     call that failed (``isError: true``) must not be told it succeeded: the record keeps the
     error flag and the replay carries it."""
-    process = write_gateway_config(
-        gateways.root / "gw-unstored",
+    config = write_gateway_config(
+        tmp_path / "gw-unstored",
         store_url,
         key_prefix=key_prefix,
         downstreams=[
@@ -779,15 +787,17 @@ async def test_a_failed_call_whose_answer_was_not_stored_replays_as_a_failure(
             }
         ],
     )
-    gateways.started.append(process)
-    gateway = process.start()
-    async with aiohttp.ClientSession() as http:
-        api = Coordinator(http, gateway.url)
-        lease = await api.lease()
-        call = modern_call("f-1", "fail", {"message": "card declined"})
-        first = await raw_post(gateway, lease, call, name="fail")
-        again = await raw_post(gateway, lease, {**call, "id": "f-2"}, name="fail")
-        [effect] = await api.effects(lease.task_id)
+    gateway = await InProcessGateway(config.config_path).start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            api = Coordinator(http, gateway.url)
+            lease = await api.lease()
+            call = modern_call("f-1", "fail", {"message": "card declined"})
+            first = await raw_post(gateway, lease, call, name="fail")
+            again = await raw_post(gateway, lease, {**call, "id": "f-2"}, name="fail")
+            [effect] = await api.effects(lease.task_id)
+    finally:
+        await gateway.stop()
 
     assert mcp_server.runs("fail") == 1
     assert first["result"]["isError"] is True

@@ -185,6 +185,9 @@ async def test_rollout_status_is_safe_only_when_everything_settled(
         status = (await api.call("GET", "/v1/rollout")).body
         assert status["claimsPaused"] and status["activeLeases"] == 1
         assert status["safeToSwitchPools"] is False
+        assert status["blockers"] == [
+            {"member": "activeLeases", "count": 1, "reason": "1 lease held"}
+        ]
         # An effect whose answer never came keeps the pools from switching...
         api.advance(5_000)
         await api.call("POST", "/v1/claims/resume")
@@ -192,6 +195,7 @@ async def test_rollout_status_is_safe_only_when_everything_settled(
         unknown = await send(api, fresh, "/status/502", body={})
         status = (await api.call("GET", "/v1/rollout")).body
         assert status["unknownEffects"] == 1 and status["safeToSwitchPools"] is False
+        assert [b["reason"] for b in status["blockers"]] == ["1 lease held", "1 effect UNKNOWN"]
         await api.call(
             "POST",
             f"/v1/effects/{unknown.headers['Fence-Effect-Id']}/resolve",
@@ -203,7 +207,7 @@ async def test_rollout_status_is_safe_only_when_everything_settled(
         status = (await api.call("GET", "/v1/rollout")).body
         assert status == {**status, "activeLeases": 0, "preparedEffects": 0,
                           "unknownEffects": 0, "awaitingApproval": 0,
-                          "safeToSwitchPools": True}  # fmt: skip
+                          "safeToSwitchPools": True, "blockers": []}  # fmt: skip
         assert lease.claim_generation == 1
 
 

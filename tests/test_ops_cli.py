@@ -196,7 +196,8 @@ async def test_list_show_and_resolve_an_unknown_effect(env: Env) -> None:
         "--operator", "alice",
     )  # fmt: skip
     assert early.code == 1 and early.out == ""
-    assert early.err.startswith("fencegate: EFFECT_IN_FLIGHT: an earlier forward"), early.err
+    said = f"fencegate: EFFECT_IN_FLIGHT: effect {eid}: an earlier forward"
+    assert early.err.startswith(said), early.err
     assert "check the downstream after " in early.err and "--force" in early.err
     resolved = await env.cli(
         "effects", "resolve", eid[:12], "--outcome", "not_applied", "--note", "no charge",
@@ -468,12 +469,31 @@ async def test_rollout_status_exits_0_only_when_safe(env: Env) -> None:
     lease = await env.api.claim("t1")
     busy = await env.cli("rollout", "status")
     assert busy.code == 4 and "active leases" in busy.out
-    assert "NOT safe to switch pools" in busy.out
+    assert "NOT safe to switch pools: 1 lease held; wait" in busy.out
     assert (await env.api.commit(lease)).status == 200
     safe = await env.cli("rollout", "status")
     assert safe.code == 0 and safe.out.rstrip().endswith("safe to switch pools")
     as_json = await env.cli("rollout", "status", "--json")
     assert as_json.json()["safeToSwitchPools"] is True
+
+
+def test_rollout_status_prints_the_gateways_reasons() -> None:
+    from fencegate.gateway.ops_render import rollout
+
+    blockers = [
+        {"member": "activeLeases", "count": 2, "reason": "2 leases held"},
+        {"member": "unknownEffects", "count": 1, "reason": "1 effect UNKNOWN"},
+    ]
+    status = {"safeToSwitchPools": False, "activeLeases": 2, "blockers": blockers}
+    assert rollout(status).endswith(
+        "\nNOT safe to switch pools: 2 leases held, 1 effect UNKNOWN; wait for leases to expire "
+        "and settle the effects"
+    )
+    # An older gateway sends no blockers: the verdict without reasons.
+    older = {k: v for k, v in status.items() if k != "blockers"}
+    assert rollout(older).endswith(
+        "\nNOT safe to switch pools: wait for leases to expire and settle the effects"
+    )
 
 
 # --- where the gateway is, and when it is not there -------------------------------------------

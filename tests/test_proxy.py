@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -28,9 +29,12 @@ from tests.servers import refused_port
 
 TIMEOUT_MS = 400
 # A call that outlives "brief"'s timeout: the timeout stories go through "brief"; every other
-# story goes through "api", whose 10 s timeout a loaded CI machine does not reach. Its answer
-# is due 100 ms after the gateway's timer (both on the loop's clock, the downstream's set
-# later), so the timer always fires first, however slow the machine.
+# story goes through "api", whose 10 s timeout a loaded CI machine does not reach. "brief"'s
+# bound is its read timeout (read_timeout_ms), which starts once the connection is there and
+# fires only after the request was handed to the socket: the call always arrives, however
+# long the machine took to connect (a whole-forward timer of 400 ms could fire before it was
+# sent). Its answer is due 100 ms after the gateway's timer (both on the loop's clock, the
+# downstream's set later), so the timer always fires first, however slow the machine.
 TIMED_OUT = f"/proxy/brief/slow/{TIMEOUT_MS + 100}/pay"
 #: Bounds only a hang: a wait for something that happens whatever the machine's load.
 HANG_S = 30
@@ -48,10 +52,12 @@ def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Con
             {
                 "name": "brief",
                 "url": downstream.url,
-                "timeout_ms": TIMEOUT_MS,
+                "timeout_ms": 10_000,
+                "read_timeout_ms": TIMEOUT_MS,
                 "connect_timeout_ms": 10_000,
             },
-            {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": TIMEOUT_MS},
+            # Refused at once: no timer of its own to race on a loaded machine.
+            {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}"},
             {"name": "small", "url": downstream.url, "max_body_bytes": 2048},
         ],
         # The fixture's forward clock stands still, so a loaded machine answering 50 racing
@@ -222,6 +228,28 @@ async def test_timeout_makes_effect_unknown_and_blocks_blind_retry(
     record = (await api.call("GET", f"/v1/effects/{sent.headers['Fence-Effect-Id']}")).body
     assert record["state"] == "UNKNOWN"
     assert "timed out" in record["attempts"][0]["reason"]
+
+
+@pytest.mark.one_store
+async def test_a_timed_out_call_arrives_however_slow_the_connect(
+    api: Api, downstream: Downstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded machine's connect takes longer than "brief"'s timeout: the call still arrives,
+    once, and times out waiting for its answer (UNKNOWN), as the timeout stories above need.
+    With a whole-forward timer of that length it never left (issue 26)."""
+    connect = aiohttp.TCPConnector._create_connection
+
+    async def slow_connect(self: aiohttp.TCPConnector, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep((TIMEOUT_MS + 200) / 1000)  # the machine, not the downstream
+        return await connect(self, *args, **kwargs)
+
+    lease = await task_with_lease(api)
+    monkeypatch.setattr(aiohttp.TCPConnector, "_create_connection", slow_connect)
+    sent = await send(api, lease, TIMED_OUT, body={"x": 1})
+    assert sent.status == 504 and sent.code == "DOWNSTREAM_TIMEOUT", sent.body
+    assert sent.headers["Fence-Effect-State"] == "UNKNOWN"
+    await asyncio.wait_for(downstream.arrived.wait(), HANG_S)
+    assert len(downstream.calls()) == 1
 
 
 @pytest.mark.parametrize("status", [500, 502, 504])
@@ -458,6 +486,7 @@ async def test_fifty_identical_concurrent_calls_forward_once(
 # --- headers and bodies ---------------------------------------------------------------------
 
 
+@pytest.mark.one_store
 async def test_forwarded_and_answered_headers_are_cleaned(api: Api, downstream: Downstream) -> None:
     lease = await task_with_lease(api)
     sent = await send(
@@ -493,6 +522,7 @@ async def test_forwarded_and_answered_headers_are_cleaned(api: Api, downstream: 
     assert replay.headers["X-Kept"] == "yes"
 
 
+@pytest.mark.one_store
 async def test_redirects_are_not_followed(api: Api, downstream: Downstream) -> None:
     lease = await task_with_lease(api)
     sent = await send(api, lease, "/redirect", body={})
@@ -514,6 +544,7 @@ async def test_large_response_answered_once_then_replayed_without_body(
     assert len(downstream.calls()) == 1
 
 
+@pytest.mark.one_store
 async def test_query_string_is_forwarded_and_part_of_the_payload(
     api: Api, downstream: Downstream
 ) -> None:
@@ -547,6 +578,7 @@ def raw(lease: Lease, target: str, extra: str = "", body: bytes = b"{}") -> byte
     ).encode() + body
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     "target",
     [
@@ -572,6 +604,7 @@ async def test_paths_that_could_escape_are_refused(
     assert not downstream.calls()
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
@@ -590,6 +623,7 @@ async def test_ambiguous_framing_and_duplicate_fence_headers_are_refused(
     assert not downstream.calls()
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     ("drop", "override", "needle"),
     [
@@ -623,12 +657,14 @@ async def test_missing_or_malformed_fence_headers_are_400(
     assert not downstream.calls()
 
 
+@pytest.mark.one_store
 async def test_unknown_downstream_is_404(api: Api, downstream: Downstream) -> None:
     lease = await task_with_lease(api)
     sent = await send(api, lease, "/proxy/nowhere/x", body={})
     assert sent.status == 404 and sent.code == "NO_SUCH_DOWNSTREAM"
 
 
+@pytest.mark.one_store
 async def test_oversized_bodies_are_413_and_not_forwarded(api: Api, downstream: Downstream) -> None:
     lease = await task_with_lease(api)
     small = await send(api, lease, "/proxy/small/ok", data=b"x" * 4096)
@@ -638,6 +674,7 @@ async def test_oversized_bodies_are_413_and_not_forwarded(api: Api, downstream: 
     assert not downstream.calls()
 
 
+@pytest.mark.one_store
 async def test_connect_and_trace_are_refused(api: Api, downstream: Downstream) -> None:
     lease = await task_with_lease(api)
     sent = await send(api, lease, "/ok", method="TRACE")
@@ -676,6 +713,7 @@ async def test_list_filters_and_cursor(api: Api) -> None:
     assert (await api.call("GET", "/v1/effects?taskId=other")).body["effects"] == []
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     "query",
     ["state=DONE", "limit=0", "limit=501", "limit=x", "cursor=zzz", "taskId=a%20b", "color=red"],
@@ -740,6 +778,7 @@ async def test_resolve_unknown_as_not_applied_lets_the_effect_go_again(
     assert downstream.calls()[1].headers["Idempotency-Key"] == eid  # the original key
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     "body",
     [

@@ -1,13 +1,14 @@
 """The fenced proxy with real processes: gateways killed mid-effect, a store that stops
 answering, and duplicates racing through two gateway processes.
 
-Gateways are ``fencegate serve`` subprocesses configured by TOML files (``tests/servers.py``);
-they die by SIGKILL, either at a failpoint (``FENCEGATE_FAILPOINTS``, the process kills
-itself at that instant) or from the test. The downstream (``tests/downstream.py``) is a real
-HTTP server on loopback running in the test's event loop, counting calls per
-Idempotency-Key. The promise under test: at most one execution per effectId, and never a lost
-one: whatever dies, the ledger says PREPARED, then UNKNOWN, never COMMITTED without a
-response and never "nothing happened" after something did.
+Gateways are ``fencegate serve`` subprocesses configured by TOML files (``tests/servers.py``),
+except the crash tests' standby, which is not what dies: it is built from the same file and
+served in the test's process. Gateway processes die by SIGKILL, either at a failpoint
+(``FENCEGATE_FAILPOINTS``, the process kills itself at that instant) or from the test. The
+downstream (``tests/downstream.py``) is a real HTTP server on loopback running in the test's
+event loop, counting calls per Idempotency-Key. The promise under test: at most one execution
+per effectId, and never a lost one: whatever dies, the ledger says PREPARED, then UNKNOWN,
+never COMMITTED without a response and never "nothing happened" after something did.
 
 Both stores read time from this host's clock (the SQLite store from the gateway's own clock,
 Redis from ``TIME`` on loopback), so the test may compare a record's ``deadlineAt`` with
@@ -31,7 +32,7 @@ import aiohttp
 import pytest
 
 from fencegate.ledger.effects import effect_id
-from tests.api import Api, Lease
+from tests.api import Api, InProcessGateway, Lease
 from tests.downstream import Downstream
 from tests.postgres_server import PostgresServer
 from tests.servers import GatewayProcess, Gateways, RedisServer, write_gateway_config
@@ -90,7 +91,7 @@ class Proxied:
 
 async def proxied(
     session: aiohttp.ClientSession,
-    gateway: GatewayProcess,
+    gateway: GatewayProcess | InProcessGateway,
     lease: Lease,
     path: str,
     *,
@@ -142,17 +143,29 @@ async def sleep_past(instant_ms: int, slack_ms: int = 100) -> None:
 
 @dataclass
 class CrashRig:
-    """A gateway that will die mid-effect, and a standby: a second ``fencegate serve`` on the
-    same config file and store, without failpoints, that reads the ledger the moment the
-    first one is gone (a restart takes a second or more, and the test must not depend on
-    winning a race against the PREPARED deadline)."""
+    """A gateway process that will die mid-effect, and a standby: the gateway built from the
+    same config file, on the same store, without failpoints, that reads the ledger the moment
+    the first one is gone (a restart takes a second or more, and the test must not depend on
+    winning a race against the PREPARED deadline). The standby is not what dies, so it is
+    served in the test's process (``InProcessGateway``)."""
 
     gateway: GatewayProcess
-    standby: GatewayProcess
+    standby: InProcessGateway
+
+
+@pytest.fixture
+async def in_process() -> AsyncIterator[list[InProcessGateway]]:
+    """In-process gateways a test starts; all are stopped when it ends (a test takes it last,
+    so they stop before the stores and downstreams they use)."""
+    started: list[InProcessGateway] = []
+    yield started
+    for standby in started:
+        await standby.stop()
 
 
 async def crash_rig(
     gateways: Gateways,
+    in_process: list[InProcessGateway],
     store_url: str,
     key_prefix: str,
     downstream: Downstream,
@@ -167,9 +180,10 @@ async def crash_rig(
         proxy={"prepared_margin_ms": PREPARED_MARGIN_MS},
         env={"FENCEGATE_FAILPOINTS": failpoint} if failpoint else None,
     )
-    standby = GatewayProcess(gateway.config_path)
-    gateways.started += [gateway, standby]
-    await asyncio.gather(asyncio.to_thread(gateway.start), asyncio.to_thread(standby.start))
+    standby = InProcessGateway(gateway.config_path)
+    gateways.started.append(gateway)
+    in_process.append(standby)
+    await asyncio.gather(asyncio.to_thread(gateway.start), standby.start())
     return CrashRig(gateway, standby)
 
 
@@ -243,8 +257,9 @@ async def test_gateway_killed_after_prepare_never_forwards_and_the_effect_turns_
     key_prefix: str,
     downstream: Downstream,
     session: aiohttp.ClientSession,
+    in_process: list[InProcessGateway],
 ) -> None:
-    rig = await crash_rig(gateways, store_url, key_prefix, downstream, "after_prepare")
+    rig = await crash_rig(gateways, in_process, store_url, key_prefix, downstream, "after_prepare")
     gateway = rig.gateway
     async with gateway_api(gateway) as api:
         lease = await claimed_task(api, "pay-1")
@@ -266,8 +281,9 @@ async def test_gateway_killed_during_the_forward_leaves_one_call_and_an_unknown_
     key_prefix: str,
     downstream: Downstream,
     session: aiohttp.ClientSession,
+    in_process: list[InProcessGateway],
 ) -> None:
-    rig = await crash_rig(gateways, store_url, key_prefix, downstream)
+    rig = await crash_rig(gateways, in_process, store_url, key_prefix, downstream)
     gateway = rig.gateway
     async with gateway_api(gateway) as api:
         lease = await claimed_task(api, "pay-1")
@@ -294,8 +310,9 @@ async def test_gateway_killed_after_the_response_keeps_the_effect_unknown_until_
     key_prefix: str,
     downstream: Downstream,
     session: aiohttp.ClientSession,
+    in_process: list[InProcessGateway],
 ) -> None:
-    rig = await crash_rig(gateways, store_url, key_prefix, downstream, "after_response")
+    rig = await crash_rig(gateways, in_process, store_url, key_prefix, downstream, "after_response")
     gateway = rig.gateway
     async with gateway_api(gateway) as api:
         lease = await claimed_task(api, "pay-1")

@@ -39,7 +39,6 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import token_sha256
 from tests.conftest import build_test_store, make_config
 from tests.mcp_server import EFFECT_ID_META_KEY, McpServerProcess
-from tests.servers import free_port
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
 pytestmark = pytest.mark.one_store
@@ -280,33 +279,28 @@ def doc_block(section: str, language: str, starts: str) -> str:
 
 
 def start_tools(directory: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """The doc's ``tools.py`` on ``$TOOLS_PORT``, once it says it listens there (uvicorn's
-    "running on" line: a connect alone could reach another program that took the port). The
-    port was free a moment ago (the script binds it itself, as the doc says): taken
-    meanwhile, it exits, and starts again on another one."""
-    for attempt in range(5):
-        port = free_port()
-        log = directory / f"tools-{attempt}.log"
-        with log.open("wb") as out:
-            tools = subprocess.Popen(
-                [sys.executable, "tools.py"], cwd=directory,
-                env={**os.environ, "TOOLS_PORT": str(port), "PYTHONUNBUFFERED": "1"},
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            text = log.read_text(errors="replace")
-            if f"running on http://127.0.0.1:{port}" in text.lower():
-                return tools, port
-            if tools.poll() is not None:
-                if "address already in use" in text.lower():
-                    break
-                raise AssertionError(f"tools.py exited with {tools.returncode}:\n{text}")
-            if time.monotonic() > deadline:
-                tools.kill()
-                raise AssertionError(f"tools.py never said it listens:\n{text}")
-            time.sleep(0.05)
-    raise AssertionError("no free port for tools.py in 5 tries")
+    """The doc's ``tools.py`` on ``TOOLS_PORT=0``: uvicorn binds a port the system picks and
+    says which in its "running on" line, read back here (no port is picked first and bound
+    later, when another program may have taken it)."""
+    log = directory / "tools.log"
+    with log.open("wb") as out:
+        tools = subprocess.Popen(
+            [sys.executable, "tools.py"], cwd=directory,
+            env={**os.environ, "TOOLS_PORT": "0", "PYTHONUNBUFFERED": "1"},
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        text = log.read_text(errors="replace")
+        bound = re.search(r"running on http://127\.0\.0\.1:(\d+)", text, re.IGNORECASE)
+        if bound is not None:
+            return tools, int(bound[1])
+        if tools.poll() is not None:
+            raise AssertionError(f"tools.py exited with {tools.returncode}:\n{text}")
+        if time.monotonic() > deadline:
+            tools.kill()
+            raise AssertionError(f"tools.py never said it listens:\n{text}")
+        time.sleep(0.05)
 
 
 def readme_principals() -> list[tuple[str, str, str]]:

@@ -45,6 +45,7 @@ from fencegate.ledger.effects import effect_id
 from tests.api import Api
 from tests.clocks import still
 from tests.conftest import build_test_store, make_config
+from tests.downstream import Downstream
 
 #: The timeout of ``echo-brief``, the downstream of the timed-out call: that call is held
 #: (``/hold/...``) until the test ends, so only this timer ends it, however loaded the machine.
@@ -429,3 +430,78 @@ def test_a_config_file_error_names_the_key(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"downstreams\[0\].*never_store_headers"):
         load_config(path)
+
+
+@pytest.fixture
+async def kept_api(
+    store_url: str, key_prefix: str, downstream: Downstream, secret: str
+) -> AsyncIterator[tuple[Api, Config]]:
+    """A gateway whose downstream keeps request bodies. Its downstream does not echo (the
+    echo's answers would store the request's headers as the answer's, which is what
+    ``never_store_headers`` is for, not this)."""
+    keep = {
+        "url": downstream.url,
+        "headers_from_env": {"Authorization": SECRET_ENV},
+        "never_store_headers": ["X-Internal"],
+        "keep_request_bodies": True,
+        "redact_json_fields": ["/card/number"],
+        "redact_headers": ["X-Trace"],
+    }
+    config = make_config(
+        store_url,
+        key_prefix,
+        downstreams=[{"name": "echo", **keep}],  # type: ignore[arg-type]
+        reconciler={"enabled": False},
+    )
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield Api(client), config
+
+
+async def test_a_kept_request_holds_nothing_excluded_or_redacted(
+    kept_api: tuple[Api, Config], downstream: Downstream, secret: str, tmp_path: Path
+) -> None:
+    """``keep_request_bodies`` (issue 27): the request an effect forwarded is kept for
+    operators, with every value that must not be stored left out or ``"<redacted>"`` before
+    it is written: the stored bytes hold none of them, and do hold the rest (the test is
+    real). The call whose connection broke (UNKNOWN) is the one an operator needs it for."""
+    card, trace, cookie = "4111-card-secret-77", "trace-secret-88", "cookie-secret-99"
+    agent_auth, internal = "Bearer agent-secret-66", "internal-secret-55"
+    api, config = kept_api
+    await api.put("t1")
+    lease = await api.claim("t1", ttl_ms=30_000)
+    headers = {
+        **lease.fence_headers(),
+        "Cookie": f"s={cookie}",
+        "Authorization": agent_auth,
+        "Proxy-Authorization": agent_auth,
+        "X-Trace": trace,
+        "X-Internal": internal,
+        "X-Copy": f"copied {secret}",  # an agent sending the credential's value itself
+        "X-Kept": "kept-header-marker",
+    }
+    body = {"amount": 5, "to": "kept-body-marker", "card": {"number": card}}
+    for slot, path in (("s1", "/proxy/echo/ok/pay"), ("s2", "/proxy/echo/reset/pay")):
+        sent = await _exchange(api, slot, "POST", path, json=body,
+                               headers={**headers, "Fence-Slot": slot})  # fmt: skip
+        assert sent.status in (200, 504), sent.body
+    got = downstream.received[0].headers  # the downstream got them all
+    assert got["X-Trace"] == trace and got["Authorization"] == secret
+    raw = await _raw_store(config, tmp_path)
+    for value in (card, trace, cookie, agent_auth, internal):
+        assert value.encode() not in raw, value
+    assert_absent("the raw store", raw, secret)
+    assert b"kept-body-marker" in raw and b"kept-header-marker" in raw
+    found, _ = await api.store.list_effects(
+        state=None, task_id=None, downstream=None, limit=100, cursor=None
+    )
+    assert {e.state.value for e in found} == {"COMMITTED", "UNKNOWN"}
+    for effect in found:
+        assert effect.request_json is not None
+        kept = json.loads(effect.request_json)
+        names = {name.lower(): value for name, value in kept["headers"]}
+        assert names["x-trace"] == names["x-copy"] == "<redacted>"
+        assert not set(names) & {"cookie", "authorization", "proxy-authorization",
+                                 "x-internal", "x-echo-token"}  # fmt: skip
+        assert not any(name.startswith("fence-") for name in names)
+        assert json.loads(kept["body"])["card"] == {"number": "<redacted>"}

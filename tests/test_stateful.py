@@ -3,7 +3,8 @@
 Every step runs on ``ledger.tasks`` (the model) and on a real store (SQLite file or our own
 redis-server running the Lua scripts); both must refuse with the same code or succeed with
 the same record. The read-side queries (gauges, the reconciler's work list, listing by state,
-finding a forward) are held to their pure definitions in ``ledger.queries`` and
+listing tasks by state and expired lease, effect ids by prefix, finding a forward) are held
+to their pure definitions in ``ledger.queries`` and
 ``ledger.effects``, which is what keeps the SQL and Lua mirrors of those rules honest.
 
 Task flow: tasks may name the queue ``q`` (claimed with ``claim_next``) and depend on one
@@ -18,7 +19,9 @@ the Redis scripts a pinned instant (``RedisStore.clock_pinned_ms``); both move o
 exactly, every history replays identically (hypothesis can shrink a failure), and the run
 does not depend on how fast the machine is.
 
-CI runs ``FENCEGATE_STATEFUL_EXAMPLES`` (default 60) examples per store; run it deep
+Budget: the default suite runs ``QUICK_EXAMPLES`` (20) histories per store, so every store is
+held to the model on every run; the slow set (``-m slow``, run by ``.ci/run`` after it) runs
+``FULL_EXAMPLES`` (60) more per store. ``FENCEGATE_STATEFUL_EXAMPLES`` sets both: run it deep
 (``FENCEGATE_STATEFUL_EXAMPLES=2000``) after any change to a transition (docs/stores.md).
 """
 
@@ -168,11 +171,17 @@ class LeaseMachine(RuleBasedStateMachine):
     def now(self) -> int:
         return self.base + self.offset
 
-    def both(self, model_fn: Any, store_coro: Any) -> tuple[str, Any, Any]:
+    def both(
+        self, model_fn: Any, store_coro: Any, about: str | None = None
+    ) -> tuple[str, Any, Any]:
+        """``about``: what a store names its refusal by (``task <id>``, ``effect <id>``), as
+        ``FencegateError.about`` at its one refinement point; the model's words are the rest."""
         model_code, model_value = outcome(model_fn)
         store_code, store_value = self.run(aoutcome(store_coro))
         assert model_code == store_code, f"model said {model_code}, store said {store_code}"
         if model_code != "ok":
+            if about is not None:
+                model_value.about(about)
             # The same words and the same problem members (the gateway composes ISO times
             # from them): a Lua mirror may not drift from the model's text.
             said = (_masked(model_value.detail), model_value.extra)
@@ -424,6 +433,7 @@ class LeaseMachine(RuleBasedStateMachine):
         code, model, stored = self.both(
             lambda: tasks.claim(task, self.scheduler, request, POLICY, self.now, model_attempt),
             self.store.claim(self.ids[name], request),
+            about=f"task {self.ids[name]}",
         )
         event(f"claim {code}")
         if code == "ok":
@@ -482,6 +492,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.model_tasks[name], self.scheduler, request("model"), POLICY, self.now
             ),
             self.store.renew(self.ids[name], request("store")),
+            about=f"task {self.ids[name]}",
         )
         event(f"renew {code} {tamper}")
         if code == "ok":
@@ -501,6 +512,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.model_tasks[name], self._identity(handle, "model", tamper), self.now
             ),
             self.store.release(self.ids[name], self._identity(handle, "store", tamper)),
+            about=f"task {self.ids[name]}",
         )
         if code == "ok":
             self.same_task(model, stored)
@@ -552,6 +564,7 @@ class LeaseMachine(RuleBasedStateMachine):
                 task, self.scheduler, request("model"), self.now, f"c{self.commits}"
             ),
             self.store.commit(self.ids[name], request("store")),
+            about=f"task {self.ids[name]}",
         )
         event(f"commit {code}")
         if code == "ok":
@@ -575,7 +588,9 @@ class LeaseMachine(RuleBasedStateMachine):
 
     def cancel(self, name: str) -> None:
         code, model, stored = self.both(
-            lambda: self.model_cancel(name), self.store.cancel(self.ids[name])
+            lambda: self.model_cancel(name),
+            self.store.cancel(self.ids[name]),
+            about=f"task {self.ids[name]}",
         )
         if code == "ok":
             self.same_task(model, stored)
@@ -706,6 +721,7 @@ class LeaseMachine(RuleBasedStateMachine):
             self.store.prepare_effect(
                 request("store"), deadline, resend_window_ms=resend, require_approval=approval
             ),
+            about=f"task {self.ids[name]}",
         )
         event(
             f"prepare {code}"
@@ -719,6 +735,9 @@ class LeaseMachine(RuleBasedStateMachine):
             assert model.error is not None and stored.error is not None
             assert model.error.code == stored.error.code
             assert model.error.extra == stored.error.extra
+            # The same words too, naming the effect (prepare.lua mirrors the model's).
+            assert _masked(model.error.detail) == _masked(stored.error.detail)
+            assert f"effect {model.effect.effect_id}" in stored.error.detail
         self.model_effects[model.effect.effect_id] = model.effect
         self.same_effect(model.effect, stored.effect)
         if model.action is effects.Action.FORWARD:
@@ -768,6 +787,7 @@ class LeaseMachine(RuleBasedStateMachine):
         code, model, stored = self.both(
             lambda: effects.abort(self.model_effects[eid], forward_id, self.now),
             self.store.update_effect(eid, lambda e, now: effects.abort(e, forward_id, now)),
+            about=f"effect {eid}",
         )
         event(f"abort {code}")
         if code == "ok":
@@ -784,6 +804,7 @@ class LeaseMachine(RuleBasedStateMachine):
             self.store.update_effect(
                 eid, lambda e, now: effects.resolve(e, outcome, "note", "op", None, now)
             ),
+            about=f"effect {eid}",
         )
         if code == "ok":
             if outcome is EffectState.NOT_APPLIED:
@@ -832,6 +853,7 @@ class LeaseMachine(RuleBasedStateMachine):
                     e, operator, "ok", expected, ttl, now, principal, expected_approval=named
                 ),
             ),
+            about=f"effect {eid}",
         )
         event(f"approve {code}")
         if code == "FORBIDDEN":
@@ -879,6 +901,35 @@ class LeaseMachine(RuleBasedStateMachine):
             assert sorted(e.effect_id for e in listed) == sorted(
                 e.effect_id for e in views if e.state is state
             ), state
+
+    @invariant()
+    def task_listing_agrees(self) -> None:
+        """``list_tasks`` by state and ``lease_expired`` (judged by the store's clock, which
+        moves with the model's) lists what ``queries.TaskFilter`` admits of the model's
+        tasks (``queries.page_tasks``), in task id order."""
+        model = sorted((t.task_id, t) for t in self.model_tasks.values() if t is not None)
+        for state, lease_expired in (
+            (None, None),
+            (None, True),
+            (None, False),
+            (tasks.TaskState.CLAIMED, False),
+        ):
+            wanted = queries.TaskFilter(state, lease_expired=lease_expired)
+            listed, last = self.run(self.store.list_tasks(wanted, 500, None))
+            expected, _ = queries.page_tasks(model, False, wanted, 500, self.now)
+            assert last is None
+            assert [t.task_id for t in listed] == [t.task_id for t in expected], wanted
+            if lease_expired and listed:
+                event("list_tasks leaseExpired found some")
+
+    @invariant()
+    def effect_prefixes_agree(self) -> None:
+        """``find_effects`` (a key range in SQL, ``effect_prefix.lua`` in Redis) is
+        ``queries.effects_with_prefix`` over the model's effect ids."""
+        ids = list(self.model_effects)
+        for prefix in {*(eid[:6] for eid in ids), *(eid[:1] for eid in ids), "0"}:
+            found = self.run(self.store.find_effects(prefix, 3))
+            assert found == queries.effects_with_prefix(ids, prefix, 3), prefix
 
     @precondition(lambda self: self.forwards)
     @rule(data=st.data(), name=st.sampled_from(TASKS))
@@ -937,16 +988,28 @@ class LeaseMachine(RuleBasedStateMachine):
             assert gens == sorted(gens) and len(gens) == len(set(gens))
 
 
-RUN_SETTINGS = settings(
-    max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", "60")),
-    stateful_step_count=50,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+#: Histories per store in the default suite, and in the slow set (module docstring).
+QUICK_EXAMPLES = 20
+FULL_EXAMPLES = 60
+BUDGETS = [
+    pytest.param(QUICK_EXAMPLES, id="quick"),
+    pytest.param(FULL_EXAMPLES, id="full", marks=pytest.mark.slow),
+]
+
+
+def run_settings(examples: int) -> settings:
+    """``examples`` histories of 50 steps, unless ``FENCEGATE_STATEFUL_EXAMPLES`` says."""
+    return settings(
+        max_examples=int(os.environ.get("FENCEGATE_STATEFUL_EXAMPLES", str(examples))),
+        stateful_step_count=50,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
 
 
 @pytest.mark.timeout(1800)  # deep runs, and shrinking a failure to a minimal history
-def test_sqlite_store_matches_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("examples", BUDGETS)
+def test_sqlite_store_matches_model(tmp_path: Path, examples: int) -> None:
     counter = iter(range(10**6))
 
     class Machine(LeaseMachine):
@@ -965,11 +1028,12 @@ def test_sqlite_store_matches_model(tmp_path: Path) -> None:
             self.host["wall"] += ms
             self.host["boot"] += ms
 
-    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
+    run_state_machine_as_test(Machine, settings=run_settings(examples))
 
 
 @pytest.mark.timeout(1800)
-def test_redis_store_matches_model(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize("examples", BUDGETS)
+def test_redis_store_matches_model(redis_server: RedisServer, examples: int) -> None:
     class Machine(LeaseMachine):
         def make_store(self) -> Store:
             store = RedisStore(
@@ -986,11 +1050,12 @@ def test_redis_store_matches_model(redis_server: RedisServer) -> None:
             assert self.redis_store.clock_pinned_ms is not None
             self.redis_store.clock_pinned_ms += ms
 
-    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
+    run_state_machine_as_test(Machine, settings=run_settings(examples))
 
 
 @pytest.mark.timeout(1800)
-def test_postgres_store_matches_model(postgres_server: PostgresServer) -> None:
+@pytest.mark.parametrize("examples", BUDGETS)
+def test_postgres_store_matches_model(postgres_server: PostgresServer, examples: int) -> None:
     class Machine(LeaseMachine):
         def make_store(self) -> Store:
             self.database = f"m_{uuid.uuid4().hex[:12]}"  # a database per example
@@ -1009,4 +1074,4 @@ def test_postgres_store_matches_model(postgres_server: PostgresServer) -> None:
             super().teardown()
             postgres_server.drop_database(self.database)
 
-    run_state_machine_as_test(Machine, settings=RUN_SETTINGS)
+    run_state_machine_as_test(Machine, settings=run_settings(examples))

@@ -1,4 +1,5 @@
-"""Strict JSON on the gateway's own API: one meaning per body, on both stores.
+"""Strict JSON on the gateway's own API: one meaning per body. The body is refused before any
+store step, so it is a protocol-layer rule: SQLite only (``one_store``, docs/stores.md).
 
 Python's parser takes the last of two duplicate keys and accepts NaN and Infinity; another
 parser in front of or behind the gateway may read the same bytes otherwise. The API refuses
@@ -11,6 +12,8 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+
+pytestmark = pytest.mark.one_store
 
 JSON = {"Content-Type": "application/json"}
 

@@ -1,7 +1,8 @@
-"""``GET /v1/tasks`` on both stores: task id order, every record exactly as ``GET
-/v1/tasks/{id}`` shows it, filters by state and owner, opaque cursors across many pages,
-bounded work when a filter matches little, 400 naming a bad parameter, scoped principals
-see only their prefixes, and (Redis) tasks created before the index existed are found."""
+"""``GET /v1/tasks`` on every store: task id order, every record exactly as ``GET
+/v1/tasks/{id}`` shows it, filters by state, owner and ``leaseExpired`` (by the store's
+clock), opaque cursors across many pages, bounded work when a filter matches little, 400
+naming a bad parameter, scoped principals see only their prefixes, and (Redis) tasks created
+before the index existed are found."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from fencegate.ledger.queries import TaskFilter
 from tests.api import Api
 from tests.conftest import build_test_store, make_config
 from tests.test_auth import Env, auth_section
+from tests.test_cli_operability import env  # noqa: F401 (the CLI's gateway, on each store)
+from tests.test_ops_cli import Env as CliEnv
 
 
 @pytest.fixture
@@ -92,6 +95,7 @@ async def test_filters_by_state_and_owner(api: Api) -> None:
     }
 
 
+@pytest.mark.one_store
 @pytest.mark.parametrize(
     ("query", "named"),
     [
@@ -104,6 +108,10 @@ async def test_filters_by_state_and_owner(api: Api) -> None:
         ("owner=" + "x" * 201, "owner"),
         ("taskId=x", "unknown query parameter"),
         ("state=READY&state=CLAIMED", "state"),
+        ("leaseExpired=yes", "leaseExpired: true or false"),
+        ("leaseExpired=True", "leaseExpired: true or false"),
+        ("leaseExpired=", "leaseExpired: true or false"),
+        ("leaseExpired=true&leaseExpired=false", "leaseExpired"),
     ],
 )
 async def test_bad_parameters_are_400_naming_the_parameter(
@@ -112,6 +120,41 @@ async def test_bad_parameters_are_400_naming_the_parameter(
     answer = await api.call("GET", f"/v1/tasks?{query}")
     assert answer.status == 400 and answer.code == "BAD_REQUEST"
     assert answer.body["detail"].startswith(named), answer.body
+
+
+async def test_lease_expired_is_the_stores_clock_deciding(api: Api) -> None:
+    """``leaseExpired=true``: CLAIMED with ``leaseExpiresAt`` reached by the store's clock;
+    ``false``: every other task (WAITING, READY, settled, a lease still running)."""
+    for task_id in ("a-short", "b-long", "c-ready", "d-done"):
+        assert (await api.put(task_id)).status == 201
+    assert (await api.put("e-waiting", dependsOn=["c-ready"])).status == 201
+    await api.claim("a-short", owner="w1", ttl_ms=5_000)
+    await api.claim("b-long", owner="w2", ttl_ms=60_000)
+    done = await api.claim("d-done", owner="w1", ttl_ms=5_000)
+    assert (await api.commit(done)).status == 200
+
+    async def ids(query: str) -> list[str]:
+        found, _ = await every_page(api, query, 2)
+        return [t["taskId"] for t in found]
+
+    everything = ["a-short", "b-long", "c-ready", "d-done", "e-waiting"]
+    assert await ids("&leaseExpired=true") == []
+    assert await ids("&leaseExpired=false") == everything
+    api.advance(5_000)  # a-short's lease ends exactly now (expired at leaseExpiresAt)
+    assert await ids("&leaseExpired=true") == ["a-short"]
+    assert await ids("&leaseExpired=false") == ["b-long", "c-ready", "d-done", "e-waiting"]
+    assert await ids("&leaseExpired=false&state=CLAIMED") == ["b-long"]
+    assert await ids("&leaseExpired=true&owner=w2") == []
+    assert await ids("&leaseExpired=false&state=WAITING") == ["e-waiting"]
+    api.advance(55_000)
+    assert await ids("&leaseExpired=true") == ["a-short", "b-long"]
+    assert await ids("&leaseExpired=true&owner=w2&state=CLAIMED") == ["b-long"]
+    # Listed as GET shows it: still CLAIMED, with the lease's end in the past.
+    (listed,) = (await api.call("GET", "/v1/tasks?leaseExpired=true&owner=w1")).body["tasks"]
+    assert listed == (await api.get("a-short")).body and listed["state"] == "CLAIMED"
+    # Claimed again: a live lease again.
+    await api.claim("a-short", owner="w3")
+    assert await ids("&leaseExpired=true") == ["b-long"]
 
 
 async def test_a_filter_that_matches_little_reads_a_bounded_number_per_page(
@@ -177,3 +220,21 @@ async def test_redis_tasks_created_before_the_index_are_listed(
         listed, _ = await client.app[STORE].list_tasks(TaskFilter(), 10, None)  # type: ignore[index]
         assert len(listed) == 4
     await raw.aclose()
+
+
+@pytest.mark.one_store  # the CLI's rendering of the API: the store rule is tested above
+async def test_the_cli_lists_tasks_whose_lease_expired(env: CliEnv) -> None:  # noqa: F811
+    """``fencegate tasks list --lease-expired`` (and ``--no-lease-expired``): the same
+    filter, through ``GET /v1/tasks?leaseExpired=``."""
+    for task_id in ("a", "b", "c"):
+        assert (await env.api.put(task_id)).status == 201
+    await env.api.claim("a", ttl_ms=5_000)
+    await env.api.claim("b", ttl_ms=60_000)
+    env.api.advance(5_000)
+    expired = await env.cli("tasks", "list", "--lease-expired", "--json")
+    assert expired.code == 0, expired.err
+    assert [t["taskId"] for t in expired.json()["tasks"]] == ["a"]
+    others = await env.cli("tasks", "list", "--no-lease-expired", "--json")
+    assert [t["taskId"] for t in others.json()["tasks"]] == ["b", "c"]
+    table = await env.cli("tasks", "list", "--lease-expired", "--state", "claimed")
+    assert [row.split()[:2] for row in table.out.splitlines()[1:]] == [["a", "CLAIMED"]]

@@ -6,7 +6,8 @@ disagree on an outcome.
 the gateway of commit 815bed5 (the last one before record formats were recorded and retention
 existed), made with ``git archive 815bed5 ledger gateway adapters fencegate pyproject.toml |
 xz -9``. It runs as its own ``fencegate serve`` process and writes the fixture store through
-its own API, so the store under migration is exactly what that version writes.
+its own API, so the store under migration is exactly what that version writes. This version
+is served in the test's process (``tests.api.InProcessGateway``, from the same config file).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.api import until
+from tests.api import InProcessGateway, until
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, free_port
 
@@ -52,25 +53,28 @@ def old_pythonpath(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def write_config(
     directory: Path, store_url: str, key_prefix: str, downstream: Downstream, extra: str = ""
-) -> tuple[Path, int]:
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     path = directory / "fencegate.toml"
+    # A placeholder: GatewayProcess's --listen replaces it (the old version refuses port 0).
     path.write_text(
-        f'[server]\nlisten = "127.0.0.1:{port}"\n'
+        '[server]\nlisten = "127.0.0.1:8700"\n'
         f"[store]\nurl = {json.dumps(store_url)}\nredis_key_prefix = {json.dumps(key_prefix)}\n"
         "timeout_ms = 2000\n"
         f"[leases]\nmax_ttl_ms = {HELD_TTL_MS}\n"
         "[reconciler]\nenabled = false\n"
         f'[[downstreams]]\nname = "api"\nurl = "{downstream.url}"\ntimeout_ms = 2000\n' + extra
     )
-    return path, port
+    return path
 
 
 class Gateway:
-    """One gateway process and an HTTP client to it, speaking as a worker would."""
+    """One gateway (the old version's process, or this version in the test's process) and an
+    HTTP client to it, speaking as a worker would."""
 
-    def __init__(self, process: GatewayProcess, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, process: GatewayProcess | InProcessGateway, session: aiohttp.ClientSession
+    ) -> None:
         self.process, self.session = process, session
 
     async def call(self, method: str, path: str, body: Any = None, **headers: str) -> Any:
@@ -159,12 +163,32 @@ def processes() -> Iterator[list[GatewayProcess]]:
 
 
 def start(
-    processes: list[GatewayProcess], config: Path, port: int, pythonpath: str | None = None
+    processes: list[GatewayProcess], config: Path, pythonpath: str | None = None
 ) -> GatewayProcess:
+    """The new version binds port 0 and says which port it got. The old one (815bed5) refuses
+    port 0 and logs the address it was given: it gets a port that was free a moment ago, and
+    ``GatewayProcess`` starts it again on another one if it finds that port taken."""
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
+    port = free_port() if pythonpath else 0
     process = GatewayProcess(config, port, env=env).start()
     processes.append(process)
     return process
+
+
+@pytest.fixture
+async def current() -> AsyncIterator[list[InProcessGateway]]:
+    """This version's gateways, served in the test's process (only the old version needs a
+    process of its own: it is other code); all are stopped when the test ends."""
+    started: list[InProcessGateway] = []
+    yield started
+    for gateway in started:
+        await gateway.stop()
+
+
+async def start_current(current: list[InProcessGateway], config: Path) -> InProcessGateway:
+    gateway = InProcessGateway(config)
+    current.append(gateway)
+    return await gateway.start()
 
 
 def migrate(config: Path) -> subprocess.CompletedProcess[str]:
@@ -192,9 +216,10 @@ async def test_a_store_written_by_the_previous_version_is_migrated_and_served(
     tmp_path: Path,
     session: aiohttp.ClientSession,
     processes: list[GatewayProcess],
+    current: list[InProcessGateway],
 ) -> None:
-    config, port = write_config(tmp_path / "old", store_url, key_prefix, downstream)
-    old = Gateway(start(processes, config, port, old_pythonpath), session)
+    config = write_config(tmp_path / "old", store_url, key_prefix, downstream)
+    old = Gateway(start(processes, config, old_pythonpath), session)
     assert (await old.call("GET", "/healthz"))[0] == 200
     # What the old version leaves: a committed task with an effect, an open one, a held one,
     # one waiting on the open one.
@@ -217,8 +242,8 @@ async def test_a_store_written_by_the_previous_version_is_migrated_and_served(
     assert "nothing to do" in again.stdout, again.stdout
 
     retention = "[retention]\nsettled_ms = 1000\ntombstone_ms = 60000\ninterval_ms = 100\n"
-    config, port = write_config(tmp_path / "new", store_url, key_prefix, downstream, retention)
-    new = Gateway(start(processes, config, port), session)
+    config = write_config(tmp_path / "new", store_url, key_prefix, downstream, retention)
+    new = Gateway(await start_current(current, config), session)
     # The held claim goes on under the new version; the duplicate of the old effect is
     # refused (its task is committed), never sent again.
     assert (await new.renew(held))[0] == 200
@@ -242,16 +267,17 @@ async def test_old_and_new_gateways_on_one_redis_never_disagree(
     tmp_path: Path,
     session: aiohttp.ClientSession,
     processes: list[GatewayProcess],
+    current: list[InProcessGateway],
 ) -> None:
     """A rolling upgrade: each step of each task goes through one gateway and its duplicate
     through the other; both must answer the same, and the downstream runs each effect once."""
     url = redis_server.url
-    config, port = write_config(tmp_path / "old", url, key_prefix, downstream)
-    old = Gateway(start(processes, config, port, old_pythonpath), session)
+    config = write_config(tmp_path / "old", url, key_prefix, downstream)
+    old = Gateway(start(processes, config, old_pythonpath), session)
     assert (await old.put("seed"))[0] == 201  # the store is the old version's before
     retention = "[retention]\nsettled_ms = 1000\ntombstone_ms = 60000\ninterval_ms = 100\n"
-    new_config, port = write_config(tmp_path / "new", url, key_prefix, downstream, retention)
-    new = Gateway(start(processes, new_config, port), session)
+    new_config = write_config(tmp_path / "new", url, key_prefix, downstream, retention)
+    new = Gateway(await start_current(current, new_config), session)
     pairs = [(old, new), (new, old)]
     for i in range(12):
         first, second = pairs[i % 2]

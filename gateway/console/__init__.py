@@ -9,6 +9,9 @@ with ``[auth]`` the console's cookie is the credential (``session.py``). docs/co
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -18,8 +21,9 @@ from aiohttp import web
 from fencegate.gateway.config import Config
 from fencegate.gateway.console.series import Series
 from fencegate.gateway.console.session import ConsoleSessions, SessionCodec, console_key
+from fencegate.gateway.state import METRICS, STORE
 
-__all__ = ["CONSOLE", "ROUTES", "Console", "new_console"]
+__all__ = ["CONSOLE", "ROUTES", "Console", "new_console", "sampling"]
 
 #: Every console route: (method, path, what it is). ``views.setup`` registers them, the
 #: OpenAPI document lists them (as HTML pages, outside the JSON API).
@@ -35,7 +39,7 @@ ROUTES: Final[tuple[tuple[str, str, str], ...]] = (
     ("POST", "/console/effects/{effect_id}/reconcile", "Probe the downstream now"),
     ("GET", "/console/tasks", "Find a task by id: state, claim, lease, commit, effects"),
     ("GET", "/console/fleet", "Epoch, claims, rollout status and live charts"),
-    ("GET", "/console/fleet/series", "The Fleet page's chart samples (JSON)"),
+    ("GET", "/console/fleet/series", "The Fleet page's chart samples and legends (JSON)"),
     ("POST", "/console/fleet/bump", "Bump the scheduler epoch (typed confirmation)"),
     ("POST", "/console/fleet/pause", "Pause claims everywhere"),
     ("POST", "/console/fleet/resume", "Resume claims"),
@@ -65,3 +69,16 @@ def new_console(config: Config, environ: dict[str, str] | None = None) -> Consol
     codec = SessionCodec(key, config.console.session_ttl_ms)
     templates = views.template_environment()
     return Console(codec, from_env, templates, Series(), ConsoleSessions(codec, views.refusal))
+
+
+async def sampling(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: the Fleet page's samples, taken in the background from start-up
+    (``Series.run``: one store round trip every ``series.SAMPLE_MS``), stopped before the
+    store closes."""
+    task = asyncio.get_running_loop().create_task(
+        app[CONSOLE].series.run(app[METRICS], app[STORE]), name="console.sampling"
+    )
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

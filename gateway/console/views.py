@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any, Final
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import jinja2
 import structlog
 from aiohttp import web
+from multidict import MultiDict
 
 from fencegate.adapters import ProbeAdapter
 from fencegate.gateway import answers
@@ -40,12 +41,13 @@ from fencegate.gateway.console.session import (
     Session,
     login_redirect,
 )
-from fencegate.gateway.coordination import bump_epoch_now, set_claims_paused
+from fencegate.gateway.coordination import bump_epoch_now, set_claims_paused, task_filter
 from fencegate.gateway.ledger_api import (
     ApproveBody,
     ResolveBody,
     approve_as,
     check_effect_id,
+    find_effect,
     preview_resolve,
     reconcile_as,
     resolve_as,
@@ -60,7 +62,7 @@ from fencegate.gateway.principals import (
     scope_refusal,
 )
 from fencegate.gateway.request_guard import origin_allowed
-from fencegate.gateway.state import ADAPTERS, CONFIG, METRICS, STORE
+from fencegate.gateway.state import ADAPTERS, CONFIG, STORE
 from fencegate.ledger.effects import (
     Effect,
     EffectState,
@@ -74,7 +76,9 @@ from fencegate.ledger.errors import (
     Forbidden,
     Unauthenticated,
 )
-from fencegate.ledger.store import Store
+from fencegate.ledger.queries import is_lease_expired
+from fencegate.ledger.store import Store, encode_task_cursor
+from fencegate.ledger.tasks import TaskState
 
 __all__ = ["refusal", "setup", "template_environment"]
 
@@ -516,7 +520,7 @@ def _body_text(response: dict[str, Any] | None) -> str | None:
 
 
 async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) -> dict[str, Any]:
-    record = shown_record(viewer.principal, effect)
+    record = shown_record(viewer.principal, effect, request.app)
     adapter = request.app[ADAPTERS].get(effect.downstream)
     approval_ttl_ms = adapter.approval_ttl(effect.path) if adapter is not None else None
     return {
@@ -536,8 +540,25 @@ async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) 
 
 @_page
 async def effect_page(request: web.Request, viewer: Viewer) -> web.StreamResponse:
-    effect_id = check_effect_id(request.match_info["effect_id"])
-    effect = await request.app[STORE].get_effect(effect_id)
+    """An effect by its full id or a unique prefix (the JSON API's ``find_effect``, so the
+    12 characters the queue and the CLI show work in the URL); an ambiguous prefix is a
+    page listing the matches, each linked."""
+    text = request.match_info["effect_id"]
+    store = request.app[STORE]
+    try:
+        effect = await find_effect(store, text)
+    except BadRequest as exc:
+        matches = exc.extra.get("matches")
+        if not isinstance(matches, list):
+            raise
+        found = []
+        for effect_id in matches:
+            try:
+                found.append(shown_record(viewer.principal, await store.get_effect(effect_id)))
+            except FencegateError:  # gone since (retention): not worth a page of its own
+                continue
+        return _render(request, "effects_ambiguous.html", viewer, status=exc.status,
+                       prefix=text, effects=found, detail=exc.detail)  # fmt: skip
     context = await _effect_context(request, viewer, effect)
     return _render(request, "effect.html", viewer, **context)
 
@@ -734,11 +755,55 @@ async def reconcile_now(
 # --- tasks ---------------------------------------------------------------------------------------
 
 
+#: Tasks one page of the console's task list shows unless ``limit`` says otherwise.
+_TASK_PAGE = 50
+_TASK_FILTERS = ("state", "owner", "leaseExpired", "limit")
+
+
+async def _task_list(request: web.Request, viewer: Viewer) -> web.StreamResponse:
+    """Tasks in task id order, filtered by state, owner and expired lease, a page at a time:
+    the query of ``GET /v1/tasks`` (``task_filter``: the same checks, the same scope), with
+    a form's empty fields left out."""
+    given: MultiDict[str] = MultiDict(
+        (name, value.strip()) for name, value in request.query.items() if value.strip()
+    )
+    # The filters as given (the links carry them on); the page size defaults to _TASK_PAGE.
+    filters = {name: given[name] for name in _TASK_FILTERS if name in given}
+    if "limit" not in given:
+        given["limit"] = str(_TASK_PAGE)
+    wanted, limit, after = task_filter(given, viewer.principal)
+    store = request.app[STORE]
+    found, last = await store.list_tasks(wanted, limit, after)
+    now = await store.now_ms()
+    rows = [
+        {"task": answers.Task.of(task).wire(), "expired": is_lease_expired(task, now)}
+        for task in found
+    ]
+    return _render(
+        request,
+        "tasks.html",
+        viewer,
+        query="",
+        task=None,
+        effects=[],
+        now=now,
+        rows=rows,
+        filters=filters,
+        states=list(TaskState.__members__),
+        first=f"{PREFIX}/tasks?{urlencode(filters)}" if after is not None else None,
+        next=(
+            f"{PREFIX}/tasks?{urlencode({**filters, 'cursor': encode_task_cursor(last)})}"
+            if last is not None
+            else None
+        ),
+    )
+
+
 @_page
 async def tasks(request: web.Request, viewer: Viewer) -> web.StreamResponse:
     raw_id = request.query.get("id", "").strip()
     if not raw_id:
-        return _render(request, "tasks.html", viewer, query="", task=None, effects=[], now=0)
+        return await _task_list(request, viewer)
     task_id = check_task_id(raw_id)
     if viewer.principal is not None:
         # The JSON API's scope rule for GET /v1/tasks/{id}.
@@ -773,8 +838,8 @@ async def fleet(request: web.Request, viewer: Viewer) -> web.StreamResponse:
 
 @_page
 async def series(request: web.Request, viewer: Viewer) -> web.StreamResponse:
-    samples = await request.app[CONSOLE].series.sample(request.app[METRICS], request.app[STORE])
-    return web.json_response({"samples": samples})
+    # What the background sampling kept (``series.Series.run``): no store round trip here.
+    return web.json_response(request.app[CONSOLE].series.answer())
 
 
 @_action

@@ -3,7 +3,7 @@
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
 -- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
--- KEYS[9] probe-due index, KEYS[10] event stream
+-- KEYS[9] probe-due index, KEYS[10] event stream, KEYS[11] effect ids index (zset, by id)
 -- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
 -- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot,
 -- ARGV[8] downstream, ARGV[9] method, ARGV[10] path, ARGV[11] payloadDigest,
@@ -16,12 +16,14 @@
 -- ARGV[17] the task revision the gateway believes this claim is for ('' when it does not
 -- know), ARGV[18] the effectId the gateway computed from that revision (ledger.effects.effect_id),
 -- ARGV[19] the request's approval digest (ledger.effects.approval_digest; '' when it is the
--- payload digest)
+-- payload digest), ARGV[20] the request as forwarded (ledger.requests; '' when its
+-- downstream keeps no request bodies): the record's ``request`` from this forward on
 -- Returns {'FORWARD'|'REPLAY', record}, {'REJECT', code, detail, retryAfterMs or '', record},
 -- or {'ERR', code, detail} when the claim itself is refused; record is the effect record as
 -- stored (cjson text): one bulk string instead of ~50 field/value pairs to build and parse.
 local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
+local effect_ids = KEYS[11]
 local index = effect_indexes(KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10])
 local now = now_ms(ARGV[1])
 local attempt_id = ARGV[2]
@@ -86,6 +88,7 @@ if not raw then
   local member = string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id
   redis.call('ZADD', effects_order, 0, member)
   redis.call('HSET', effect_tasks, eid, t.task_id)
+  redis.call('ZADD', effect_ids, 0, eid)
   changed = true
 else
   e = cjson.decode(raw)
@@ -131,6 +134,8 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
   -- An approval stays on the record while its forward runs (complete.lua: approval_after).
   e.probe_holder = nil
   e.probe_until = nil
+  -- The forward's own request, or none (ledger.effects.prepare: request_json).
+  if ARGV[20] ~= nil and ARGV[20] ~= '' then e.request = ARGV[20] else e.request = nil end
   local i = tonumber(e.attempt_count)
   add_attempt(e, now, attempt_id, generation, deadline_ms, forward_id)
   if approver then e['a' .. s(i) .. '_approved_by'] = approver end

@@ -108,6 +108,7 @@ local function expire_task(t, list)
     redis.call('ZREM', effects_order, string.format('%015d', tonumber(e.created_at)) .. ':'
       .. eid .. ':' .. id)
     redis.call('HDEL', effect_tasks, eid)
+    redis.call('ZREM', K.effect_ids, eid)
     -- The state indexes hold a record exactly as its state implies (index_effect keeps
     -- them), and why_kept let only COMMITTED and NOT_APPLIED-after-a-forward records through:
     -- those are in none, so there is nothing to remove per effect (the per-effect cost is

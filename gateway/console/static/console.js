@@ -78,46 +78,70 @@
     });
   }
 
+  // The samples the gateway takes in the background (every few seconds from its start, so
+  // the charts have the last minutes at once); every series' legend in the gateway's words.
   function charts() {
     var box = document.getElementById("charts");
     if (!box) return;
-    function render(samples) {
+    function gauge(which) {
+      return function (samples) {
+        return samples.filter(function (s) { return typeof s[which] === "number"; })
+          .map(function (s) { return [s.t, s[which]]; });
+      };
+    }
+    function render(data) {
+      var samples = data.samples || [], labels = data.labels || {};
       if (!samples.length) return;
+      function words(name) { return labels[name] || name; }
       var t1 = samples[samples.length - 1].t, t0 = Math.min(samples[0].t, t1 - 60000);
       var keys = {};
-      samples.forEach(function (s) { Object.keys(s.effects).forEach(function (k) { keys[k] = true; }); });
-      var names = Object.keys(keys).sort();
-      var effectLines = names.map(function (name, i) {
-        return { name: name, colour: COLOURS[i % COLOURS.length],
-                 points: rates(samples, function (s) { return s.effects[name] || 0; }) };
-      });
+      samples.forEach(function (s) { Object.keys(s.effects || {}).forEach(function (k) { keys[k] = true; }); });
+      var names = Object.keys(keys).sort(function (a, b) { return words(a) < words(b) ? -1 : 1; });
       box.querySelectorAll("svg.chart").forEach(function (svg) {
         var which = svg.dataset.series;
         var lines;
-        if (which === "effects") lines = effectLines;
-        else if (which === "fenced") lines = [{ colour: COLOURS[1], points: rates(samples, function (s) { return s.fenced; }) }];
-        else lines = [{ colour: COLOURS[0], points: samples.map(function (s) { return [s.t, s[which]]; }) }];
+        if (which === "effects") {
+          lines = names.map(function (name, i) {
+            return { name: name, colour: COLOURS[i % COLOURS.length],
+                     points: rates(samples, function (s) { return (s.effects || {})[name] || 0; }) };
+          });
+        } else if (which === "fenced") {
+          lines = [{ name: which, colour: COLOURS[1], points: rates(samples, function (s) { return s.fenced; }) }];
+        } else {
+          var parts = svg.dataset.lines ? svg.dataset.lines.split(" ") : [which];
+          lines = parts.map(function (name, i) {
+            return { name: name, colour: COLOURS[i % COLOURS.length], points: gauge(name)(samples) };
+          });
+        }
         draw(svg, lines, t0, t1);
-      });
-      var legend = box.querySelector("[data-legend=effects]");
-      if (legend) {
+        var legend = box.querySelector("[data-legend=" + which + "]");
+        if (!legend) return;
         while (legend.firstChild) legend.removeChild(legend.firstChild);
-        effectLines.forEach(function (line) {
+        lines.forEach(function (line) {
           var item = document.createElement("li");
-          item.textContent = line.name;
+          item.textContent = words(line.name);
           item.style.setProperty("--swatch", line.colour);
           legend.appendChild(item);
         });
-      }
+      });
     }
+    var every = 5000;
     function poll() {
       fetch(box.dataset.source, { credentials: "same-origin", headers: { Accept: "application/json" } })
         .then(function (r) { return r.ok ? r.json() : null; })
-        .then(function (data) { if (data) render(data.samples); })
+        .then(function (data) {
+          if (!data) return;
+          render(data);
+          if (data.everyMs > 0 && data.everyMs !== every) {
+            every = data.everyMs;
+            clearInterval(timer);
+            timer = setInterval(poll, every);
+          }
+        })
         .catch(function () {});
     }
+    var timer = setInterval(poll, every);
     poll();
-    setInterval(poll, 5000);
   }
 
   // Needs attention: re-read this very page every few seconds and swap in its list, counts

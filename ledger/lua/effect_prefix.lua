@@ -1,0 +1,27 @@
+-- The live effect ids that start with a prefix, in id order (mirror of
+-- ledger.queries.effects_with_prefix; the bounds are ledger.queries.effect_prefix_bounds).
+-- One atomic read of two keys: the ids index may name an effect whose record an older
+-- gateway's retention removed (it did not know the index), so an id counts only while the
+-- effectId -> taskId hash still names it. At most SCAN_MOST index entries are read.
+-- KEYS[1] effect ids index (zset, all scores 0), KEYS[2] effectId -> taskId hash
+-- ARGV[1] test clock (unused: nothing here is timed), ARGV[2] prefix (lowercase hex),
+-- ARGV[3] the most ids to return
+-- Returns the ids
+local ids_index, effect_tasks = KEYS[1], KEYS[2]
+local prefix, want = ARGV[2], tonumber(ARGV[3])
+local low, high = '[' .. prefix, '(' .. prefix .. 'g'
+local BATCH, SCAN_MOST = 64, 1024
+local out = {}
+local offset = 0
+while #out < want and offset < SCAN_MOST do
+  local batch = redis.call('ZRANGEBYLEX', ids_index, low, high, 'LIMIT', offset, BATCH)
+  for _, id in ipairs(batch) do
+    if redis.call('HEXISTS', effect_tasks, id) == 1 then
+      out[#out + 1] = id
+      if #out == want then break end
+    end
+  end
+  if #batch < BATCH then break end
+  offset = offset + BATCH
+end
+return out
