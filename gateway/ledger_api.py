@@ -86,19 +86,15 @@ class ResolveBody(ApiBody):
     force: StrictBool = False
 
 
-def shown(
-    principal: Principal | None, effect: Effect, app: web.Application | None = None
-) -> answers.Effect:
+def shown(principal: Principal | None, effect: Effect, app: web.Application) -> answers.Effect:
     """The record as this reader may see it: observers get the stored answer and the kept
     request without their bodies (``bodyWithheld: true``); operators, and everyone without
     ``[auth]``, all of it. The JSON API and the console both show records through this, so
-    they withhold alike. With ``app``, from the downstream's config: the idempotency key in
-    the kept request's headers and, when UNKNOWN, what to look up (``lookUp``)."""
-    key_header = look = None
-    if app is not None:
-        downstream = app[CONFIG].downstream(effect.downstream)
-        key_header = downstream.idempotency_key_header if downstream is not None else None
-        look = look_up(downstream, effect)
+    they withhold alike. From the downstream's config (``app``): the idempotency key in the
+    kept request's headers and, when UNKNOWN, what to look up (``lookUp``)."""
+    downstream = app[CONFIG].downstream(effect.downstream)
+    key_header = downstream.idempotency_key_header if downstream is not None else None
+    look = look_up(downstream, effect)
     return answers.Effect.of(
         effect,
         withhold_body=not sees_stored_bodies(principal),
@@ -108,7 +104,7 @@ def shown(
 
 
 def shown_record(
-    principal: Principal | None, effect: Effect, app: web.Application | None = None
+    principal: Principal | None, effect: Effect, app: web.Application
 ) -> dict[str, Any]:
     """``shown`` as JSON-ready data (what the console renders)."""
     return shown(principal, effect, app).wire()
@@ -316,7 +312,7 @@ async def reconcile_effect(request: web.Request) -> web.Response:
     if raw.strip() not in (b"", b"{}"):
         raise BadRequest("reconcile takes no body (or an empty JSON object)")
     effect = await reconcile_as(request.app, effect_id, operator)
-    return reply(answers.Effect.of(effect))
+    return reply(_shown(request, effect))
 
 
 async def reconcile_as(app: web.Application, effect_id: str, operator: str) -> Effect:
@@ -331,7 +327,7 @@ async def approve_effect(request: web.Request) -> web.Response:
     raw = await request.read()
     body = parse_body(raw, ApproveBody) if raw.strip() else ApproveBody()
     effect = await approve_as(request.app, effect_id, operator, principal_of(request), body)
-    return reply(answers.Effect.of(effect))
+    return reply(_shown(request, effect))
 
 
 async def approve_as(

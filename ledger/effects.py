@@ -488,6 +488,9 @@ def prepare(
                 and not (requester is not None and rebound.approval_by == requester)
             )
             if not approved:
+                if moved:
+                    # What the approver decides on: the request this binding would forward.
+                    rebound = replace(rebound, request_json=request.request_json)
                 waiting: FencegateError = ApprovalRequired(
                     f"an operator must approve {_naming(wanted, request.payload_digest)}: "
                     f"POST /v1/effects/{rebound.effect_id}/approve"

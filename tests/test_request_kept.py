@@ -472,6 +472,27 @@ async def test_the_store_keeps_the_request_with_the_prepare(store: Store) -> Non
     assert plain.effect.request_json is None
 
 
+async def test_an_effect_awaiting_approval_shows_what_the_approver_decides_on(
+    store: Store,
+) -> None:
+    """The approver sees the request before anything is forwarded: the waiting record keeps
+    the request that bound its payload; a new payload's request replaces it."""
+    await store.put_task("ap", "in-ap", None)
+    task = await store.claim("ap", claim_as("w"))
+    first = kept.request_json([("X-A", "1")], b'{"amount":125}', max_bytes=100)
+    waiting = await store.prepare_effect(_request(task, "a", first), 5_000, require_approval=True)
+    assert waiting.action is Action.REJECT and waiting.error is not None
+    assert waiting.error.code == "APPROVAL_REQUIRED"
+    eid = waiting.effect.effect_id
+    assert (await store.get_effect(eid)).request_json == first
+    other = kept.request_json([("X-A", "2")], b'{"amount":999}', max_bytes=100)
+    rebound = await store.prepare_effect(
+        _request(task, "a", other, "d2"), 5_000, require_approval=True
+    )
+    assert rebound.action is Action.REJECT
+    assert (await store.get_effect(eid)).request_json == other
+
+
 async def test_the_kept_request_expires_with_its_record(store: Store) -> None:
     await store.put_task("gone", "in-gone", None)
     task = await store.claim("gone", claim_as("w"))

@@ -480,7 +480,7 @@ async def queue(request: web.Request, viewer: Viewer) -> web.StreamResponse:
         [(e, "UNKNOWN") for e in unknown] + [(e, "awaiting approval") for e in awaiting],
         key=lambda pair: (pair[0].created_at, pair[0].effect_id),
     ):
-        record = shown_record(viewer.principal, effect)
+        record = shown_record(viewer.principal, effect, request.app)
         rows.append(
             {
                 "effect": record,
@@ -554,7 +554,9 @@ async def effect_page(request: web.Request, viewer: Viewer) -> web.StreamRespons
         found = []
         for effect_id in matches:
             try:
-                found.append(shown_record(viewer.principal, await store.get_effect(effect_id)))
+                found.append(
+                    shown_record(viewer.principal, await store.get_effect(effect_id), request.app)
+                )
             except FencegateError:  # gone since (retention): not worth a page of its own
                 continue
         return _render(request, "effects_ambiguous.html", viewer, status=exc.status,
@@ -747,7 +749,7 @@ async def reconcile_now(
                 "(its probe). A clear answer settles the effect.")  # fmt: skip
         return _confirm(request, viewer, "Probe now?", what, {}, back)
     effect = await reconcile_as(request.app, effect_id, viewer.name)
-    record = shown_record(viewer.principal, effect)
+    record = shown_record(viewer.principal, effect, request.app)
     return _done(request, viewer, "Probed", [f"Effect is {effect.state.value}.",
                  _last_seen(record)], back)  # fmt: skip
 
@@ -821,7 +823,7 @@ async def tasks(request: web.Request, viewer: Viewer) -> web.StreamResponse:
         viewer,
         query=task_id,
         task=answers.Task.of(task).wire(),
-        effects=[shown_record(viewer.principal, e) for e in found],
+        effects=[shown_record(viewer.principal, e, request.app) for e in found],
         now=await store.now_ms(),
     )
 

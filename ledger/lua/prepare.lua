@@ -116,7 +116,11 @@ if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) the
       and not (requester ~= nil and e.approval_by == requester)
     if not approved then
       local stored = raw
-      if moved then stored = save_effect(index, effects_key, e, prior) end
+      if moved then
+        -- What the approver decides on (ledger.effects.prepare: the rebound request_json).
+        if ARGV[20] ~= nil and ARGV[20] ~= '' then e.request = ARGV[20] else e.request = nil end
+        stored = save_effect(index, effects_key, e, prior)
+      end
       if not stored then stored = cjson.encode(e) end
       -- ledger.effects._naming
       local naming = 'payloadDigest ' .. digest
