@@ -187,6 +187,7 @@ url = "{downstream.url}"
 timeout_ms = {TIMEOUT_MS}
 # The story resolves NOT_APPLIED right after the timeout: no request of this stage lands late.
 settle_ms = 0
+keep_request_bodies = true
 
 [[downstreams]]
 name = "mail"
@@ -194,6 +195,7 @@ url = "{downstream.url}"
 adapter = "manual"
 require_approval = true
 approval_ttl_ms = 600000
+keep_request_bodies = true
 """
 
 

@@ -98,6 +98,10 @@ async def test_an_operator_resolves_an_unknown_effect_and_the_retry_goes_through
     await page.click(f"a[href='/console/effects/{effect_id}']")
     await page.wait_for_selector("#resolve-form")
     await visit.shot("effect")
+    # What the call was (the kept request) and where to look it up at the downstream.
+    assert '"amount": 4200' in await page.inner_text("#request-body")
+    look_up = await page.inner_text("#look-up")
+    assert f"Idempotency-Key: {effect_id}" in look_up and "POST /pay/b1" in look_up
     await page.check("input[name=outcome][value=NOT_APPLIED]")
     await page.fill("#note", "bank statement shows no charge for invoice b1")
     await page.click("#resolve")
@@ -212,6 +216,8 @@ async def test_an_operator_approves_an_email_and_it_is_sent_exactly_once(
     await visit.login(stage, "alice", f"/console/effects/{effect_id}")
     await page.wait_for_selector("#approve-form")
     assert record["payloadDigest"] in await page.inner_text("#approve-form")
+    # The approver reads what would be sent before anything is (the kept request).
+    assert "customer@example.com" in await page.inner_text("#request-body")
     await visit.shot("effect")
     await page.fill("#approve-note", "refund confirmed with the customer")
     await page.click("#approve")
