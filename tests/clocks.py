@@ -10,8 +10,33 @@ checks, not a race it may lose.
 from __future__ import annotations
 
 import asyncio
+import time
 
-__all__ = ["ManualClock", "still"]
+from fencegate.ledger.clock import ClockSources
+from fencegate.ledger.postgres_store import PostgresStore
+from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.sqlite_store import SQLiteStore
+from fencegate.ledger.store import Store
+
+__all__ = ["ManualClock", "freeze_store_clock", "still"]
+
+
+def freeze_store_clock(store: Store) -> Store:
+    """``store`` (not yet opened) with its clock standing at the instant of this call: only
+    ``clock_offset_ms`` (``Api.advance``) moves it. For tests that drive expiry by hand, so
+    that the real time a loaded machine takes between two steps never counts as lease time.
+    """
+    at_ms = time.time_ns() // 1_000_000
+    if isinstance(store, SQLiteStore):
+        # A host whose clocks never move (ledger/clock.py): store time stays at ``at_ms``.
+        store._clock_sources = ClockSources(
+            wall_ms=lambda: at_ms, boot_ms=lambda: 0, boot_id=lambda: "frozen"
+        )
+    elif isinstance(store, RedisStore | PostgresStore):
+        store.clock_pinned_ms = at_ms
+    else:
+        raise TypeError(f"no frozen clock for {type(store).__name__}")
+    return store
 
 
 def still() -> float:

@@ -18,6 +18,7 @@ from fencegate.gateway.config import Config
 from fencegate.ledger.registry import open_store
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
+from tests.clocks import freeze_store_clock
 from tests.downstream import Downstream
 from tests.postgres_server import PostgresServer, Setting
 from tests.servers import Gateways, RedisServer
@@ -223,9 +224,14 @@ async def store(config: Config) -> AsyncIterator[Store]:
 
 
 @pytest.fixture
-async def client(config: Config) -> AsyncIterator[TestClient[object, object]]:
-    """The whole gateway over real HTTP on loopback; ``client.app`` holds its store."""
+async def client(
+    config: Config, request: pytest.FixtureRequest
+) -> AsyncIterator[TestClient[object, object]]:
+    """The whole gateway over real HTTP on loopback; ``client.app`` holds its store. Under
+    the ``frozen_store_clock`` mark the store's clock stands still (``tests.clocks``)."""
     the_store = build_test_store(config)
+    if request.node.get_closest_marker("frozen_store_clock") is not None:
+        freeze_store_clock(the_store)
     app = create_app(config, store=the_store)
     async with TestClient(TestServer(app, host="127.0.0.1")) as test_client:
         yield test_client

@@ -1,7 +1,9 @@
 """Conformance: every rule of the claim.v1 contract, through HTTP, on both stores.
 
 Each test runs twice (``client`` is parametrized over the SQLite and the Redis store).
-Expiry is driven by the store's test clock offset (``api.advance``), never by sleeping.
+Expiry is driven by the store's test clock offset (``api.advance``), never by sleeping, and
+the store's clock stands still otherwise (``frozen_store_clock``): the real time a loaded
+machine takes between two steps never counts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from aiohttp.test_utils import TestClient
 from fencegate.ledger.clock import iso_utc
 from tests.api import Api
 from tests.conftest import DEFAULT_MAX_RUNTIME_MS, MAX_TTL_MS
+
+pytestmark = pytest.mark.frozen_store_clock
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
 from tests.api import Api
-from tests.clocks import still
+from tests.clocks import freeze_store_clock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import RedisServer, write_gateway_config
@@ -35,7 +35,9 @@ async def gateway(store_url: str, key_prefix: str, downstream: Downstream, **pro
     )  # fmt: skip
     # The forward clock stands still and the start limit (then a real-time bound on the pool
     # wait and connect) is 10 s off: a loaded machine's slow prepare or connect cannot trip it.
-    app = create_app(config, store=build_test_store(config), forward_clock=still)
+    # The store's clock stands still too: only api.advance runs a lease out.
+    app = create_app(config, store=freeze_store_clock(build_test_store(config)),
+                     forward_clock=still)  # fmt: skip
     return TestClient(TestServer(app, host="127.0.0.1"))
 
 

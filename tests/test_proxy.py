@@ -22,7 +22,7 @@ from fencegate.gateway.config import Config
 from fencegate.ledger.effects import EffectRequest, EffectState, Fence, effect_id, payload_digest
 from fencegate.ledger.errors import FencegateError
 from tests.api import Api, Lease
-from tests.clocks import still
+from tests.clocks import freeze_store_clock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import refused_port
@@ -70,7 +70,9 @@ def proxy_config(store_url: str, key_prefix: str, downstream: Downstream) -> Con
 @pytest.fixture
 async def api(proxy_config: Config) -> AsyncIterator[Api]:
     # "Could not start in time" is tests/test_forward_window.py's story, not this file's.
-    app = create_app(proxy_config, store=build_test_store(proxy_config), forward_clock=still)
+    # The store's clock stands still too: only api.advance runs a lease out.
+    store = freeze_store_clock(build_test_store(proxy_config))
+    app = create_app(proxy_config, store=store, forward_clock=still)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Api(client)
 

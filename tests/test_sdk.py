@@ -736,8 +736,13 @@ async def test_worker_frozen_past_its_ttl_is_refused_and_the_takeover_commits(
     env: Env, mode: str
 ) -> None:
     await new_task(env, "job-1")
+    # A bare lease is never renewed: it is long, and the store's clock runs it out once the
+    # worker is frozen, so a loaded machine's slow first call never meets an expired lease. A
+    # guarded one is renewed every third of its TTL and must run out on the worker's own
+    # clock too (it finds out by itself), so it is short, in real time, with renewals to spare.
+    ttl_ms = 3_000 if mode == "guarded" else 600_000
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(SDK_WORKER), env.url, "job-1", "worker-a", "600", mode,
+        sys.executable, str(SDK_WORKER), env.url, "job-1", "worker-a", str(ttl_ms), mode,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     worker = Worker(proc)
@@ -748,7 +753,9 @@ async def test_worker_frozen_past_its_ttl_is_refused_and_the_takeover_commits(
         assert sent["ok"] and sent["status"] == 200, sent
 
         proc.send_signal(signal.SIGSTOP)  # a GC pause, a swapped-out VM, a stuck syscall...
-        deadline = time.monotonic() + 5
+        if mode == "bare":
+            env.advance(ttl_ms)
+        deadline = time.monotonic() + 60  # bounds a hang only
         while True:  # wait out its lease, by the store's clock
             try:
                 takeover = await env.client.acquire("job-1", owner="worker-b", ttl_ms=30_000)
