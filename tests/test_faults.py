@@ -389,12 +389,15 @@ async def test_paused_redis_answers_503_quickly_and_the_gateway_recovers(
     gateways: Gateways, make_redis_server: Callable[..., RedisServer]
 ) -> None:
     server = make_redis_server()
-    gateway = gateways.start("gw", server.url, timeout_ms=500)
+    # The store timeout only has to fire while Redis is paused (it stays paused until every
+    # answer below came), so it need not be short: 3 s, which a loaded machine's ordinary
+    # round trips before the pause and after it never reach (500 ms did, under four loops).
+    gateway = gateways.start("gw", server.url, timeout_ms=3_000)
     task_ids = [f"t{i}" for i in range(5)]
     async with gateway_api(gateway) as api:
-        for task_id in task_ids:
-            await api.put(task_id, f"in-{task_id}")
-        await api.put("after", "in-after")
+        for task_id in [*task_ids, "after"]:
+            put = await api.put(task_id, f"in-{task_id}")
+            assert put.status == 201, put.body
         assert (await api.call("GET", "/readyz")).status == 200
 
         # SIGSTOP: connections stay open, nothing answers. Every answer below comes while the
@@ -435,10 +438,12 @@ async def test_locked_sqlite_answers_503_and_works_again_once_released(
     gateways: Gateways, tmp_path: Path
 ) -> None:
     db = tmp_path / "locked.db"
-    gateway = gateways.start("gw", f"sqlite:///{db}", timeout_ms=500)
+    # 3 s: it fires only while the lock is held (below); ordinary steps never reach it.
+    gateway = gateways.start("gw", f"sqlite:///{db}", timeout_ms=3_000)
     async with gateway_api(gateway) as api:
-        await api.put("t1")
-        await api.put("t2")
+        for task_id in ("t1", "t2"):
+            put = await api.put(task_id)
+            assert put.status == 201, put.body
         locker = sqlite3.connect(db, isolation_level=None)
         try:
             # e.g. a backup tool or an operator's shell. It holds the lock until the answers
