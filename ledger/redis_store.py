@@ -1190,28 +1190,41 @@ class RedisStore(Store):
         """Add the tasks created before the task index existed (an older fencegate) to it:
         one SCAN of the task hashes, once per store (a marker key remembers). Tasks created
         meanwhile are indexed by put.lua anyway; two gateways doing it at once is harmless."""
-        if await self._call(lambda: self._redis.exists(self._keys.tasks_indexed)):
-            self._tasks_indexed = True
-            return
-        cursor: Any = 0
-        found: Any
-        while True:
+
+        async def page(cursor: Any) -> tuple[Any, list[Any]]:
             cursor, found = await self._call(
                 functools.partial(
                     self._redis.scan, cursor, match=self._keys.task_pattern(), count=1000
                 )
             )
-            ids = [i for i in (self._keys.task_id_of(str(key)) for key in found) if i]
-            if ids:
-                members = dict.fromkeys(ids, 0)
-                await self._call(
-                    functools.partial(self._redis.zadd, self._keys.tasks_index, members)
-                )
+            return cursor, [i for i in (self._keys.task_id_of(str(key)) for key in found) if i]
+
+        if await self._backfill(page, self._keys.tasks_index, self._keys.tasks_indexed):
+            log.info("store.tasks_indexed", store="redis")
+        self._tasks_indexed = True
+
+    async def _backfill(
+        self,
+        page: Callable[[Any], Awaitable[tuple[Any, list[Any]]]],
+        index: str,
+        marker: str,
+    ) -> bool:
+        """Add to the sorted set ``index`` every member a scan finds (``page``: the cursor
+        in, the next cursor and a page of members out), unless ``marker`` says a gateway
+        already did; then set ``marker``. For the indexes a newer fencegate added: the records
+        an older one wrote are found once per store. Answers whether it scanned."""
+        if await self._call(lambda: self._redis.exists(marker)):
+            return False
+        cursor: Any = 0
+        while True:
+            cursor, members = await page(cursor)
+            if members:
+                zadd = functools.partial(self._redis.zadd, index, dict.fromkeys(members, 0))
+                await self._call(zadd)
             if int(cursor) == 0:
                 break
-        await self._call(lambda: self._redis.set(self._keys.tasks_indexed, "1"))
-        log.info("store.tasks_indexed", store="redis")
-        self._tasks_indexed = True
+        await self._call(lambda: self._redis.set(marker, "1"))
+        return True
 
     async def list_tasks(
         self, wanted: TaskFilter, limit: int, after: str | None
@@ -1591,24 +1604,15 @@ class RedisStore(Store):
         to it: one HSCAN of the effectId -> taskId hash, once per store (a marker key
         remembers). Effects created meanwhile are indexed by prepare.lua anyway; two gateways
         doing it at once is harmless (ZADD of the same members)."""
-        if await self._call(lambda: self._redis.exists(self._keys.effect_ids_indexed)):
-            self._effect_ids_indexed = True
-            return
-        cursor: Any = 0
-        found: Any
-        while True:
+
+        async def page(cursor: Any) -> tuple[Any, list[Any]]:
             cursor, found = await self._call(
                 functools.partial(self._redis.hscan, self._keys.effect_tasks, cursor, count=1000)
             )
-            if found:
-                members = dict.fromkeys(found, 0)
-                await self._call(
-                    functools.partial(self._redis.zadd, self._keys.effect_ids, members)
-                )
-            if int(cursor) == 0:
-                break
-        await self._call(lambda: self._redis.set(self._keys.effect_ids_indexed, "1"))
-        log.info("store.effect_ids_indexed", store="redis")
+            return cursor, list(found)
+
+        if await self._backfill(page, self._keys.effect_ids, self._keys.effect_ids_indexed):
+            log.info("store.effect_ids_indexed", store="redis")
         self._effect_ids_indexed = True
 
     async def find_effects(self, prefix: str, limit: int) -> list[str]:
