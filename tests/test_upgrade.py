@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 
 from tests.api import InProcessGateway, until
+from tests.conftest import STORE_TIMEOUT_MS
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess, free_port
 
@@ -60,7 +61,9 @@ def write_config(
     path.write_text(
         '[server]\nlisten = "127.0.0.1:8700"\n'
         f"[store]\nurl = {json.dumps(store_url)}\nredis_key_prefix = {json.dumps(key_prefix)}\n"
-        "timeout_ms = 2000\n"
+        # The suite's store timeout: it only bounds a hang (a 2 s one timed out a commit
+        # while a fresh clone's suite loaded the machine).
+        f"timeout_ms = {STORE_TIMEOUT_MS}\n"
         f"[leases]\nmax_ttl_ms = {HELD_TTL_MS}\n"
         "[reconciler]\nenabled = false\n"
         f'[[downstreams]]\nname = "api"\nurl = "{downstream.url}"\ntimeout_ms = 2000\n' + extra
