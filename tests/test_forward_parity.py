@@ -29,8 +29,9 @@ import errno
 import json
 import socket
 import struct
+import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,6 +58,7 @@ from fencegate.gateway.state import STORE
 from fencegate.ledger.effects import EffectState
 from fencegate.ledger.errors import StoreUnavailable
 from tests.api import Api, Lease
+from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import fence_headers
 
@@ -192,10 +194,12 @@ async def gateway(
     adapter: str = "http",
     tool_kind: str = "effect",
     max_connections: int = 10,
+    forward_clock: Callable[[], float] = still,
 ) -> AsyncIterator[Gateway]:
     """The gateway in-process with ``api`` (``/proxy/api``, adapter ``adapter``) and ``tools``
     (``/mcp/tools``, its tool ``charge`` of ``tool_kind``) both at ``base``, and ``hold`` at the
-    fault server."""
+    fault server. Its forward clock stands still unless a test is about the start limit in
+    real time (``time.monotonic``): a loaded machine's slow prepare must not spend it."""
     api: dict[str, Any] = {"name": "api", "url": base, "timeout_ms": TIMEOUT_MS, "adapter": adapter}
     tool: dict[str, Any] = {"kind": tool_kind}
     if adapter == "idempotent":
@@ -222,7 +226,7 @@ async def gateway(
         },
         reconciler={"enabled": False},
     )
-    app = create_app(config, store=build_test_store(config))
+    app = create_app(config, store=build_test_store(config), forward_clock=forward_clock)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield Gateway(Api(client), fault, base)
 
@@ -343,7 +347,9 @@ async def test_pool_wait_is_busy_and_sends_nothing(
 ) -> None:
     """One pooled connection, held by another forward that gets no answer: each call waits
     for it until its start limit, and is never sent."""
-    async with gateway(store_url, key_prefix, fault, fault.url, max_connections=1) as g:
+    async with gateway(
+        store_url, key_prefix, fault, fault.url, max_connections=1, forward_clock=time.monotonic
+    ) as g:
         await g.api.put("holder")
         holder = await g.api.claim("holder", ttl_ms=30_000)
         hold = asyncio.create_task(
