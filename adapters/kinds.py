@@ -111,18 +111,28 @@ class ProbeAdapter(HttpAdapter):
 
     def probe_path(self, effect: Effect) -> str:
         """The probe's path and query for ``effect``, still percent-encoded (see
-        ``expand_probe_path``; raises ``UnsafeProbePath``)."""
+        ``expand_probe_path``; raises ``UnsafeProbePath``). A keyed effect has no task,
+        revision, node or slot, a leased one no ``idempotencyKey`` (the client's key): a
+        template naming what the effect lacks sends no probe (``UnsafeProbePath``;
+        the config refuses such templates where keys are on)."""
         assert self.probe is not None
-        return expand_probe_path(
-            self.probe.path,
-            {
-                "effectId": effect.effect_id,
-                "taskId": effect.task_id,
-                "slot": effect.slot,
-                "node": effect.node,
-                "revision": effect.revision,
-            },
-        )
+        values = {
+            "effectId": effect.effect_id,
+            "taskId": effect.task_id,
+            "slot": effect.slot,
+            "node": effect.node,
+            "revision": effect.revision,
+            "idempotencyKey": effect.idempotency_key,
+        }
+        try:
+            return expand_probe_path(
+                self.probe.path, {k: v for k, v in values.items() if v is not None}
+            )
+        except KeyError as exc:
+            raise UnsafeProbePath(
+                f"probe path {self.probe.path!r} names {{{exc.args[0]}}}, which this "
+                f"{effect.kind} effect has none of"
+            ) from exc
 
     def verdict(self, status: int, body: Any) -> ProbeVerdict:
         """What one probe answer says. Pure, so every rule is tested without a socket."""

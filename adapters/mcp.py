@@ -1,7 +1,7 @@
 """The ``mcp`` adapter: what a JSON-RPC message through ``/mcp/{downstream}`` means for the
 ledger (docs/PROTOCOL.md, "MCP"). Pure functions, so every rule is tested without a network.
 
-``tools/call`` is the effect. Its slot is ``params._meta["fencegate/slot"]`` or, when absent,
+``tools/call`` is the effect. Its slot is ``params._meta["dev.fencegate/slot"]`` or, when absent,
 derived from the tool name and the canonical arguments (two identical calls in one task
 revision are then one effect); its payload is the tool name and the canonical arguments, never
 the JSON-RPC ``id``. What a call is comes from the downstream's ``tools`` table (``kind``);
@@ -20,6 +20,12 @@ A result (``isError: true`` included: the tool ran) is COMMITTED, except 2026-07
 the client's next request: NOT_APPLIED, so that request is forwarded); the JSON-RPC errors
 ``-32601`` (no such method) and ``-32602`` (invalid params) are NOT_APPLIED (refused before
 the tool ran); any other error is UNKNOWN.
+
+The gateway's ``_meta`` names carry the reverse-DNS prefix ``dev.fencegate/`` (the MCP
+specification recommends one). The older ``fencegate/`` names are still read and still sent
+beside the new ones for at least one release (``ours``, ``both_names``): a message that gives
+one name in both forms with different values is refused (-32602), and every key under either
+prefix is the gateway's alone on the way to the server (``with_identity``, ``without_ours``).
 """
 
 from __future__ import annotations
@@ -52,12 +58,16 @@ __all__ = [
     "CALL",
     "HEADER_MISMATCH",
     "LEASE_FREE_METHODS",
+    "LEGACY_PREFIX",
     "META_EFFECT_ID",
     "META_FENCING_TOKEN",
+    "META_IDEMPOTENCY_KEY",
     "META_REPLAYED",
     "META_REPLAY_BODY",
     "META_SLOT",
+    "META_WAIT",
     "NOT_APPLIED_CODES",
+    "PREFIX",
     "READ_MEMBERS",
     "REFUSAL_CODE",
     "McpAdapter",
@@ -69,13 +79,18 @@ __all__ = [
     "ToolPolicy",
     "answer_summary",
     "answerable_id",
+    "both_names",
     "classify",
     "content_type_refusal",
     "error_message",
     "fold",
+    "idempotency_key",
+    "legacy",
     "member_collision",
     "message_shape",
+    "meta_conflict",
     "omitted_answer",
+    "ours",
     "parse_tool_call",
     "policy_for",
     "read_message",
@@ -91,13 +106,24 @@ CALL = "tools/call"
 LEASE_FREE_METHODS = frozenset(
     {"initialize", "notifications/initialized", "ping", "tools/list", "server/discover"}
 )
-META_SLOT = "fencegate/slot"
-META_EFFECT_ID = "fencegate/effectId"
-META_FENCING_TOKEN = "fencegate/fencingToken"
-META_REPLAYED = "fencegate/replayed"
+#: The prefix of the gateway's ``_meta`` names (reverse DNS, as the MCP specification
+#: recommends), and the one they had before (still read and sent: ``LEGACY_PREFIX``).
+PREFIX = "dev.fencegate/"
+#: Read beside ``PREFIX`` and sent beside it for at least one release after the move.
+LEGACY_PREFIX = "fencegate/"
+_PREFIXES = (PREFIX, LEGACY_PREFIX)
+META_SLOT = PREFIX + "slot"
+META_EFFECT_ID = PREFIX + "effectId"
+META_FENCING_TOKEN = PREFIX + "fencingToken"
+META_REPLAYED = PREFIX + "replayed"
 #: On a replayed result whose answer was not stored: ``"omitted"``.
-META_REPLAY_BODY = "fencegate/replayBody"
-_OURS = "fencegate/"
+META_REPLAY_BODY = PREFIX + "replayBody"
+#: A lease-less client's idempotency key: its ``tools/call`` is a keyed effect.
+META_IDEMPOTENCY_KEY = PREFIX + "idempotencyKey"
+#: How long a duplicate of an in-flight call may wait for its outcome (seconds).
+META_WAIT = PREFIX + "wait"
+#: An idempotency key: 1 to 255 visible ASCII characters (as ``/proxy``'s header).
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 
 #: The JSON-RPC errors that refuse a call before the tool ran, unless a tool's table says
 #: otherwise (``not_applied_codes``: a tool that may raise one of these after acting):
@@ -186,6 +212,67 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def legacy(name: str) -> str:
+    """The older spelling of one of the gateway's ``_meta`` names: ``dev.fencegate/slot`` ->
+    ``fencegate/slot``."""
+    return LEGACY_PREFIX + name.removeprefix(PREFIX)
+
+
+def both_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (under the new names) under both spellings, as the gateway sends its own
+    ``_meta`` for at least one release after the move: a server or client that reads only
+    the older names goes on working."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        out[name] = value
+        out[legacy(name)] = value
+    return out
+
+
+def _is_ours(name: str) -> bool:
+    return name.startswith(_PREFIXES)
+
+
+def meta_conflict(meta: Mapping[str, Any]) -> str | None:
+    """Why ``meta`` cannot be read as one set of the gateway's names, or None: a name given in
+    both spellings with different values (which one did the client mean?). The same value in
+    both is one name, as a client that sends both for older gateways does."""
+    for name, value in meta.items():
+        if not name.startswith(PREFIX):
+            continue
+        old = legacy(name)
+        if old in meta and _canonical(meta[old]) != _canonical(value):
+            return (
+                f"Invalid params: params._meta gives {name[:100]!r} and {old[:100]!r} different "
+                "values; send one of them, or both alike"
+            )
+    return None
+
+
+def ours(meta: Mapping[str, Any], name: str) -> Any:
+    """The value of the gateway's ``_meta`` name ``name`` (its ``dev.fencegate/`` spelling)
+    under either spelling, None when neither is given. Two that differ never get here
+    (``refusal``)."""
+    if name in meta:
+        return meta[name]
+    return meta.get(legacy(name))
+
+
+def idempotency_key(meta: Mapping[str, Any]) -> str | None:
+    """A ``tools/call``'s idempotency key (``META_IDEMPOTENCY_KEY``, either spelling), None
+    when it has none; BadRequest (-32602) for anything else than a string of 1 to 255 visible
+    ASCII characters (``null`` included), the grammar of ``/proxy``'s ``Idempotency-Key``."""
+    if META_IDEMPOTENCY_KEY not in meta and legacy(META_IDEMPOTENCY_KEY) not in meta:
+        return None
+    key = ours(meta, META_IDEMPOTENCY_KEY)  # given as null: no key either, and refused
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise BadRequest(
+            f'tools/call: params._meta["{META_IDEMPOTENCY_KEY}"] must be a string of 1 to 255 '
+            "visible ASCII characters (! to ~)"
+        )
+    return key
+
+
 def parse_tool_call(params: Any) -> ToolCall:
     """The effect a ``tools/call`` asks for; BadRequest (answered as -32602) for params that
     name no tool, carry non-object arguments or a slot outside the contract's grammar."""
@@ -203,7 +290,7 @@ def parse_tool_call(params: Any) -> ToolCall:
     if not isinstance(meta, dict):
         raise BadRequest("tools/call: params._meta must be an object")
     payload = _canonical({"arguments": arguments, "name": name})
-    slot = meta.get(META_SLOT)
+    slot = ours(meta, META_SLOT)
     if slot is None:
         # Derived: the same tool with the same arguments in one task revision is one effect.
         slot = "mcp:" + hashlib.sha256(payload).hexdigest()[:32]
@@ -243,10 +330,10 @@ def message_shape(message: Mapping[str, Any]) -> str | None:
 READ_MEMBERS = frozenset(
     {"jsonrpc", "id", "method", "params", "name", "arguments", "_meta", "cursor"}
 )
-#: ``params._meta`` keys the gateway reads or writes (its own ``fencegate/`` keys, the
-#: 2026-07-28 envelope): a key that folds into one of these prefixes without having it is
-#: refused too.
-_META_PREFIXES = (_OURS, "io.modelcontextprotocol/")
+#: ``params._meta`` keys the gateway reads or writes (its own ``dev.fencegate/`` and
+#: ``fencegate/`` keys, the 2026-07-28 envelope): a key that folds into one of these prefixes
+#: without having it is refused too.
+_META_PREFIXES = (*_PREFIXES, "io.modelcontextprotocol/")
 #: Unicode simple case foldings (CaseFolding.txt status S) that neither ``str.casefold`` (full
 #: folding, where it maps one character to several) nor ``str.lower`` gives.
 _SIMPLE_ONLY = {"\u1fd3": "\u0390", "\u1fe3": "\u03b0", "\ufb05": "\ufb06"}
@@ -341,10 +428,10 @@ def member_collision(message: Mapping[str, Any]) -> str | None:
 
     So at the top level, in ``params`` and in ``params._meta``, two members that fold equal
     (an exact duplicate included), or a member that folds to a name the gateway reads
-    (``READ_MEMBERS``; in ``_meta`` also its ``fencegate/`` and envelope prefixes) without
-    being it, refuse the message; in ``params.arguments`` (which a tool may decode into a
-    struct), two members that fold equal do. A duplicate deeper in the body is refused too
-    (``Parsed.repeated``, ``refusal``)."""
+    (``READ_MEMBERS``; in ``_meta`` also its ``dev.fencegate/``, ``fencegate/`` and envelope
+    prefixes) without being it, refuse the message; in ``params.arguments`` (which a tool
+    may decode into a struct), two members that fold equal do. A duplicate deeper in the
+    body is refused too (``Parsed.repeated``, ``refusal``)."""
     levels: list[tuple[str, Mapping[str, Any], frozenset[str], tuple[str, ...]]] = [
         ("the message", message, READ_MEMBERS, ())
     ]
@@ -437,7 +524,9 @@ def refusal(parsed: Parsed) -> tuple[int, str] | None:
     None. Member names that may read otherwise to the server, or a repeated member anywhere:
     -32600 (Invalid Request; ``member_collision``). A non-finite number: -32602 (Invalid
     params: the message is JSON-RPC, its values are not JSON). A message nested deeper than
-    ``MAX_JSON_DEPTH`` levels: -32600 (checked first: nothing else walks it)."""
+    ``MAX_JSON_DEPTH`` levels: -32600 (checked first: nothing else walks it). One of the
+    gateway's ``_meta`` names given in both spellings with different values: -32602
+    (``meta_conflict``)."""
     message = parsed.message
     if parsed.depth > MAX_JSON_DEPTH:
         return -32600, (
@@ -455,6 +544,10 @@ def refusal(parsed: Parsed) -> tuple[int, str] | None:
             "Invalid params: NaN, Infinity and numbers past a float's range (1e400) are not "
             "JSON numbers; send such a value as a string"
         )
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    if isinstance(meta, dict) and (conflict := meta_conflict(meta)) is not None:
+        return -32602, conflict
     return None
 
 
@@ -490,36 +583,40 @@ def routing_mismatch(
     return None
 
 
-def with_identity(message: Mapping[str, Any], effect_id: str, fencing_token: str) -> bytes:
-    """The message as the server gets it: the effect's identity in ``params._meta`` (any
-    ``fencegate/`` key the client sent is replaced: only the gateway names effects). Only the
-    levels it changes are copied (the message, ``params``, ``_meta``): the arguments go out
-    as they came, never walked (a deep copy recursed once per level)."""
+def with_identity(message: Mapping[str, Any], effect_id: str, fencing_token: str | None) -> bytes:
+    """The message as the server gets it: the effect's identity in ``params._meta``, under
+    both spellings (``both_names``); every key the client sent under either prefix is
+    dropped: only the gateway names effects. A keyed call (``fencing_token`` None) has no
+    fencing token. Only the levels it changes are copied (the message, ``params``,
+    ``_meta``): the arguments go out as they came, never walked (a deep copy recursed once
+    per level)."""
     out = dict(message)
     raw_params = out.get("params")
     params = dict(raw_params) if isinstance(raw_params, dict) else {}
     raw_meta = params.get("_meta")
     meta = raw_meta if isinstance(raw_meta, dict) else {}
-    meta = {k: v for k, v in meta.items() if not k.startswith(_OURS)}
-    meta[META_EFFECT_ID] = effect_id
-    meta[META_FENCING_TOKEN] = fencing_token
+    meta = {k: v for k, v in meta.items() if not _is_ours(k)}
+    identity = {META_EFFECT_ID: effect_id}
+    if fencing_token is not None:
+        identity[META_FENCING_TOKEN] = fencing_token
+    meta.update(both_names(identity))
     params["_meta"] = meta
     out["params"] = params
     return json.dumps(out, separators=(",", ":")).encode()
 
 
 def without_ours(message: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A relayed message (anything but a recorded ``tools/call``) without the ``fencegate/``
-    keys of its ``params._meta``, or None when it has none. Only the gateway names effects:
-    a forged ``fencegate/effectId`` on a read-only call or a ``resources/read`` would make
-    the server believe the ledger vouched for it."""
+    """A relayed message (anything but a recorded ``tools/call``) without the
+    ``dev.fencegate/`` and ``fencegate/`` keys of its ``params._meta``, or None when it has
+    none. Only the gateway names effects: a forged ``dev.fencegate/effectId`` on a read-only
+    call or a ``resources/read`` would make the server believe the ledger vouched for it."""
     params = message.get("params")
     meta = params.get("_meta") if isinstance(params, dict) else None
     if not isinstance(params, dict) or not isinstance(meta, dict):
         return None
-    if not any(key.startswith(_OURS) for key in meta):
+    if not any(_is_ours(key) for key in meta):
         return None
-    kept = {k: v for k, v in meta.items() if not k.startswith(_OURS)}
+    kept = {k: v for k, v in meta.items() if not _is_ours(k)}
     return {**message, "params": {**params, "_meta": kept}}
 
 
@@ -581,8 +678,9 @@ def answer_summary(answer: Mapping[str, Any]) -> dict[str, Any]:
 
 def omitted_answer(summary: Mapping[str, Any] | None) -> dict[str, Any]:
     """The answer a duplicate gets when the stored record has no body: no content, the
-    ``summary``'s flags (``answer_summary``), and ``fencegate/replayBody: omitted``."""
-    result: dict[str, Any] = {"content": [], "_meta": {META_REPLAY_BODY: "omitted"}}
+    ``summary``'s flags (``answer_summary``), and ``dev.fencegate/replayBody: omitted`` (both
+    spellings)."""
+    result: dict[str, Any] = {"content": [], "_meta": both_names({META_REPLAY_BODY: "omitted"})}
     for key in ("isError", "resultType"):
         if summary and key in summary:
             result[key] = summary[key]
@@ -590,7 +688,8 @@ def omitted_answer(summary: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def replay(stored: Mapping[str, Any], request_id: Any) -> dict[str, Any]:
-    """A stored answer for a duplicate: under the new request's ``id``, marked replayed."""
+    """A stored answer for a duplicate: under the new request's ``id``, marked replayed
+    (``dev.fencegate/replayed``, both spellings)."""
     out = dict(stored)  # only the levels it changes are copied (``with_identity``)
     out["id"] = request_id
     result = out.get("result")
@@ -598,7 +697,10 @@ def replay(stored: Mapping[str, Any], request_id: Any) -> dict[str, Any]:
         meta = result.get("_meta")
         out["result"] = {
             **result,
-            "_meta": {**(meta if isinstance(meta, dict) else {}), META_REPLAYED: True},
+            "_meta": {
+                **(meta if isinstance(meta, dict) else {}),
+                **both_names({META_REPLAYED: True}),
+            },
         }
     return out
 
@@ -677,7 +779,9 @@ class McpAdapter(HttpAdapter):
         digest = payload_digest("POST", request.downstream, path, call.payload)
         return EffectShape(call.slot, "POST", path, digest)
 
-    def outbound_body(self, body: bytes, effect_id: str, fencing_token: str) -> bytes:
+    def outbound_body(self, body: bytes, effect_id: str, fencing_token: str | None) -> bytes:
+        """The call with its identity in ``params._meta`` (``with_identity``); a keyed call's
+        (``fencing_token`` None) has no fencing token."""
         return with_identity(json.loads(body), effect_id, fencing_token)
 
     def outcome(self, status: int, body: bytes | None, effect: Effect) -> tuple[EffectState, str]:
@@ -696,7 +800,7 @@ class McpAdapter(HttpAdapter):
 
     def replay(self, effect: Effect, request: Outgoing) -> Answer:
         """The stored answer under the new request's id, marked replayed; an answer that was
-        not stored replays as an empty result saying so (``fencegate/replayBody``)."""
+        not stored replays as an empty result saying so (``dev.fencegate/replayBody``)."""
         request_id = (_json_object(request.body) or {}).get("id")
         stored = json.loads(effect.response_json) if effect.response_json else None
         body = stored.get("bodyBase64") if stored else None

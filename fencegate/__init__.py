@@ -13,7 +13,14 @@
         except LeaseLost as lost:
             ...  # someone else owns the task now; nothing more was sent under this lease
 
-``Client`` is the connection to one gateway (scheduler, worker and operator calls);
+A client with no task queue (a chat agent) sends a call at most once by its idempotency key,
+without any lease::
+
+    charge = await client.request(
+        "payments", "POST", "/v1/charges", idempotency_key="order-7", json={"amount": 4200}
+    )
+
+``Client`` is the connection to one gateway (scheduler, worker, client and operator calls);
 ``Lease`` is one claim (``fencegate.lease``); every refusal of the gateway is a typed
 exception (``fencegate.errors``). An MCP client calls tools under a lease through
 ``/mcp/{downstream}`` with ``lease.mcp_headers()`` on its transport and ``mcp_meta(slot)`` on
@@ -51,6 +58,7 @@ if TYPE_CHECKING:
         Forbidden,
         GatewayUnreachable,
         HttpVersionNotSupported,
+        IdempotencyKeyRequired,
         InternalError,
         LeaseExpired,
         LeaseLost,
@@ -114,6 +122,7 @@ __all__ = [
     "Forbidden",
     "GatewayUnreachable",
     "HttpVersionNotSupported",
+    "IdempotencyKeyRequired",
     "InternalError",
     "Lease",
     "LeaseExpired",

@@ -90,6 +90,11 @@ class Transport(Protocol):
         """Headers sent with every call (``Fence-Authorization`` when the client has a token)."""
         ...
 
+    @property
+    def timeout(self) -> float:
+        """Seconds one call may take unless it says otherwise (``send``'s ``timeout_s``)."""
+        ...
+
     async def send(
         self,
         method: str,

@@ -6,6 +6,8 @@ Scheduler side: ``put_task`` (create or revise; ``queue``, ``priority``, ``depen
 Worker side: ``claim`` (a guarded lease as an ``async with``: renewed in the background,
 the body cancelled when it is lost), ``acquire`` (a bare lease you renew yourself) and
 ``claim_next`` (the best task of a queue, as a bare lease; ``lease.hold()`` guards it).
+Client side (no task queue, no lease): ``request`` sends one call through ``/proxy`` with an
+``Idempotency-Key``, so that it happens at most once whatever the retries (a keyed effect).
 Operator side: ``list_effects`` / ``iter_effects``, ``get_effect``, ``resolve_effect``,
 ``approve_effect``, ``reconcile_effect``, ``get_rollout``, ``get_store_stats``.
 
@@ -38,9 +40,19 @@ from fencegate._http import (
     task_path,
 )
 from fencegate.errors import ClientTimeout, GatewayUnreachable, ProblemError, TooManyConnections
-from fencegate.lease import MONOTONIC, ClaimScope, Clock, Lease
+from fencegate.lease import (
+    _NO_JSON,
+    MONOTONIC,
+    SAFE_METHODS,
+    ClaimScope,
+    Clock,
+    Lease,
+    ProxyResponse,
+    prefer_wait,
+    proxy_call,
+)
 
-__all__ = ["TOKEN_ENV", "Client", "Epoch", "StreamEvent", "TaskRecord"]
+__all__ = ["TOKEN_ENV", "Client", "Epoch", "StreamEvent", "TaskRecord", "idempotency_key_header"]
 
 #: Where ``Client`` (and the operator CLI) find the gateway credential when none is given.
 TOKEN_ENV = "FENCEGATE_TOKEN"
@@ -49,6 +61,25 @@ TOKEN_ENV = "FENCEGATE_TOKEN"
 MIN_POLL_S = 0.25
 #: Seconds to back off after a ``TOO_MANY_CONNECTIONS`` that says no ``Retry-After``.
 _BUSY_S = 1.0
+#: The longest idempotency key the gateway accepts (docs/PROTOCOL.md, "Keyed effects").
+MAX_KEY_CHARS = 255
+
+
+def idempotency_key_header(key: str) -> str:
+    """``key`` as the value of the ``Idempotency-Key`` header: a Structured-Field string
+    (RFC 8941: quoted, ``\\`` and ``"`` escaped), which the gateway reads back as ``key``
+    exactly. A key the gateway would refuse (empty, longer than 255 characters, or with a
+    character outside printable ASCII: letters, digits, punctuation and space) raises
+    ``ValueError`` here, before anything is sent."""
+    if (
+        not isinstance(key, str)
+        or not 1 <= len(key) <= MAX_KEY_CHARS
+        or not all(" " <= c <= "~" for c in key)
+    ):
+        raise ValueError(
+            f"idempotency_key {key!r}: expected 1 to {MAX_KEY_CHARS} printable ASCII characters"
+        )
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _busy_pause(exc: TooManyConnections) -> float:
@@ -612,6 +643,67 @@ class Client:
             return Lease(self, owner=owner, ttl_ms=ttl_ms, claim=claim, sent_at=sent_at,
                          guarded=False, clock=self.clock)  # fmt: skip
 
+    # --- clients (no lease) --------------------------------------------------------------------
+
+    async def request(
+        self,
+        downstream: str,
+        method: str,
+        path: str,
+        *,
+        idempotency_key: str | None,
+        json: Any = _NO_JSON,
+        data: bytes | str | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
+        wait: float | None = None,
+        timeout_s: float | None = None,
+    ) -> ProxyResponse:
+        """Send one call to ``downstream`` through the gateway without a lease, as a keyed
+        effect: the ``Idempotency-Key`` is the effect's identity (scoped to this client's
+        principal and the downstream), so the call happens at most once however often it is
+        sent. For a chat agent or any caller with no task queue; the token must hold the
+        ``client`` role (a gateway without ``[auth]`` lets anyone), and the downstream must
+        have ``client_idempotency_keys`` on.
+
+        Returns the downstream's answer whatever its status, or the ledger's replay of it
+        (``replayed``: ``Idempotent-Replayed`` or ``Fence-Replayed``). Retry a call whose
+        answer was lost with the same key and payload. Raises the gateway's refusals:
+        ``PayloadConflict`` (the key was used with another payload), ``EffectInFlight``
+        (``retry_after``; or pass ``wait``), ``EffectUnknown`` (an earlier forward's outcome
+        is unknown: nothing is sent until an operator or the downstream's probe settles it),
+        ``DownstreamTimeout`` (this call made it UNKNOWN), ``EffectExpired`` (the key's
+        settled record went with retention; later the key is new), ``IdempotencyKeyRequired``,
+        ``BadRequest``, ``Forbidden`` (a worker's token, or no ``client`` role).
+
+        ``idempotency_key`` may be None only for GET, HEAD and OPTIONS (relayed unrecorded).
+        ``wait`` (seconds) sends ``Prefer: wait=N``: a duplicate of a call still in flight
+        waits at the gateway for its outcome instead of ``EffectInFlight``; ``timeout_s``
+        (default: the client's timeout; keep it above the downstream's ``timeout_ms``) grows
+        by as much.
+        """
+        call = proxy_call(
+            downstream, method, path, json=json, data=data, headers=headers, params=params
+        )
+        all_headers = dict(call.headers)
+        if idempotency_key is not None:
+            all_headers["Idempotency-Key"] = idempotency_key_header(idempotency_key)
+        elif call.verb not in SAFE_METHODS:
+            raise ValueError(
+                f"{call.verb} changes something: pass idempotency_key=... (the same one on "
+                "every retry of this call)"
+            )
+        if wait is not None:
+            all_headers["Prefer"] = prefer_wait(wait)
+            timeout_s = (timeout_s or self.timeout) + wait
+        answer = await self.send(
+            call.verb, call.target, body=call.body, headers=all_headers, timeout_s=timeout_s
+        )
+        problem = gateway_problem(answer)
+        if problem is not None:
+            raise problem
+        return ProxyResponse.of(answer)
+
     # --- operators ----------------------------------------------------------------------------
 
     async def get_effect(self, effect_id: str) -> dict[str, Any]:
@@ -625,10 +717,17 @@ class Client:
         task_id: str | None = None,
         downstream: str | None = None,
         page_size: int = 100,
+        idempotency_key: str | None = None,
+        principal: str | None = None,
     ) -> list[dict[str, Any]]:
         """Every matching effect record, following ``nextCursor`` to the end."""
         found = self.iter_effects(
-            state=state, task_id=task_id, downstream=downstream, page_size=page_size
+            state=state,
+            task_id=task_id,
+            downstream=downstream,
+            page_size=page_size,
+            idempotency_key=idempotency_key,
+            principal=principal,
         )
         return [record async for record in found]
 
@@ -641,11 +740,29 @@ class Client:
         page_size: int = 100,
         limit: int | None = None,
         awaiting_approval: bool = False,
+        idempotency_key: str | None = None,
+        principal: str | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Matching effect records in creation order, a page (``page_size``) at a time,
         following ``nextCursor``; at most ``limit`` of them (None: to the end).
         ``awaiting_approval``: the effects waiting for an operator's approval instead, oldest
-        first, one page (no other filter goes with it)."""
+        first, one page (no other filter goes with it). ``idempotency_key``: the keyed
+        effects of ``principal``'s key (default: the caller's own principal; a ``client``
+        token may look up only its own), one per downstream it was sent to (or only
+        ``downstream``'s), looked up by their ids in one call; ``state`` and ``task_id`` do
+        not go with it."""
+        if idempotency_key is not None:
+            if state is not None or task_id is not None or awaiting_approval:
+                raise ValueError("idempotency_key goes with principal and downstream only")
+            lookup = {"idempotencyKey": idempotency_key, "principal": principal,
+                      "downstream": downstream}  # fmt: skip
+            asked = {k: v for k, v in lookup.items() if v is not None}
+            _, answer = await self.call("GET", "/v1/effects?" + urlencode(asked))
+            for record in answer["effects"][:limit]:
+                yield dict(record)
+            return
+        if principal is not None:
+            raise ValueError("principal goes with idempotency_key")
         query = {
             "state": state,
             "taskId": task_id,

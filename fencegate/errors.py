@@ -15,6 +15,8 @@ The tree::
     │                                    run out before a renewal got through (``cause`` None)
     └── ProblemError                     the gateway answered application/problem+json
         ├── BadRequest                   400 BAD_REQUEST
+        │   └── IdempotencyKeyRequired   400: the downstream takes lease-less calls only
+        │                                with an ``Idempotency-Key``
         ├── Unauthenticated, Forbidden   401 UNAUTHENTICATED, 403 FORBIDDEN
         ├── NotFound                     404 NOT_FOUND (no such route)
         │   └── NoSuchTask*, NoSuchEffect, NoSuchDownstream
@@ -81,6 +83,7 @@ __all__ = [
     "Forbidden",
     "GatewayUnreachable",
     "HttpVersionNotSupported",
+    "IdempotencyKeyRequired",
     "InternalError",
     "LeaseExpired",
     "LeaseLost",
@@ -219,6 +222,14 @@ class ProblemError(FencegateError):
 
 class BadRequest(ProblemError):
     code, status = "BAD_REQUEST", 400
+
+
+class IdempotencyKeyRequired(BadRequest):
+    """A call without a lease to a downstream with ``client_idempotency_keys = "required"``
+    came without an ``Idempotency-Key`` (or, on MCP, ``_meta["dev.fencegate/idempotencyKey"]``):
+    nothing was recorded or sent. Send it again with a key (``Client.request``)."""
+
+    code = "IDEMPOTENCY_KEY_REQUIRED"
 
 
 class Unauthenticated(ProblemError):

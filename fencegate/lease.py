@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -33,7 +34,7 @@ from urllib.parse import quote, urlencode
 
 from multidict import CIMultiDictProxy
 
-from fencegate._http import Transport, gateway_problem, task_path
+from fencegate._http import RawAnswer, Transport, gateway_problem, task_path
 from fencegate.errors import (
     LEASE_ENDING_CODES,
     EffectInFlight,
@@ -53,6 +54,8 @@ __all__ = [
     "ProxyResponse",
     "canonical_json",
     "mcp_meta",
+    "prefer_wait",
+    "proxy_call",
     "result_digest",
     "wait_out_in_flight",
 ]
@@ -66,8 +69,10 @@ _PATH_SAFE = "/?&=%:@!$'()*+,;~[]-._"
 _NO_JSON: Any = object()
 #: The slot grammar of the contract (docs/PROTOCOL.md): what the gateway accepts as a slot.
 _SLOT = re.compile(r"[A-Za-z0-9._:@/-]{1,200}")
-#: Where an MCP ``tools/call`` names its side effect: a key of ``params._meta``.
-_MCP_SLOT_META = "fencegate/slot"
+#: Where an MCP ``tools/call`` names its side effect: a key of ``params._meta``. Sent under
+#: the reverse-DNS name and the older one alike, for at least one release (a gateway before
+#: the move reads only the older name; a newer one takes both when they agree).
+_MCP_SLOT_META = ("dev.fencegate/slot", "fencegate/slot")
 #: The gateway credential header (``Client(token=...)``), lower-cased for comparison.
 _CREDENTIAL = "fence-authorization"
 
@@ -99,7 +104,7 @@ def mcp_meta(slot: str) -> dict[str, str]:
     """
     if not isinstance(slot, str) or not _SLOT.fullmatch(slot):
         raise ValueError(f"slot {slot!r}: expected 1 to 200 characters of A-Z a-z 0-9 . _ : @ / -")
-    return {_MCP_SLOT_META: slot}
+    return dict.fromkeys(_MCP_SLOT_META, slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +133,26 @@ class ProxyResponse:
     effect_state: str
     replayed: bool
 
+    @classmethod
+    def of(cls, answer: RawAnswer) -> ProxyResponse:
+        """The downstream's answer (or its replay) as the gateway relayed it. A replay is
+        marked ``Fence-Replayed: true``, and a keyed effect's also ``Idempotent-Replayed:
+        true`` (the header of the IETF httpapi draft). ``Fence-Replayed`` is the gateway's
+        own word and wins: a deduplicating downstream may say ``Idempotent-Replayed`` on a
+        first forward, which the gateway did not replay."""
+        headers = answer.headers
+        said = headers.get("Fence-Replayed")
+        if said is None:
+            said = headers.get("Idempotent-Replayed")
+        return cls(
+            status=answer.status,
+            headers=headers,
+            body=answer.body,
+            effect_id=headers.get("Fence-Effect-Id"),
+            effect_state=headers.get("Fence-Effect-State", "NONE"),
+            replayed=said == "true",
+        )
+
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 400
@@ -137,6 +162,59 @@ class ProxyResponse:
 
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
+
+
+def prefer_wait(seconds: float) -> str:
+    """The ``Prefer`` value that asks the gateway to wait up to ``seconds`` for an in-flight
+    duplicate's outcome instead of answering ``EFFECT_IN_FLIGHT`` at once (RFC 7240 ``wait``:
+    whole seconds, rounded up; the gateway bounds it by its ``proxy.max_prefer_wait_ms``)."""
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"wait={seconds!r}: expected seconds >= 0")
+    return f"wait={math.ceil(seconds)}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyCall:
+    """One call to send through ``/proxy``, built once so that every retry sends the same
+    bytes: ``target`` (the encoded path), ``body``, and the caller's headers (the ``Fence-*``
+    or ``Idempotency-Key`` headers are added by whoever sends it)."""
+
+    verb: str
+    target: str
+    body: bytes | None
+    headers: dict[str, str]
+
+
+def proxy_call(
+    downstream: str,
+    method: str,
+    path: str,
+    *,
+    json: Any = _NO_JSON,
+    data: bytes | str | None = None,
+    headers: Mapping[str, str] | None = None,
+    params: Mapping[str, str] | None = None,
+) -> ProxyCall:
+    """``method path`` to ``downstream`` as the gateway's ``/proxy/{downstream}{path}``:
+    ``json`` as canonical JSON (so a retry's payload digest is the same), or ``data`` as it
+    is. Shared by ``Lease.request`` and ``Client.request``."""
+    if json is not _NO_JSON and data is not None:
+        raise ValueError("pass json= or data=, not both")
+    all_headers = dict(headers or {})
+    body: bytes | None
+    if json is not _NO_JSON:
+        body = canonical_json(json)
+        all_headers.setdefault("Content-Type", "application/json")
+    else:
+        body = data.encode() if isinstance(data, str) else data
+    target = (
+        "/proxy/"
+        + quote(downstream, safe="")
+        + quote(path if path.startswith("/") else "/" + path, safe=_PATH_SAFE)
+    )
+    if params:
+        target += ("&" if "?" in target else "?") + urlencode(params)
+    return ProxyCall(method.upper(), target, body, all_headers)
 
 
 class Clock(Protocol):
@@ -518,6 +596,7 @@ class Lease:
         params: Mapping[str, str] | None = None,
         wait_in_flight: float = 0.0,
         timeout_s: float | None = None,
+        wait: float | None = None,
     ) -> ProxyResponse:
         """Send one call to ``downstream`` through the gateway, under this lease.
 
@@ -530,46 +609,31 @@ class Lease:
         ``DownstreamTimeout`` (the effect is now UNKNOWN), ``DownstreamUnreachable``...
         With ``wait_in_flight`` > 0, ``EffectInFlight`` is waited out for up to that many
         seconds (``wait_out_in_flight``). ``timeout_s`` bounds the call (default: the
-        client's timeout; keep it above the downstream's ``timeout_ms``).
+        client's timeout; keep it above the downstream's ``timeout_ms``). ``wait`` (seconds)
+        sends ``Prefer: wait=N``: a duplicate of an effect in flight waits at the gateway for
+        its outcome (the replay, ``EffectUnknown``, or a fresh forward after NOT_APPLIED)
+        instead of being refused ``EffectInFlight`` at once; ``timeout_s`` grows by as much.
         """
-        verb = method.upper()
-        if slot is None and verb not in SAFE_METHODS:
-            raise ValueError(f"{verb} changes something: name its side effect with slot=...")
-        if json is not _NO_JSON and data is not None:
-            raise ValueError("pass json= or data=, not both")
-        all_headers = dict(headers or {})
-        body: bytes | None
-        if json is not _NO_JSON:
-            body = canonical_json(json)
-            all_headers.setdefault("Content-Type", "application/json")
-        else:
-            body = data.encode() if isinstance(data, str) else data
-        all_headers.update(self.fence_headers(slot=slot, node=node))
-        target = (
-            "/proxy/"
-            + quote(downstream, safe="")
-            + quote(path if path.startswith("/") else "/" + path, safe=_PATH_SAFE)
+        call = proxy_call(
+            downstream, method, path, json=json, data=data, headers=headers, params=params
         )
-        if params:
-            target += ("&" if "?" in target else "?") + urlencode(params)
+        if slot is None and call.verb not in SAFE_METHODS:
+            raise ValueError(f"{call.verb} changes something: name its side effect with slot=...")
+        all_headers = {**call.headers, **self.fence_headers(slot=slot, node=node)}
+        if wait is not None:
+            all_headers["Prefer"] = prefer_wait(wait)
+            timeout_s = (timeout_s or self._client.timeout) + wait
 
         async def once() -> ProxyResponse:
             self._guard()
             answer = await self._client.send(
-                verb, target, body=body, headers=all_headers, timeout_s=timeout_s
+                call.verb, call.target, body=call.body, headers=all_headers, timeout_s=timeout_s
             )
             problem = gateway_problem(answer)
             if problem is not None:
-                self._refused(problem, f"{verb} {downstream}")
+                self._refused(problem, f"{call.verb} {downstream}")
                 raise problem
-            return ProxyResponse(
-                status=answer.status,
-                headers=answer.headers,
-                body=answer.body,
-                effect_id=answer.headers.get("Fence-Effect-Id"),
-                effect_state=answer.headers.get("Fence-Effect-State", "NONE"),
-                replayed=answer.headers.get("Fence-Replayed") == "true",
-            )
+            return ProxyResponse.of(answer)
 
         if wait_in_flight > 0:
             return await wait_out_in_flight(once, max_wait_s=wait_in_flight)

@@ -308,7 +308,8 @@ class TaskEvent(Answer):
 class EffectEvent(Answer):
     type: Literal["effect"]
     effectId: Hex64
-    taskId: str
+    #: null for a keyed effect (a lease-less client's: no task).
+    taskId: str | None
     state: EffectState
     downstream: str
     at: Time
@@ -462,10 +463,25 @@ _ACTION: TypeAdapter[ResolveAction | ApproveAction | ReconcileAction] = TypeAdap
 # the probe state and the operator actions.
 class Effect(Answer):
     effectId: Hex64
-    taskId: str
-    revision: Revision
-    node: str
-    slot: str
+    kind: Annotated[
+        Literal["leased", "keyed"],
+        Field(
+            description="leased: a worker's, under a lease (effectId from task, revision, node "
+            "and slot); keyed: a lease-less client's, by its Idempotency-Key (taskId, revision, "
+            "node and slot are null)"
+        ),
+    ] = "leased"
+    taskId: str | None
+    revision: Revision | None
+    node: str | None
+    slot: str | None
+    principal: Annotated[
+        str | None,
+        Field(description="keyed: the principal the idempotency key belongs to; else null"),
+    ] = None
+    idempotencyKey: Annotated[
+        str | None, Field(description="keyed: the client's Idempotency-Key; else null")
+    ] = None
     downstream: str
     method: str
     path: str
@@ -542,10 +558,13 @@ class Effect(Answer):
         actions = json.loads(effect.actions_json) if effect.actions_json else []
         return cls.model_construct(
             effectId=effect.effect_id,
+            kind=effect.kind,
             taskId=effect.task_id,
             revision=effect.revision,
             node=effect.node,
             slot=effect.slot,
+            principal=effect.principal,
+            idempotencyKey=effect.idempotency_key,
             downstream=effect.downstream,
             method=effect.method,
             path=effect.path,

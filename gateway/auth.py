@@ -37,7 +37,7 @@ import hmac
 import math
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Final, Protocol
 
@@ -70,6 +70,7 @@ __all__ = [
     "matrix_markdown",
     "new_token",
     "principal_from_config",
+    "role_warnings",
     "route_key",
     "sees_stored_bodies",
     "token_sha256",
@@ -80,8 +81,11 @@ log = structlog.get_logger("fencegate.auth")
 #: Not a role: the route needs no credential at all.
 ANYONE: Final = "anyone"
 
-_SCHEDULER, _WORKER, _OPERATOR, _OBSERVER = ROLES
+_SCHEDULER, _WORKER, _OPERATOR, _OBSERVER, _CLIENT = ROLES
 _EVERY_ROLE = frozenset(ROLES)
+#: Every role that works with tasks: ``client`` (lease-less calls by idempotency key) has
+#: no task, lease or epoch to read.
+_TASK_ROLES = frozenset({_SCHEDULER, _WORKER, _OPERATOR, _OBSERVER})
 _READERS = frozenset({_OPERATOR, _OBSERVER})
 
 
@@ -109,7 +113,7 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         ("POST", "/v1/tasks/{task_id}/cancel"): _only(_SCHEDULER),
         # The record shows attemptId and owner: worth nothing without the holder's credential
         # once leases are bound to principals (issue 11, item 2), so every role may read it.
-        ("GET", "/v1/tasks/{task_id}"): _EVERY_ROLE,
+        ("GET", "/v1/tasks/{task_id}"): _TASK_ROLES,
         ("POST", "/v1/tasks/{task_id}/claim"): _only(_WORKER),
         ("POST", "/v1/tasks/{task_id}/renew"): _only(_WORKER),
         ("POST", "/v1/tasks/{task_id}/release"): _only(_WORKER),
@@ -122,21 +126,24 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         # it nothing that reading the task would not); task_prefixes filter the stream
         ("GET", "/v1/events"): _only(_SCHEDULER, _OPERATOR, _OBSERVER),
         # the scheduler epoch: everyone reads it (workers claim under it); operators move it
-        ("GET", "/v1/epoch"): _EVERY_ROLE,
+        ("GET", "/v1/epoch"): _TASK_ROLES,
         ("POST", "/v1/epoch/bump"): _only(_OPERATOR),
         ("POST", "/v1/claims/pause"): _only(_OPERATOR),
         ("POST", "/v1/claims/resume"): _only(_OPERATOR),
-        # the ledger: observers read records without stored bodies (sees_stored_bodies)
-        ("GET", "/v1/effects"): _READERS,
+        # the ledger: observers read records without stored bodies (sees_stored_bodies). A
+        # client only looks up its own keyed effect (?idempotencyKey=K: the handler refuses
+        # any other query of a client, and another principal's key); it reads no record by id
+        ("GET", "/v1/effects"): _READERS | {_CLIENT},
         ("GET", "/v1/effects/{effect_id}"): _READERS,
         ("POST", "/v1/effects/{effect_id}/resolve"): _only(_OPERATOR),
         ("POST", "/v1/effects/{effect_id}/approve"): _only(_OPERATOR),
         ("POST", "/v1/effects/{effect_id}/reconcile"): _only(_OPERATOR),
-        # the fenced proxy and the MCP gateway: workers, under a lease
-        ("*", "/proxy/{tail}"): _only(_WORKER),
-        ("GET", "/mcp/{downstream}"): _only(_WORKER),
-        ("POST", "/mcp/{downstream}"): _only(_WORKER),
-        ("DELETE", "/mcp/{downstream}"): _only(_WORKER),
+        # the fenced proxy and the MCP gateway: workers under a lease, clients by their
+        # idempotency key without one (the handlers refuse each the other's form, 403)
+        ("*", "/proxy/{tail}"): _only(_WORKER, _CLIENT),
+        ("GET", "/mcp/{downstream}"): _only(_WORKER, _CLIENT),
+        ("POST", "/mcp/{downstream}"): _only(_WORKER, _CLIENT),
+        ("DELETE", "/mcp/{downstream}"): _only(_WORKER, _CLIENT),
         # the operator console (gateway/console, docs/console.md): its session cookie is the
         # credential. Pages for the ledger's readers, actions for the roles of the JSON
         # routes they call; the login form, logout and the console's own CSS/JS are open.
@@ -211,6 +218,36 @@ def sees_stored_bodies(principal: Principal | None) -> bool:
     return principal is None or principal.has(_OPERATOR)
 
 
+def _worker_and_client(principal: Principal) -> bool:
+    return principal.has(_WORKER) and principal.has(_CLIENT)
+
+
+def role_warnings(principals: Iterable[Principal]) -> list[str]:
+    """Why a principal's roles defeat a rule, one line each: a principal with both ``worker``
+    and ``client`` may drop its lease and send a keyed call instead, so its fenced work is no
+    longer held to its fence. Allowed (a migration may need it), but warned about at start-up
+    and on a reload (``auth.worker_and_client``) and by ``serve --check``."""
+    return [
+        f"principal {principal.name!r} has both roles worker and client: its calls without a "
+        "lease are keyed effects, so its fenced work can escape its fence; give workers and "
+        "clients separate principals"
+        for principal in principals
+        if _worker_and_client(principal)
+    ]
+
+
+def _warn_roles(authenticator: Authenticator) -> None:
+    """The start-up (and reload) form of ``role_warnings``: one warning event per principal."""
+    for principal in authenticator.principals:
+        if _worker_and_client(principal):
+            log.warning(
+                "auth.worker_and_client",
+                principal=principal.name,
+                detail="a principal with both roles worker and client may send a keyed call "
+                "instead of a fenced one; give workers and clients separate principals",
+            )
+
+
 def principal_from_config(config: PrincipalConfig) -> Principal:
     """The ``Principal`` one ``[[auth.principals]]`` entry describes."""
     downstreams = frozenset(config.downstreams) if config.downstreams is not None else None
@@ -259,6 +296,10 @@ class Authenticator:
     def names(self) -> tuple[str, ...]:
         return tuple(principal.name for principal in self._all)
 
+    @property
+    def principals(self) -> tuple[Principal, ...]:
+        return self._all
+
 
 class _Meter:
     """One principal's rate bucket and requests in flight, in this gateway process."""
@@ -279,12 +320,14 @@ class AuthState:
         self._clock = clock
         self.authenticator = Authenticator(auth)
         self._meters: dict[str, _Meter] = {}
+        _warn_roles(self.authenticator)
 
     def reload(self, auth: AuthConfig) -> None:
         """Use ``auth``'s principals from the next request on. One assignment: a request sees
         the old set or the new one, never a mix. Requests already let in finish as they are."""
         authenticator = Authenticator(auth)
         self.authenticator = authenticator
+        _warn_roles(authenticator)
         kept = set(authenticator.names)
         self._meters = {name: m for name, m in self._meters.items() if name in kept}
 

@@ -283,6 +283,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
             else "none: any client that reaches the address may use every endpoint"
         ),
         *_session_warning(config),
+        *_role_warnings(config),
         f"downstreams: {len(config.downstreams)}",
         *(
             f"  {d.name}: url={public_url(d.url)} adapter={d.adapter} timeout_ms={d.timeout_ms}"
@@ -292,6 +293,17 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
     ]
     print("\n".join(lines))
     return 0
+
+
+def _role_warnings(config: Config) -> list[str]:
+    """``serve --check``'s lines for principals whose roles defeat a rule (``auth.role_warnings``:
+    worker and client together); start-up logs the same as ``auth.worker_and_client``."""
+    from fencegate.gateway.auth import principal_from_config, role_warnings
+
+    if config.auth is None:
+        return []
+    principals = [principal_from_config(p) for p in config.auth.principals]
+    return [f"warning: auth: {line}" for line in role_warnings(principals)]
 
 
 def _session_warning(config: Config) -> list[str]:

@@ -309,6 +309,10 @@ class ProxyConfig(_Section):
     #: worker cannot take every place. Default: half of the stream places (at least 1). At
     #: most max_stream_connections. Without [auth] there are no principals: not applied.
     max_streams_per_principal: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    #: The longest a duplicate of an in-flight effect that sends ``Prefer: wait=N`` (on MCP
+    #: ``_meta["dev.fencegate/wait"]``) waits for the first call's outcome: N is cut to it,
+    #: and the answer says the wait applied (``Preference-Applied``). 0: never wait.
+    max_prefer_wait_ms: Annotated[int, Field(ge=0, le=10 * _MINUTE_MS)] = 10_000
     #: enforce: refusals are answered. shadow: every check runs and is recorded (log and
     #: fencegate_shadow_rejections_total), but the call is forwarded anyway. Per downstream
     #: too (``enforcement`` in its table).
@@ -471,7 +475,10 @@ Status = Annotated[int, Field(ge=100, le=599)]
 #: ``settle_ms`` (a downstream's, a tool's, or its former name ``probe.settle_ms``).
 SettleMs = Annotated[int, Field(ge=0, le=7 * _DAY_MS)]
 #: Placeholders a probe path may use.
-PROBE_PLACEHOLDERS = frozenset({"effectId", "taskId", "slot", "node", "revision"})
+PROBE_PLACEHOLDERS = frozenset({"effectId", "taskId", "slot", "node", "revision", "idempotencyKey"})
+#: The ones a keyed effect has values for (it has no task, revision, node or slot): a
+#: downstream that takes clients' idempotency keys may use only these.
+KEYED_PROBE_PLACEHOLDERS = frozenset({"effectId", "idempotencyKey"})
 EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 AdapterKind = Literal["http", "idempotent", "probe", "conditional", "manual", "mcp"]
 
@@ -494,11 +501,22 @@ class OutcomesConfig(_Section):
         return self
 
 
+def _template_fields(template: str) -> list[str]:
+    return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+
+
+def probe_placeholders(template: str) -> frozenset[str]:
+    """The placeholders a (valid) probe path template names."""
+    return frozenset(_template_fields(template))
+
+
 class ProbeConfig(_Section):
     """How to ask the downstream whether an UNKNOWN effect happened."""
 
     method: Literal["GET", "HEAD", "POST"] = "GET"
-    #: Path under the downstream's url, with {effectId} {taskId} {slot} {node} {revision}.
+    #: Path under the downstream's url, with {effectId} {taskId} {slot} {node} {revision};
+    #: {idempotencyKey} (a keyed effect's client key) where client_idempotency_keys is on,
+    #: which then allows only {effectId} and {idempotencyKey}.
     path: str
     #: Statuses that mean "the effect happened" / "it did not"; any other is inconclusive.
     found_statuses: tuple[Status, ...] = Field(default=(200,), strict=False)
@@ -520,7 +538,7 @@ class ProbeConfig(_Section):
         if not value.startswith("/"):
             raise ValueError("must start with /")
         try:
-            fields = [f for _, f, _, _ in string.Formatter().parse(value) if f is not None]
+            fields = _template_fields(value)
         except ValueError as exc:
             raise ValueError(f"not a valid template: {exc}") from exc
         unknown = sorted(set(fields) - PROBE_PLACEHOLDERS)
@@ -623,6 +641,12 @@ class _DownstreamBase(_Section):
     #: downstream may still apply it (its queue, its retries). Until then a probe's "absent"
     #: is inconclusive and an operator's resolve NOT_APPLIED is refused (EFFECT_IN_FLIGHT).
     settle_ms: SettleMs = DEFAULT_SETTLE_MS
+    #: Lease-less calls of a ``client`` principal, by their ``Idempotency-Key`` (keyed
+    #: effects, docs/PROTOCOL.md): off (the default: refused, 400), optional (a call with a
+    #: key is a keyed effect), required (also a mutation without a key is refused, 400
+    #: IDEMPOTENCY_KEY_REQUIRED). Not ``idempotency_key_header``, the header the downstream
+    #: receives (the effectId, for keyed and leased effects alike).
+    client_idempotency_keys: Literal["off", "optional", "required"] = "off"
 
     @model_validator(mode="before")
     @classmethod
@@ -704,6 +728,26 @@ class ProbeDownstream(_DownstreamBase):
     #: The lookup that settles UNKNOWN effects.
     probe: ProbeConfig
 
+    @model_validator(mode="after")
+    def _probe_fits_keyed_effects(self) -> ProbeDownstream:
+        """A keyed effect has no task, revision, node or slot to put in a probe path, and a
+        leased one no client key: the template must fit every effect the downstream takes."""
+        used = probe_placeholders(self.probe.path)
+        if self.client_idempotency_keys != "off":
+            extra = sorted(used - KEYED_PROBE_PLACEHOLDERS)
+            if extra:
+                raise ValueError(
+                    f"probe.path names {', '.join('{' + p + '}' for p in extra)}, which a keyed "
+                    f"effect has none of: with client_idempotency_keys = "
+                    f"{self.client_idempotency_keys!r} use only {{effectId}} and {{idempotencyKey}}"
+                )
+        elif "idempotencyKey" in used:
+            raise ValueError(
+                "probe.path names {idempotencyKey}, which only a keyed effect has: set "
+                "client_idempotency_keys = 'optional' or 'required', or use {effectId}"
+            )
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _settle_alias(cls, data: Any) -> Any:
@@ -761,8 +805,10 @@ DownstreamConfig = Annotated[
 
 
 #: What a principal may do (the role matrix is ``gateway/auth.py``, docs/security.md).
-Role = Literal["scheduler", "worker", "operator", "observer"]
-ROLES: tuple[Role, ...] = ("scheduler", "worker", "operator", "observer")
+#: ``client``: lease-less calls on ``/proxy`` and ``/mcp`` by idempotency key (never with a
+#: lease; a ``worker`` never without one).
+Role = Literal["scheduler", "worker", "operator", "observer", "client"]
+ROLES: tuple[Role, ...] = ("scheduler", "worker", "operator", "observer", "client")
 
 
 class PrincipalConfig(_Section):

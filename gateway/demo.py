@@ -3,7 +3,7 @@
 One command, no set-up. It starts a real gateway (in this process, on a free loopback port,
 with the embedded SQLite store in a temporary directory, or ``--store URL``) in front of a
 small "shop" API that records every call it receives (and a small MCP tool server), then
-plays five stories with the SDK:
+plays seven stories with the SDK:
 
 1. A worker pauses past its lease; another takes over. The paused one wakes: its renewal is
    LEASE_EXPIRED, then FENCED, its effect and its commit are FENCED; the new owner commits,
@@ -18,6 +18,12 @@ plays five stories with the SDK:
 5. An MCP tool server behind ``/mcp/invoices``: A's ``tools/call`` loses its answer; a stale A
    is refused (a JSON-RPC error, ``FENCED``) before the server sees anything; B's retry gets
    A's recorded result under its own JSON-RPC id; the read-only tool is not recorded.
+6. A two-step pipeline: step two is WAITING until step one's canonical commit, then handed
+   out from the queue with that commit's id.
+7. A chat agent with no task queue and no lease pays through ``Client.request`` with its own
+   Idempotency-Key: the answer is lost (UNKNOWN), the retry is EFFECT_UNKNOWN until the shop's
+   lookup (the gateway's probe) finds the charge, then every retry is replayed
+   (Idempotent-Replayed: true) and another amount under that key is PAYLOAD_CONFLICT.
 
 It ends with what the shop actually received, per Idempotency-Key (exactly one call each),
 and what the MCP server ran (each effect once),
@@ -59,7 +65,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Start a real gateway (embedded store in a temporary directory, or --store URL) "
             "in front of a small downstream, play the stories of a paused worker, a lost "
-            "answer, duplicates and an epoch bump with the SDK, and narrate every verdict. "
+            "answer, duplicates, an epoch bump, an MCP tool server, a pipeline and a chat agent "
+            "without a lease with the SDK, and narrate every verdict. "
             "Exits 0 only if every story ended as it should. Everything it wrote is deleted "
             "at the end, also on failure or Ctrl-C: its temporary directory, or on Redis "
             "every key under its own key prefix (printed at the start)."

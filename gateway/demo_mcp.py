@@ -12,8 +12,9 @@ MCP's streamable HTTP with JSON answers, handshake era (``initialize``, revision
 Its two tools: ``send_invoice`` has no annotations, so the gateway treats every call of it as
 an effect (once in the ledger, never sent twice); ``get_invoice`` is ``readOnlyHint``, so the
 gateway fence-checks it and relays it without a ledger entry. Every tool the server runs is
-kept in ``runs`` with what identifies it: ``params._meta["fencegate/effectId"]`` and
-``["fencegate/fencingToken"]``, which the gateway adds to each recorded call (a read has none).
+kept in ``runs`` with what identifies it: ``params._meta["dev.fencegate/effectId"]`` and
+``["dev.fencegate/fencingToken"]``, which the gateway adds to each recorded call (a read has
+none; it also sends them under their older ``fencegate/`` names, for at least one release).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from fencegate.lease import Lease
 __all__ = ["PROTOCOL_VERSION", "McpAgent", "McpAnswer", "McpRun", "McpToolServer"]
 
 PROTOCOL_VERSION = "2025-06-18"
-EFFECT_ID = "fencegate/effectId"
-FENCING_TOKEN = "fencegate/fencingToken"
-REPLAYED = "fencegate/replayed"
+EFFECT_ID = "dev.fencegate/effectId"
+FENCING_TOKEN = "dev.fencegate/fencingToken"
+REPLAYED = "dev.fencegate/replayed"
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -67,9 +68,10 @@ class McpRun:
 
     tool: str
     arguments: dict[str, Any]
-    #: ``params._meta["fencegate/effectId"]``: None for a call the gateway did not record.
+    #: ``params._meta["dev.fencegate/effectId"]``: None for a call the gateway did not record.
     effect_id: str | None
-    #: ``params._meta["fencegate/fencingToken"]``: "{schedulerEpoch}.{claimGeneration}".
+    #: ``params._meta["dev.fencegate/fencingToken"]``: "{schedulerEpoch}.{claimGeneration}"
+    #: (None for a keyed call: it has no lease).
     fencing_token: str | None
 
 

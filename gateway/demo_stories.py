@@ -53,6 +53,11 @@ MCP_DOWNSTREAM = "invoices"
 MCP_SEND_MS = 500
 MCP_PATIENCE_MS = 250
 MCP_TIMEOUT_MS = 2000
+#: The chat agent's payment API: the shop behind a ``probe`` downstream that takes keyed
+#: calls (``client_idempotency_keys``) and looks a charge up by its effectId.
+PAYMENTS = "payments"
+#: The longest the shop holds a ``/held/`` call before it goes on by itself.
+HELD_S = 5.0
 
 
 # --- the shop: a small downstream that remembers what it received ---------------------------
@@ -74,10 +79,22 @@ class Received:
 class Shop:
     received: list[Received] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What the shop has booked, by Idempotency-Key: a call is booked once it is done (a slow
+    #: one only after its delay), as a real shop's database would have it.
+    booked: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Set whenever a call is booked.
+    booked_event: asyncio.Event = field(default_factory=asyncio.Event)
+    #: ``GET /lookup/{key}`` calls (the gateway's probe), kept apart from ``received``.
+    lookups: list[tuple[str, int]] = field(default_factory=list)
+    #: A ``/held/`` call is processed (and booked) only once this is set (5 s at most): a
+    #: payment still being processed, for as long as the story needs, on any machine.
+    release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     url: str = ""
 
     async def _handle(self, request: web.Request) -> web.Response:
+        if request.path.startswith("/lookup/"):
+            return self._look_up(request.path.removeprefix("/lookup/"))
         raw = await request.read()
         try:
             body = json.loads(raw) if raw else None
@@ -101,11 +118,25 @@ class Shop:
         self.arrived.set()
         if request.path.startswith("/slow/"):
             await asyncio.sleep(SLOW_S)
+        elif request.path.startswith("/held/"):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.release.wait(), HELD_S)
         elif request.path.startswith("/emails"):
             await asyncio.sleep(0.2)
         else:
             await asyncio.sleep(0.01)
+        self.booked.setdefault(self.received[seq - 1].key, answer)
+        self.booked_event.set()
         return web.json_response(answer, status=201)
+
+    def _look_up(self, key: str) -> web.Response:
+        """The shop's own lookup by idempotency key: 200 and the booking, or 404 while there
+        is none (not received, or still being processed)."""
+        found = self.booked.get(key)
+        self.lookups.append((key, 200 if found is not None else 404))
+        if found is None:
+            return web.json_response({"key": key, "booked": False}, status=404)
+        return web.json_response({**found, "booked": True})
 
     def calls_for(self, key: str) -> list[Received]:
         return [r for r in self.received if r.key == key]
@@ -957,25 +988,137 @@ async def story_pipeline(n: Narrator, client: Client, shop: Shop) -> None:
                    "the pipeline is done, each step committed once")  # fmt: skip
 
 
+async def story_chat_agent(n: Narrator, client: Client, shop: Shop) -> None:
+    n.story(
+        7,
+        "A chat agent with no task queue pays once, despite a lost answer and a retry",
+        "A chat agent that calls a payment API has no task and no lease, only a conversation, "
+        "and when the answer is lost it (or its user) simply asks again, which would pay twice. "
+        "The gateway records the call under the agent's own Idempotency-Key, refuses the retry "
+        "while nobody knows whether the charge happened, and once the shop's lookup shows it "
+        "did, answers every retry with that charge.",
+    )
+    key = "chat-81:pay-order-17"
+    order = {"order": "o-17", "amount": 1999, "currency": "eur"}
+    n.say(
+        "agent",
+        f"pays order o-17 (19.99 EUR) with Idempotency-Key {key!r}; the shop is still "
+        f"processing it after the {SHOP_TIMEOUT_MS} ms the gateway gives it",
+    )
+    shop.release.clear()
+    failed = await _attempt(
+        client.request(PAYMENTS, "POST", "/held/charges", idempotency_key=key, json=order)
+    )
+    if not isinstance(failed, ProblemError):
+        n.result(verdict_of(failed), "", False, "DOWNSTREAM_TIMEOUT")
+        return
+    n.result(
+        failed.code,
+        f"the answer is lost: the charge is {failed.effect_state} (it may or may not have "
+        "happened)",
+        failed.code == "DOWNSTREAM_TIMEOUT" and failed.effect_state == "UNKNOWN",
+        "DOWNSTREAM_TIMEOUT with effect UNKNOWN",
+    )
+    effect_id = failed.effect_id or ""
+    await step(
+        n,
+        "agent",
+        "the user says 'pay again?': the agent retries at once, same key, same order",
+        client.request(PAYMENTS, "POST", "/held/charges", idempotency_key=key, json=order),
+        "EFFECT_UNKNOWN",
+        "the shop's lookup does not show the charge yet, and it may still land: nothing is "
+        "sent again",
+    )
+    n.say("shop", "finishes processing the charge and books it")
+    shop.release.set()
+    async with asyncio.timeout(5):
+        while effect_id not in shop.booked:
+            shop.booked_event.clear()
+            await shop.booked_event.wait()
+    n.say("agent", "retries again, as Retry-After says")
+    replay = await _retry_while_unknown(
+        lambda: client.request(PAYMENTS, "POST", "/held/charges", idempotency_key=key, json=order)
+    )
+    if isinstance(replay, ProblemError) or not replay.replayed:
+        n.result(verdict_of(replay), "", False, "REPLAYED")
+        return
+    found = [status for looked, status in shop.lookups if looked == effect_id]
+    n.result(
+        "REPLAYED",
+        f"the gateway's probe found the charge in the shop ({len(found)} lookups): the effect "
+        "is COMMITTED and the retry gets the charge, not a second one",
+    )
+    n.check(
+        replay.headers.get("Idempotent-Replayed") == "true",
+        f"Idempotent-Replayed: true; the charge: {replay.text()}",
+        f"a replay should say Idempotent-Replayed: true, got {dict(replay.headers)}",
+    )
+    await step(
+        n,
+        "agent",
+        "a bug sends the same key with another amount (24.99 EUR)",
+        client.request(
+            PAYMENTS, "POST", "/held/charges", idempotency_key=key, json={**order, "amount": 2499}
+        ),
+        "PAYLOAD_CONFLICT",
+        "the key is bound to the first order; the other one is never sent",
+    )
+    record = await client.get_effect(effect_id)
+    n.say("operator", f"reads the effect {short(effect_id)}")
+    n.check(
+        record.get("kind") == "keyed"
+        and record.get("idempotencyKey") == key
+        and record.get("taskId") is None
+        and record.get("state") == "COMMITTED",
+        f"{record.get('state')}, kind {record.get('kind')}, principal "
+        f"{record.get('principal')}, key {record.get('idempotencyKey')}: no task, no lease",
+        f"expected a COMMITTED keyed effect for {key!r}, got {record}",
+    )
+    charges = shop.calls_for(effect_id)
+    n.say("shop", f"charges received with key {short(effect_id)}")
+    n.check(len(charges) == 1, "exactly 1: the customer paid once", f"{len(charges)} charges")
+
+
+async def _retry_while_unknown(
+    send: Callable[[], Awaitable[ProxyResponse]],
+) -> ProxyResponse | ProblemError:
+    """Send until the answer is not ``EFFECT_UNKNOWN``, waiting its ``Retry-After`` (when the
+    gateway will ask the downstream again), for up to 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        got = await _attempt(send())
+        if isinstance(got, ProxyResponse):
+            return got
+        if not isinstance(got, ProblemError):
+            raise got
+        if got.code != "EFFECT_UNKNOWN" or time.monotonic() > deadline:
+            return got
+        after = got.headers.get("Retry-After", "")
+        await asyncio.sleep(min(float(after) if after.isdigit() else 0.1, 1.0) or 0.1)
+
+
 async def summary(n: Narrator, client: Client, shop: Shop) -> None:
     n.line()
     n.line("== What the shop actually received ==")
     per_key: dict[str, list[Received]] = {}
     for r in shop.received:
         per_key.setdefault(r.key, []).append(r)
-    n.line(f"  {'calls':>5}  {'Idempotency-Key':<15}  {'task/slot':<22}  request")
+    n.line(f"  {'calls':>5}  {'Idempotency-Key':<15}  {'task/slot or who/key':<32}  request")
     for key, calls in per_key.items():
         where = "?"
         with contextlib.suppress(FencegateError):
             record = await client.get_effect(key)
-            where = f"{record['taskId']}/{record['slot']}"
+            if record.get("kind") == "keyed":  # a client's: its principal and its own key
+                where = f"{record['principal']}/{record['idempotencyKey']}"
+            else:
+                where = f"{record['taskId']}/{record['slot']}"
         first = calls[0]
         body = json.dumps(first.body, separators=(",", ":"))
         body = body if len(body) <= 40 else body[:37] + "..."
         n.line(
-            f"  {len(calls):>5}  {short(key):<15}  {where:<22}  {first.method} {first.path} {body}"
+            f"  {len(calls):>5}  {short(key):<15}  {where:<32}  {first.method} {first.path} {body}"
         )
-    expected_keys = 2 + 1 + 1 + 3 * PAGES
+    expected_keys = 2 + 1 + 1 + 3 * PAGES + 1
     n.check(
         len(per_key) == expected_keys and all(len(c) == 1 for c in per_key.values()),
         f"{len(per_key)} effects, {len(shop.received)} calls: every effect reached the shop "
@@ -988,7 +1131,7 @@ async def summary(n: Narrator, client: Client, shop: Shop) -> None:
 async def summary_mcp(n: Narrator, client: Client, shop: Shop, *, tools: McpToolServer) -> None:
     n.line()
     n.line("== What the MCP server actually ran ==")
-    n.line(f"  {'runs':>5}  {'fencegate/effectId':<18}  {'task/slot':<30}  tool call")
+    n.line(f"  {'runs':>5}  {'dev.fencegate/effectId':<22}  {'task/slot':<30}  tool call")
     rows: dict[object, list[McpRun]] = {}  # per effectId; each read a row of its own
     for run in tools.runs:
         rows.setdefault(run.effect_id or object(), []).append(run)
@@ -1001,7 +1144,7 @@ async def summary_mcp(n: Narrator, client: Client, shop: Shop, *, tools: McpTool
                 record = await client.get_effect(first.effect_id)
                 where = f"{record['taskId']}/{short(record['slot'])}"
         n.line(
-            f"  {len(runs):>5}  {key:<18}  {where:<30}  {first.tool} {_compact(first.arguments)}"
+            f"  {len(runs):>5}  {key:<22}  {where:<30}  {first.tool} {_compact(first.arguments)}"
         )
     seen = Counter(method for method, _ in tools.received)
     own = sum(
@@ -1143,9 +1286,26 @@ async def _gateway(store: DemoStore, shop_url: str, mcp_url: str) -> AsyncIterat
     config = Config.model_validate(
         {
             "store": {"url": store.url, "redis_key_prefix": store.key_prefix},
-            "proxy": {"prepared_margin_ms": 1000},
+            # A forward may start up to 900 ms after its prepare was sent (the default is half
+            # the margin): a demo on a loaded machine must not refuse its own calls.
+            "proxy": {"prepared_margin_ms": 1000, "forward_start_limit_ms": 900},
             "downstreams": [
                 {"name": "shop", "url": shop_url, "timeout_ms": SHOP_TIMEOUT_MS},
+                {
+                    "name": PAYMENTS,
+                    "url": shop_url,
+                    "timeout_ms": SHOP_TIMEOUT_MS,
+                    # A client with no lease may call it, with an Idempotency-Key only.
+                    "client_idempotency_keys": "required",
+                    # The shop books a charge when it is done: its lookup settles an UNKNOWN
+                    # charge (found), soon after it lands.
+                    "adapter": "probe",
+                    "probe": {
+                        "path": "/lookup/{effectId}",
+                        "interval_ms": 100,
+                        "max_interval_ms": 200,
+                    },
+                },
                 {
                     "name": MCP_DOWNSTREAM,
                     "url": mcp_url,
@@ -1223,6 +1383,7 @@ async def run_demo(store: str | None = None, keep: bool = False, out: IO[str] | 
                 story_epoch_bump,
                 functools.partial(story_mcp, tools=tools, gateway=url),
                 story_pipeline,
+                story_chat_agent,
                 summary,
                 functools.partial(summary_mcp, tools=tools),
             )

@@ -140,15 +140,21 @@ class Subscription:
 
 class Waiter:
     """One long-poll: woken by an event about its task (``task_id``) or, for a queue claim
-    (``queue``), by a task of that queue becoming READY. ``closed``: the gateway is shutting
-    down, the long-poll must answer now."""
+    (``queue``), by a task of that queue becoming READY; or a duplicate waiting for an
+    in-flight effect (``effect_id``, ``gateway.effect_waiters``), by an event of that effect.
+    ``closed``: the gateway is shutting down, the long-poll must answer now."""
 
     def __init__(
-        self, task_id: str | None, queue: str | None = None, principal: str | None = None
+        self,
+        task_id: str | None,
+        queue: str | None = None,
+        principal: str | None = None,
+        effect_id: str | None = None,
     ) -> None:
         self.task_id = task_id
         self.queue = queue
         self.principal = principal
+        self.effect_id = effect_id
         self.closed = False
         #: Why the long-poll must be refused now (a reload removed or narrowed its principal).
         self.refusal: FencegateError | None = None
@@ -177,15 +183,20 @@ class Waiter:
         if self.refusal is not None:
             raise self.refusal
 
-    async def wait(self, seconds: float) -> None:
-        """Until woken or ``seconds`` (at most ``RECHECK_S``) passed; then re-arm. Returns
-        at once once ``closed``."""
+    async def wait(self, seconds: float) -> bool:
+        """Until woken or ``seconds`` (at most ``RECHECK_S``, but for an effect's waiter:
+        only an event tells it something) passed; then re-arm. Returns at once once
+        ``closed``; whether it was woken."""
         if self.closed:
-            return
+            return True
+        if self.effect_id is None:
+            seconds = min(seconds, RECHECK_S)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(min(seconds, RECHECK_S), 0)):
+            async with asyncio.timeout(max(seconds, 0)):
                 await self._wake.wait()
+        woken = self._wake.is_set()
         self._wake.clear()
+        return woken
 
 
 class EventHub:
@@ -199,6 +210,7 @@ class EventHub:
         self._subscribed: dict[str | None, int] = {}
         self._by_task: dict[str, set[Waiter]] = {}
         self._by_queue: dict[str, set[Waiter]] = {}
+        self._by_effect: dict[str, set[Waiter]] = {}
         self._waiters = 0
         self._waiting: dict[str | None, int] = {}
         self._cursor: str | None = None
@@ -249,16 +261,28 @@ class EventHub:
 
     @contextlib.contextmanager
     def waiting(
-        self, *, principal: str | None, task_id: str | None = None, queue: str | None = None
+        self,
+        *,
+        principal: str | None,
+        task_id: str | None = None,
+        queue: str | None = None,
+        effect_id: str | None = None,
     ) -> Iterator[Waiter]:
-        """A ``Waiter`` for the duration of the block: a ``waitFor`` of ``task_id`` or a
-        claim from ``queue``, by ``principal`` (None: anonymous). ``TooManyConnections``
+        """A ``Waiter`` for the duration of the block: a ``waitFor`` of ``task_id``, a
+        claim from ``queue`` or a duplicate waiting for ``effect_id``'s outcome
+        (``gateway.effect_waiters``), by ``principal`` (None: anonymous). ``TooManyConnections``
         (logged ``wait.refused``) past ``tasks.max_waiters`` or
         ``tasks.max_waiters_per_principal``. Once the hub is closed the waiter is too: the
         long-poll answers at once."""
-        assert (task_id is None) != (queue is None)
+        assert [task_id, queue, effect_id].count(None) == 2
         limit = self._tasks.max_waiters
-        target = {"task": task_id} if task_id is not None else {"queue": queue}
+        target = (
+            {"task": task_id}
+            if task_id is not None
+            else {"queue": queue}
+            if queue is not None
+            else {"effect_id": effect_id}
+        )
         if self._waiters >= limit:
             refusal = f"tasks.max_waiters ({limit}) long-polls are waiting in this gateway"
             self._refuse("tasks.max_waiters", refusal, principal=principal, **target)
@@ -268,12 +292,14 @@ class EventHub:
                        f"{_whose(principal)} are waiting in this gateway")  # fmt: skip
             self._refuse("tasks.max_waiters_per_principal", refusal, principal=principal,
                          **target)  # fmt: skip
-        waiter = Waiter(task_id, queue, principal)
+        waiter = Waiter(task_id, queue, principal, effect_id)
         if task_id is not None:
             groups, key = self._by_task, task_id
-        else:
-            assert queue is not None
+        elif queue is not None:
             groups, key = self._by_queue, queue
+        else:
+            assert effect_id is not None
+            groups, key = self._by_effect, effect_id
         group = groups.setdefault(key, set())
         group.add(waiter)
         self._waiters += 1
@@ -296,6 +322,12 @@ class EventHub:
         kind = "events.refused" if limit.startswith("events.") else "wait.refused"
         log.info(kind, limit=limit, **fields)
         raise TooManyConnections(f"{refusal}; try again later", retryAfterMs=_RETRY_AFTER_MS)
+
+    def wake_effect(self, effect_id: str) -> None:
+        """Wake the waiters of ``effect_id``: this process recorded its outcome (no need to
+        wait for the event to come round)."""
+        for waiter in self._by_effect.get(effect_id, ()):
+            waiter.wake()
 
     def _listening(self) -> bool:
         return bool(self._subscriptions) or self._waiters > 0
@@ -320,6 +352,11 @@ class EventHub:
         try:
             if self._cursor is None:
                 _, self._cursor = await self._store.read_events(None, 1)
+                # Events before this end were not seen: each effect's waiter reads its record
+                # once (long-polls read theirs every RECHECK_S anyway).
+                for group in self._by_effect.values():
+                    for waiter in group:
+                        waiter.wake()
             while True:
                 after = self._cursor
                 events, following = await self._store.read_events(after, self._config.batch)
@@ -347,6 +384,9 @@ class EventHub:
             subscription.push(batch)
         for event in batch.events:
             body = event.body
+            if body.get("type") == "effect":
+                for waiter in self._by_effect.get(str(body.get("effectId")), ()):
+                    waiter.wake()
             if body.get("type") != "task":
                 continue
             for waiter in self._by_task.get(str(body.get("taskId")), ()):
@@ -399,7 +439,8 @@ class EventHub:
         self._closed = True
         for subscription in self._subscriptions:
             subscription.close()
-        for group in (*self._by_task.values(), *self._by_queue.values()):
+        for group in (*self._by_task.values(), *self._by_queue.values(),
+                      *self._by_effect.values()):  # fmt: skip
             for waiter in group:
                 waiter.close()
         if self._task is not None:

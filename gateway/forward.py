@@ -51,6 +51,7 @@ from fencegate.ledger.errors import (
     DownstreamTimeout,
     DownstreamUnreachable,
     FencegateError,
+    NoSuchEffect,
     StoreUnavailable,
 )
 from fencegate.ledger.requests import REDACTED, request_json
@@ -502,7 +503,7 @@ def kept_request(
 
 
 #: Where an MCP tool call carries its effectId besides the idempotency key header.
-_MCP_META_KEY = 'params._meta["fencegate/effectId"]'
+_MCP_META_KEY = 'params._meta["dev.fencegate/effectId"]'
 _MCP_CALL_PATH = "/tools/call/"
 
 
@@ -564,13 +565,21 @@ def abort_later(app: web.Application, request: EffectRequest, deadline_ms: int) 
 async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int) -> None:
     """Bounded: keeps looking for the deadline plus a margin (the store may apply the prepare
     only when it recovers), then gives up; a record it never found is then one no gateway
-    created, or one that reads UNKNOWN and an operator settles."""
+    created, or one that reads UNKNOWN and an operator settles.
+
+    A keyed request's record is known by its id (``request.effect_id``): no lookup by forward
+    id; until the prepare lands there is no record (``NO_SUCH_EFFECT``), and looking goes on.
+    Either way only the forward with this id is aborted (``effects.abort``)."""
     assert request.forward_id is not None
     store = app[STORE]
     give_up = time.monotonic() + deadline_ms / 1000 + 5
-    fields = {"task": request.fence.task_id, "attempt": request.fence.attempt_id,
-              "slot": request.slot, "downstream": request.downstream,
-              "forward_id": request.forward_id}  # fmt: skip
+    fence = request.fence
+    fields: dict[str, Any] = (
+        {"task": fence.task_id, "attempt": fence.attempt_id, "slot": request.slot}
+        if fence is not None
+        else {"kind": "keyed"}
+    )
+    fields.update(downstream=request.downstream, forward_id=request.forward_id)
     forward_id = request.forward_id
 
     def abort(record: Effect | None, now: int) -> Effect:
@@ -578,7 +587,10 @@ async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int)
 
     while time.monotonic() < give_up:
         try:
-            effect_id = await store.find_forward(request.fence.task_id, forward_id)
+            if fence is not None:
+                effect_id = await store.find_forward(fence.task_id, forward_id)
+            else:
+                effect_id = request.effect_id
             if effect_id is not None:
                 effect = await store.update_effect(effect_id, abort)
                 log.warning("effect.aborted", effect_id=effect.effect_id,
@@ -586,8 +598,11 @@ async def _abort(app: web.Application, request: EffectRequest, deadline_ms: int)
                 return
         except StoreUnavailable:
             pass
-        except FencegateError as exc:  # settled meanwhile: nothing to abort
-            log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
-            return
+        except FencegateError as exc:
+            if not (fence is None and isinstance(exc, NoSuchEffect)):
+                # settled meanwhile: nothing to abort
+                log.info("effect.abort_skipped", code=exc.code, reason=exc.detail, **fields)
+                return
+            # else: the store has not applied the keyed prepare (yet)
         await asyncio.sleep(_ABORT_RETRY_S)
     log.info("effect.abort_gave_up", **fields)

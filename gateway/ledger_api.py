@@ -1,10 +1,11 @@
 """The ledger API: operators read the idempotency ledger and settle UNKNOWN effects.
 
-``GET /v1/effects`` (filters and cursor), ``GET /v1/effects/{effectId}`` and
-``POST /v1/effects/{effectId}/resolve``. The operator recorded on the effect (with the time and
-the note) is the authenticated principal's name when ``[auth]`` is on; without it, the
-free-text ``Fence-Operator`` header. An operator may not approve an effect requested under
-their own principal (``ledger.effects.approve``).
+``GET /v1/effects`` (filters and cursor; or ``?idempotencyKey=K&principal=P``: a keyed effect
+by its client's key, the one form a ``client`` may use, for its own keys only),
+``GET /v1/effects/{effectId}`` and ``POST /v1/effects/{effectId}/resolve``. The operator
+recorded on the effect (with the time and the note) is the authenticated principal's name
+when ``[auth]`` is on; without it, the free-text ``Fence-Operator`` header. An operator may
+not approve an effect requested under their own principal (``ledger.effects.approve``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from fencegate.gateway.answers import reply
 from fencegate.gateway.api_models import TASK_ID_PATTERN, ApiBody, parse_body
 from fencegate.gateway.auth import sees_stored_bodies
 from fencegate.gateway.forward import look_up
-from fencegate.gateway.principals import Principal, acting_operator, principal_of
+from fencegate.gateway.principals import Principal, acting_operator, caller_name, principal_of
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, CONFIG, STORE
 from fencegate.ledger import effects, responses
 from fencegate.ledger.effects import DEFAULT_SETTLE_MS, Effect, EffectState
-from fencegate.ledger.errors import BadRequest, NoSuchEffect
+from fencegate.ledger.errors import BadRequest, Forbidden, NoSuchEffect
 from fencegate.ledger.queries import EFFECT_ID_OR_PREFIX, EFFECT_ID_RULE
 from fencegate.ledger.store import Store
 
@@ -54,6 +55,8 @@ MAX_MATCHES_SHOWN = 10
 MAX_PAGE = 500
 #: ``str.isdigit`` also takes "²" and other digits ``int`` refuses: ASCII only.
 _ASCII_DIGITS = re.compile(r"[0-9]{1,6}")
+#: The roles that read the whole ledger (the role matrix's readers of ``/v1/effects``).
+_LEDGER_READERS = frozenset({"operator", "observer"})
 
 
 #: What a replay can send: an HTTP token, and a value with no line break or NUL (aiohttp
@@ -156,9 +159,69 @@ async def find_effect(store: Store, text: str) -> Effect:
     return await store.get_effect(found[0])
 
 
+#: A principal name as a query names it (``[[auth.principals]] name``, or ``anonymous``).
+_PRINCIPAL = re.compile(r"[^\x00-\x1f\x7f]{1,200}")
+#: A downstream name (``downstreams.name``): a removed downstream's effects are found too.
+_DOWNSTREAM = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: A decoded idempotency key (``proxy.parse_client_key``): printable ASCII.
+_CLIENT_KEY = re.compile(r"[\x20-\x7e]{1,255}")
+_LOOKUP_PARAMS = frozenset({"idempotencyKey", "principal", "downstream"})
+
+
+async def _keyed_lookup(request: web.Request) -> web.Response:
+    """``GET /v1/effects?idempotencyKey=K[&principal=P][&downstream=D]``: the keyed effects
+    of P's key K (P: the caller's own principal when not given), one per downstream that has
+    one, from their ids (``effects.keyed_effect_id`` for each configured downstream, or for
+    D): no scan. The ledger's readers may look up anyone's; a ``client`` only its own (403
+    otherwise, naming no effect). An expired one is not listed (its id still answers 410)."""
+    query = request.query
+    others = sorted(set(query) - _LOOKUP_PARAMS)
+    if others:
+        raise BadRequest(
+            f"idempotencyKey takes only principal and downstream, not {', '.join(others)}"
+        )
+    key = query["idempotencyKey"]
+    if not _CLIENT_KEY.fullmatch(key):
+        raise BadRequest("idempotencyKey: 1 to 255 printable ASCII characters")
+    caller = principal_of(request)
+    owner = query.get("principal", caller_name(caller))
+    if not _PRINCIPAL.fullmatch(owner):
+        raise BadRequest("principal: 1 to 200 characters, no control character")
+    if _client_only(caller) and caller is not None and owner != caller.name:
+        raise Forbidden(
+            f"{caller.name!r} may look up only its own keyed effects (principal={caller.name})"
+        )
+    named = query.get("downstream")
+    if named is not None and not _DOWNSTREAM.fullmatch(named):
+        raise BadRequest("downstream: not a downstream name")
+    names = [named] if named is not None else [d.name for d in request.app[CONFIG].downstreams]
+    store = request.app[STORE]
+    found: list[Effect] = []
+    for name in names:
+        try:
+            found.append(await store.get_effect(effects.keyed_effect_id(owner, name, key)))
+        except NoSuchEffect:  # none, or expired (EffectExpired)
+            continue
+    page = answers.EffectPage.model_construct(
+        effects=[_shown(request, e) for e in found], nextCursor=None
+    )
+    return reply(page)
+
+
+def _client_only(principal: Principal | None) -> bool:
+    """A caller whose only way into the ledger is the look-up of its own keyed effects."""
+    return principal is not None and not principal.roles & _LEDGER_READERS
+
+
 @routes.get("/v1/effects")
 async def list_effects(request: web.Request) -> web.Response:
     query = request.query
+    if "idempotencyKey" in query:
+        return await _keyed_lookup(request)
+    if _client_only(principal_of(request)):
+        raise Forbidden(
+            "a client reads only its own keyed effects: GET /v1/effects?idempotencyKey=..."
+        )
     unknown = set(query) - {"state", "taskId", "downstream", "limit", "cursor", "awaitingApproval"}
     if unknown:
         raise BadRequest(f"unknown query parameter(s): {', '.join(sorted(unknown))}")

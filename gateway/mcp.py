@@ -2,11 +2,16 @@
 
 An agent's MCP client talks to the gateway as it would to the server (POST of one JSON-RPC
 message, answered as JSON or as an SSE stream; GET for the server's stream; DELETE to end the
-session), with the lease in the same ``Fence-*`` headers as ``/proxy``. ``tools/call`` is the
-effect, with the ledger's two store steps around one forward exactly as for ``/proxy``
-(``prepare_effect``, forward, ``complete_effect``): nothing reaches the server without a
-PREPARED record, and the answer reaches the agent only once its outcome is recorded (an SSE
-stream's progress events go through as they come; its final answer waits for the record).
+session), with the lease in the same ``Fence-*`` headers as ``/proxy``. A lease-less client
+(role ``client``) names each call by its idempotency key instead, in
+``params._meta["dev.fencegate/idempotencyKey"]`` (never the ``Idempotency-Key`` header here):
+a keyed effect, under the downstream's ``client_idempotency_keys`` as on ``/proxy``; its
+session has no server stream (``GET`` is 405, and MCP clients carry on without one).
+``tools/call`` is the effect, with the ledger's two store steps around one forward exactly
+as for ``/proxy`` (``prepare_effect``, forward, ``complete_effect``): nothing reaches the
+server without a PREPARED record, and the answer reaches the agent only once its outcome is
+recorded (an SSE stream's progress events go through as they come; its final answer waits
+for the record).
 What a message means for the ledger is decided in ``adapters.mcp`` (pure).
 
 Refusals are JSON-RPC error answers with HTTP 200 (``adapters.mcp.error_message``): an MCP
@@ -31,7 +36,7 @@ from multidict import CIMultiDict
 from fencegate.adapters import mcp
 from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.mcp import McpAdapter, ToolKind, ToolPolicy
-from fencegate.gateway import mcp_sessions, mcp_streams
+from fencegate.gateway import effect_waiters, mcp_sessions, mcp_streams
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.forward import (
     ForwardFailed,
@@ -47,7 +52,7 @@ from fencegate.gateway.forward import (
     send,
 )
 from fencegate.gateway.http_rules import canonical_body
-from fencegate.gateway.principals import principal_of
+from fencegate.gateway.principals import caller_name, may_key, may_lease, principal_of
 from fencegate.gateway.proxy import (
     account,
     counter_header,
@@ -64,9 +69,11 @@ from fencegate.gateway.proxy_decisions import (
     Subject,
     call_fields,
     decide_effect,
+    keyed_call_fields,
 )
 from fencegate.gateway.state import ADAPTERS, CONFIG, FORWARD_CLOCK, MCP_TOOLS, METRICS, STORE
 from fencegate.ledger.effects import (
+    ClientKey,
     Effect,
     EffectRequest,
     EffectState,
@@ -77,6 +84,8 @@ from fencegate.ledger.errors import (
     BadRequest,
     DownstreamUnreachable,
     FencegateError,
+    Forbidden,
+    IdempotencyKeyRequired,
     NoSuchDownstream,
     PayloadTooLarge,
     StoreUnavailable,
@@ -176,6 +185,108 @@ def _fence(request: web.Request) -> Fence | None:
     )
 
 
+def _may_lease(request: web.Request) -> None:
+    """Forbidden for a ``client`` (a principal without ``worker``) that sends any of a lease's
+    ``Fence-*`` headers (its credential, ``Fence-Authorization``, is none): a client calls by
+    idempotency key, never under a lease. Before anything is read or recorded."""
+    principal = principal_of(request)
+    if may_lease(principal):
+        return
+    assert principal is not None
+    lease = sorted(
+        {name for name in request.headers if name.lower().startswith("fence-")}
+        - {name for name in request.headers if name.lower() == "fence-authorization"}
+    )
+    if lease:
+        log.info("mcp.role_refused", principal=principal.name, reason="lease_headers_from_client",
+                 headers=lease, downstream=request.match_info.get("downstream"))  # fmt: skip
+        raise Forbidden(
+            f"{principal.name!r} has the role client: it calls without a lease and may not "
+            f"send {', '.join(lease)} (a worker's lease); it names a tools/call by "
+            f'params._meta["{mcp.META_IDEMPOTENCY_KEY}"]'
+        )
+
+
+def _needs_lease(what: str) -> BadRequest:
+    return BadRequest(
+        f"{what} needs a lease: send the Fence-Task, Fence-Attempt, Fence-Generation, "
+        "Fence-Epoch and Fence-Cancel headers"
+    )
+
+
+#: A refusal of a lease-less ``tools/call`` and its JSON-RPC code (None: ``error_message``'s).
+_Refusal = tuple[FencegateError, int | None]
+
+
+def _lease_less(
+    request: web.Request, downstream: DownstreamConfig, key: str | None
+) -> _Refusal | None:
+    """Why a lease-less ``tools/call`` is refused whatever its tool, or None, by the rules of
+    ``/proxy``: a key from a principal that is no ``client`` (a worker cannot drop its lease
+    and send a keyed call instead), a key to a downstream with ``client_idempotency_keys =
+    "off"``; no key from a principal that is no client or to such a downstream (as before
+    keys: it needs a lease, -32602). The refusals of ``client_idempotency_keys`` are JSON-RPC
+    -32000 with their problem code (``/proxy``'s are 400s). Without a key, a read-only
+    tool's call goes on unrecorded, any other is refused after the tool's policy is known
+    (``_key_missing``)."""
+    principal = principal_of(request)
+    if key is None:
+        if may_key(principal) and downstream.client_idempotency_keys != "off":
+            return None
+        return _needs_lease("tools/call"), None
+    if not may_key(principal):
+        assert principal is not None
+        log.info("mcp.role_refused", principal=principal.name, downstream=downstream.name,
+                 reason="key_without_lease_from_worker")  # fmt: skip
+        forbidden = Forbidden(
+            f"{principal.name!r} is a worker: its tools/call carries its lease (the Fence-* "
+            f'headers); one by params._meta["{mcp.META_IDEMPOTENCY_KEY}"] without a lease is '
+            "a client's (role client)"
+        )
+        return forbidden, None
+    if downstream.client_idempotency_keys == "off":
+        off = BadRequest(
+            f'params._meta["{mcp.META_IDEMPOTENCY_KEY}"]: downstream {downstream.name!r} takes '
+            f"no calls without a lease (downstreams.{downstream.name}.client_idempotency_keys "
+            '= "off"); send it under a lease'
+        )
+        return off, mcp.REFUSAL_CODE
+    return None
+
+
+def _key_missing(downstream: DownstreamConfig) -> _Refusal:
+    """A lease-less client's call of a recorded tool without a key: ``IDEMPOTENCY_KEY_REQUIRED``
+    where the downstream requires keys, else as before keys (it needs a lease)."""
+    if downstream.client_idempotency_keys == "required":
+        error = IdempotencyKeyRequired(
+            f'downstreams.{downstream.name}.client_idempotency_keys is "required": a '
+            f'tools/call without a lease carries params._meta["{mcp.META_IDEMPOTENCY_KEY}"]'
+        )
+        return error, mcp.REFUSAL_CODE
+    return _needs_lease("tools/call"), None
+
+
+def _no_stream() -> web.Response:
+    """A lease-less session's ``GET``: 405, what an MCP server without a stream of its own
+    answers (the client then goes on without one). A stream holds a pooled connection for
+    as long as it is open, so only a lease (which ends it) opens one."""
+    message = {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {
+            "code": mcp.REFUSAL_CODE,
+            "message": "Method Not Allowed: the server's stream (GET) is opened only under a "
+            "lease (the Fence-* headers); a lease-less session goes on without one",
+        },
+    }
+    return web.Response(
+        status=405,
+        body=json.dumps(message, separators=(",", ":")).encode(),
+        content_type="application/json",
+        headers={"Allow": "POST, DELETE"},
+    )
+
+
 #: Headers the gateway reads (or the server routes by) that may appear once: with two, the
 #: gateway would read one and the server perhaps the other.
 _SINGLE_HEADERS = ("MCP-Protocol-Version", "Mcp-Method", "Mcp-Name", "Mcp-Session-Id",
@@ -225,6 +336,7 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
     try:
         downstream, adapter = _downstream(request)
         _protocol_version(request)
+        _may_lease(request)
         fence = _fence(request)
     except FencegateError as exc:
         return _refuse(None, exc, has_id=False)
@@ -236,8 +348,8 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
     if request.method in ("GET", "DELETE"):
         if fence is None and request.method == "GET":
             # A stream holds a pooled connection for as long as it is open: only under a lease.
-            error = BadRequest("GET (the server's stream) needs a lease: send the Fence-* headers")
-            return _refuse(None, error, has_id=False)
+            # A lease-less session has none: 405, which MCP clients take for "no stream here".
+            return _no_stream()
         if fence is not None and request.method == "GET":
             try:
                 await request.app[STORE].check_fence(fence)
@@ -316,15 +428,11 @@ async def _post(
         return _refuse(
             request_id, BadRequest(shape), has_id=has_id and isinstance(method, str), code=-32600
         )
-    if fence is None and method not in mcp.LEASE_FREE_METHODS:
+    if fence is None and method not in mcp.LEASE_FREE_METHODS and method != mcp.CALL:
         what = f"{method}" if isinstance(method, str) else "a response to the server"
-        error = BadRequest(
-            f"{what} needs a lease: send the Fence-Task, Fence-Attempt, "
-            "Fence-Generation, Fence-Epoch and Fence-Cancel headers"
-        )
-        return _refuse(request_id, error, has_id=has_id and isinstance(method, str))
+        return _refuse(request_id, _needs_lease(what), has_id=has_id and isinstance(method, str))
     if method == mcp.CALL and has_id:
-        assert fence is not None
+        # Lease-less: a keyed call, a read, or refused (``_lease_less``).
         return await _tool_call(request, downstream, adapter, fence, message, body)
     if fence is not None:
         try:
@@ -343,12 +451,13 @@ async def _tool_policy(
     request: web.Request,
     downstream: DownstreamConfig,
     adapter: McpAdapter,
-    fence: Fence,
+    fence: Fence | None,
     tool: str,
     envelope: Mapping[str, Any],
 ) -> ToolPolicy:
     """The tool's policy: its configured kind, else its annotations when trusted (cached per
-    session; fetched with the session's own ``tools/list`` on a miss), else an effect."""
+    session; fetched with the session's own ``tools/list`` on a miss), else an effect.
+    ``fence``: the call's lease, None for a lease-less call."""
     if not adapter.needs_annotations(tool):
         return adapter.policy(tool, None)
     session = request.headers.get("Mcp-Session-Id", "")
@@ -357,7 +466,8 @@ async def _tool_policy(
     if tools is None or tool not in tools:
         # Before asking the server anything for this call, refuse a stale agent (the prepare
         # checks the fence again, atomically, before anything is forwarded).
-        await request.app[STORE].check_fence(fence)
+        if fence is not None:
+            await request.app[STORE].check_fence(fence)
         tools = await _list_tools(request, downstream, adapter, envelope)
         cache.put(downstream.name, session, tools)
     return adapter.policy(tool, tools.get(tool))
@@ -467,11 +577,16 @@ async def _tool_call(
     request: web.Request,
     downstream: DownstreamConfig,
     adapter: McpAdapter,
-    fence: Fence,
+    fence: Fence | None,
     message: dict[str, Any],
     body: bytes,
 ) -> web.StreamResponse:
+    """A ``tools/call``: under a lease (``fence``), or lease-less, where it is a keyed effect
+    (its ``dev.fencegate/idempotencyKey``), a read-only tool's unrecorded call, or refused
+    (``_lease_less``, ``_key_missing``): all before anything is recorded. A recorded call,
+    leased or keyed, takes the one path: prepare, forward, record."""
     request_id = message.get("id")
+    key: str | None = None
     outgoing = Outgoing("POST", downstream.name, "/", tuple(request.headers.items()), body)
     try:
         shape = adapter.effect_of(outgoing)  # the effect: slot and payload digest
@@ -490,6 +605,10 @@ async def _tool_call(
                 status=400, body=json.dumps(refusal).encode(), content_type="application/json"
             )
         meta = message["params"].get("_meta") or {}
+        if fence is None:
+            key = mcp.idempotency_key(meta)  # -32602 for one outside the grammar
+            if (refused := _lease_less(request, downstream, key)) is not None:
+                return _refuse(request_id, refused[0], code=refused[1])
         envelope = {k: v for k, v in meta.items() if k.startswith(_ENVELOPE)}
         policy = await _tool_policy(request, downstream, adapter, fence, call.name, envelope)
     except FencegateError as exc:
@@ -497,14 +616,25 @@ async def _tool_call(
     if policy.timeout_ms is not None:
         downstream = downstream.model_copy(update={"timeout_ms": policy.timeout_ms})
     if policy.kind is ToolKind.READ_ONLY:
-        try:
-            await request.app[STORE].check_fence(fence)
-        except FencegateError as exc:
-            return _refuse(request_id, exc)
+        # Unrecorded, under a lease (fence-checked) or without one (a client's read needs
+        # no key; one it sends anyway is dropped with the other fencegate keys).
+        if fence is not None:
+            try:
+                await request.app[STORE].check_fence(fence)
+            except FencegateError as exc:
+                return _refuse(request_id, exc)
         return await _relay(request, downstream, adapter, _relayed(message), message)
 
+    client_key: ClientKey | None = None
+    if fence is None:
+        if key is None:
+            refused = _key_missing(downstream)
+            return _refuse(request_id, refused[0], code=refused[1])
+        client_key = ClientKey(caller_name(principal_of(request)), key)
     try:
-        node = id_header(request, "Fence-Node", required=False) or "main"
+        # A keyed effect's identity is its principal, downstream and key: no node, and its
+        # slot is only the call's name in the record.
+        node = (id_header(request, "Fence-Node", required=False) if fence else None) or "main"
     except FencegateError as exc:
         return _refuse(request_id, exc)
     effect_request = EffectRequest(
@@ -517,38 +647,47 @@ async def _tool_call(
         payload_digest=shape.payload_digest,
         forward_id=new_id(),
         request_json=_kept(request, downstream, adapter, fence, body),
+        client_key=client_key,
     )
     config = request.app[CONFIG]
     deadline_ms = downstream.timeout_ms + config.proxy.prepared_margin_ms
-    fields = call_fields(
-        fence,
-        downstream.name,
-        "POST",
-        node=node,
-        slot=shape.slot,
-        payload_digest=effect_request.payload_digest,
-        tool=call.name,
-    )
+    about = {"payload_digest": effect_request.payload_digest, "tool": call.name}
+    if client_key is not None:
+        fields = keyed_call_fields(client_key.principal, downstream.name, "POST",
+                                   effect_request.effect_id, **about)  # fmt: skip
+    else:
+        assert fence is not None
+        fields = call_fields(fence, downstream.name, "POST", node=node, slot=shape.slot, **about)
     enforcement = downstream.enforcement or config.proxy.enforcement
     subject = Subject(downstream.name, fields, enforcement == "shadow", adapter.kind)
-    sent_at = request.app[FORWARD_CLOCK]()  # the window's clock (gateway/forward.py)
-    prepared: PrepareOutcome | FencegateError
-    try:
+    sent_at = 0.0
+
+    async def prepare() -> PrepareOutcome:
+        nonlocal sent_at
+        sent_at = request.app[FORWARD_CLOCK]()  # the window's clock (gateway/forward.py)
         # As /proxy's: a lost answer is cleaned up by its forward id, and a re-send window
         # is shortened by the start limit (gateway/forward.py).
-        prepared = await prepare_effect(
+        return await prepare_effect(
             request.app,
             effect_request,
             deadline_ms,
             resend_window_ms=resend_window(policy.resend_window_ms, config.proxy.start_limit_ms),
             require_approval=policy.require_approval,
         )
+
+    prepared: PrepareOutcome | FencegateError
+    try:
+        # A duplicate of a call in flight may wait for its outcome (``effect_waiters``).
+        wait = None if enforcement == "shadow" else effect_waiters.mcp_wait(request, meta)
+        prepared = await effect_waiters.wait_out(request, wait, await prepare(), prepare)
     except FencegateError as exc:
         prepared = exc
     decision = decide_effect(subject, prepared)
     account(request, decision)
     match decision.act:
         case Refuse(error):
+            # Every refusal of the prepare, a duplicate still in flight (EFFECT_IN_FLIGHT)
+            # after any wait it asked for included.
             return _refuse(request_id, error)
         case Replay(effect):
             return _replay(adapter.replay(effect, outgoing), effect)
@@ -560,16 +699,21 @@ async def _tool_call(
                 error = await start_too_late(request, forward, effect_request, window)
                 return _refuse(request_id, error)
             return await _forward_call(
-                request, downstream, adapter, fence, forward, window, message, body
+                request, downstream, adapter, effect_request, forward, window, message, body
             )
     raise AssertionError(decision.act)  # pragma: no cover
+
+
+def _token(fence: Fence | None) -> str | None:
+    """The fencing token the server gets: none for a keyed call (it has no lease)."""
+    return None if fence is None else f"{fence.scheduler_epoch}.{fence.claim_generation}"
 
 
 def _kept(
     request: web.Request,
     downstream: DownstreamConfig,
     adapter: McpAdapter,
-    fence: Fence,
+    fence: Fence | None,
     body: bytes,
 ) -> str | None:
     """The call as the record keeps it (``forward.kept_request``), as ``/proxy`` keeps its
@@ -578,15 +722,14 @@ def _kept(
     ``params._meta``); None, with no work done, unless the downstream keeps request bodies."""
     if not downstream.keep_request_bodies:
         return None
-    token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
     credentials = adapter.outbound_headers(None, None).values()
-    headers = _outbound(request, adapter, adapter.outbound_headers(None, token))
+    headers = _outbound(request, adapter, adapter.outbound_headers(None, _token(fence)))
     return kept_request(downstream, headers.items(), body, credentials)
 
 
 def _relayed(message: dict[str, Any]) -> bytes:
-    """An unrecorded call's body as the server gets it: without the agent's ``fencegate/``
-    ``_meta`` keys (``mcp.without_ours``)."""
+    """An unrecorded call's body as the server gets it: without the agent's ``dev.fencegate/``
+    and ``fencegate/`` ``_meta`` keys (``mcp.without_ours``)."""
     return json.dumps(mcp.without_ours(message) or message).encode()
 
 
@@ -699,7 +842,7 @@ async def _forward_call(
     request: web.Request,
     downstream: DownstreamConfig,
     adapter: McpAdapter,
-    fence: Fence,
+    effect_request: EffectRequest,
     forward: Forward,
     window: ForwardWindow,
     message: dict[str, Any],
@@ -711,7 +854,7 @@ async def _forward_call(
     (``McpAdapter.outcome``); ``body`` is the agent's message, as it was sent."""
     effect, seq = forward.effect, forward.seq
     request_id = message.get("id")
-    token = f"{fence.scheduler_epoch}.{fence.claim_generation}"
+    token = _token(effect_request.fence)  # a keyed call's server gets no fencing token
     data = adapter.outbound_body(body, effect.effect_id, token)
     headers = _outbound(request, adapter, adapter.outbound_headers(effect.effect_id, token))
     recorded = False
@@ -722,7 +865,7 @@ async def _forward_call(
 
     def observe(outcome: str) -> None:
         """``fencegate_forward_seconds``, as for ``/proxy``: until the answer, or the failure."""
-        seconds.labels(downstream.name, outcome).observe(time.monotonic() - started)
+        seconds.labels(downstream.name, outcome, effect.kind).observe(time.monotonic() - started)
 
     async def record(state: EffectState, reason: str, answer: dict[str, Any] | None) -> Effect:
         nonlocal recorded
@@ -746,8 +889,9 @@ async def _forward_call(
                 summary=mcp.answer_summary(answer) if kept is None else None,
             )
         return await record_outcome(
-            request, fence, downstream.name, effect, seq, state, reason, stored, forward.fields
-        )
+            request, effect_request.fence, downstream.name, effect, seq, state, reason, stored,
+            forward.fields,
+        )  # fmt: skip
 
     limits = window.limits(downstream)
     run_end = _run_end(window, limits)  # every write to the agent ends by then, too

@@ -158,8 +158,9 @@ class Metrics:
         self.effects = Counter(
             "fencegate_effects",
             "Proxied effects by outcome (COMMITTED, NOT_APPLIED, UNKNOWN, replayed, conflict, "
-            "in_flight...)",
-            ["downstream", "outcome"],
+            "in_flight...) and kind (leased: under a lease; keyed: a client's, by its "
+            "idempotency key)",
+            ["downstream", "outcome", "kind"],
             registry=r,
         )
         self.shadow_rejections = Counter(
@@ -168,9 +169,12 @@ class Metrics:
             ["point", "code"],
             registry=r,
         )
+        # Not split by kind: the stores count UNKNOWN effects from one index for both kinds
+        # (a split needs an index per kind in every store); fencegate_effects_total
+        # {outcome="UNKNOWN",kind} says which kind they came from.
         self.unknown_effects = Gauge(
             "fencegate_unknown_effects",
-            "UNKNOWN effects (store-wide)",
+            "UNKNOWN effects (store-wide, leased and keyed together)",
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -213,8 +217,9 @@ class Metrics:
         self.forward_seconds = Histogram(
             "fencegate_forward_seconds",
             "Every forward to a downstream, by outcome (committed, not_applied, unknown: the "
-            "answer's; timeout, unreachable: no answer)",
-            ["downstream", "outcome"],
+            "answer's; timeout, unreachable: no answer) and kind of call (leased: under a "
+            "lease; keyed: a lease-less client's)",
+            ["downstream", "outcome", "kind"],
             buckets=_LATENCY,
             registry=r,
         )

@@ -176,6 +176,17 @@ def register(sub: SubParsers) -> None:
     listing.add_argument("--task", metavar="TASK_ID")
     listing.add_argument("--downstream", metavar="NAME")
     listing.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="a lease-less client's keyed effects by its own Idempotency-Key (with --principal; "
+        "--downstream narrows it)",
+    )
+    listing.add_argument(
+        "--principal",
+        metavar="NAME",
+        help="whose key --idempotency-key is (default: the principal of your token)",
+    )
+    listing.add_argument(
         "--limit", type=_positive_int, default=50, help="most records shown (default: 50)"
     )
     show = _leaf(actions, "show", "show one ledger record", common, commands.effects_show)

@@ -376,8 +376,14 @@ async def _effect_id(client: OperatorClient, text: str) -> str:
 
 
 async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
-    if args.awaiting_approval and (args.state or args.task or args.downstream):
+    keyed = args.idempotency_key is not None
+    if args.awaiting_approval and (args.state or args.task or args.downstream or keyed):
         raise CliError("--awaiting-approval goes alone (or with --limit)", EXIT_USAGE)
+    if args.principal is not None and not keyed:
+        # A key is scoped to its principal: the same key of two clients is two effects.
+        raise CliError("--principal goes with --idempotency-key", EXIT_USAGE)
+    if keyed and (args.state or args.task):
+        raise CliError("--idempotency-key goes with --principal and --downstream only", EXIT_USAGE)
     # One record more than asked tells whether the list was cut short.
     found = client.iter_effects(
         state=args.state or None,
@@ -386,6 +392,8 @@ async def effects_list(client: OperatorClient, args: argparse.Namespace) -> int:
         page_size=_PAGE,
         limit=args.limit + 1,
         awaiting_approval=args.awaiting_approval,
+        idempotency_key=args.idempotency_key,
+        principal=args.principal,
     )
     records = [record async for record in found]
     more = len(records) > args.limit

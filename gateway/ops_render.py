@@ -38,12 +38,13 @@ __all__ = [
     "task",
     "tasks_table",
     "time_text",
+    "whose",
     "with_gateway",
 ]
 
 #: A stored response body up to this size is shown as text (if it is printable UTF-8).
 SHOW_BODY_BYTES = 400
-EFFECTS_HEADERS = ("EFFECT", "STATE", "TASK", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED")
+EFFECTS_HEADERS = ("EFFECT", "STATE", "TASK/KEY", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED")
 TASKS_HEADERS = ("TASK", "STATE", "OWNER", "GEN", "REVISION", "LEASE EXPIRES")
 
 
@@ -127,6 +128,20 @@ def header_lines(headers: Mapping[str, str]) -> str:
 # --- effects ------------------------------------------------------------------------------------
 
 
+def _is_keyed(r: Mapping[str, Any]) -> bool:
+    """A lease-less client's effect (identified by its Idempotency-Key, no task fields); a
+    record of an older gateway has no ``kind`` and is a leased one."""
+    return r.get("kind") == "keyed"
+
+
+def whose(r: Mapping[str, Any]) -> str:
+    """Who an effect belongs to, in one cell: a leased effect's task, or ``key:`` and a keyed
+    effect's principal and client key (its task fields are null)."""
+    if _is_keyed(r):
+        return f"key:{r.get('principal')}/{r.get('idempotencyKey')}"
+    return str(r.get("taskId"))
+
+
 def effects_table(records: Sequence[Mapping[str, Any]]) -> str:
     """``effects list``: one row per ledger record."""
     if not records:
@@ -135,7 +150,7 @@ def effects_table(records: Sequence[Mapping[str, Any]]) -> str:
         [
             cell(r.get("effectId"))[:12],
             cell(r.get("state")),
-            cell(r.get("taskId"), 32),
+            cell(whose(r), 32),
             cell(r.get("downstream")),
             cell(f"{r.get('method')} {r.get('path')}", 48),
             str(len(r.get("attempts") or [])),
@@ -194,11 +209,20 @@ def effect(r: Mapping[str, Any]) -> str:
     pairs: list[tuple[str, object]] = [
         ("effect", r.get("effectId")),
         ("state", r.get("state")),
-        (
-            "task",
-            f"{r.get('taskId')} (revision {r.get('revision')}, node {r.get('node')}, "
-            f"slot {r.get('slot')})",
-        ),
+        ("kind", "keyed" if _is_keyed(r) else "leased"),
+    ]
+    if _is_keyed(r):
+        # A lease-less client's: no task, revision, node or slot; its key is its identity.
+        pairs += [("principal", r.get("principal")), ("idempotencyKey", r.get("idempotencyKey"))]
+    else:
+        pairs.append(
+            (
+                "task",
+                f"{r.get('taskId')} (revision {r.get('revision')}, node {r.get('node')}, "
+                f"slot {r.get('slot')})",
+            )
+        )
+    pairs += [
         ("downstream", r.get("downstream")),
         ("request", f"{r.get('method')} {r.get('path')}"),
         ("payloadDigest", r.get("payloadDigest")),

@@ -17,10 +17,14 @@ from fencegate.gateway.limits import NO_LIMITS, Limits
 from fencegate.ledger.errors import BadRequest
 
 __all__ = [
+    "ANONYMOUS",
     "PRINCIPAL_KEY",
     "Principal",
     "Scope",
     "acting_operator",
+    "caller_name",
+    "may_key",
+    "may_lease",
     "operator_label",
     "principal_of",
     "scope_refusal",
@@ -81,6 +85,28 @@ def principal_of(request: web.Request) -> Principal | None:
     """The request's authenticated principal, or None when authentication is off."""
     value = request.get(PRINCIPAL_KEY)
     return value if isinstance(value, Principal) else None
+
+
+#: Without ``[auth]`` every caller is this one principal: it may call under a lease and by
+#: idempotency key alike (docs/security.md), and its keyed effects are all its own.
+ANONYMOUS = "anonymous"
+
+
+def caller_name(principal: Principal | None) -> str:
+    """Whose keyed effects a caller's are: its principal's name, ``ANONYMOUS`` without
+    ``[auth]``."""
+    return principal.name if principal is not None else ANONYMOUS
+
+
+def may_lease(principal: Principal | None) -> bool:
+    """May this caller send a fenced call (``worker``)? Everyone without ``[auth]``."""
+    return principal is None or principal.has("worker")
+
+
+def may_key(principal: Principal | None) -> bool:
+    """May this caller send a lease-less call by idempotency key (``client``)? Everyone
+    without ``[auth]``."""
+    return principal is None or principal.has("client")
 
 
 _OPERATOR = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")

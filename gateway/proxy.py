@@ -8,7 +8,16 @@ One mutation is two store round trips around one forward:
 3. ``complete_effect`` records COMMITTED / NOT_APPLIED / UNKNOWN for that forward only.
 
 A replay or a refusal is one round trip. Safe methods (GET, HEAD, OPTIONS) are fence-checked
-in one round trip and forwarded without a ledger entry. Every answer carries
+in one round trip and forwarded without a ledger entry.
+
+Two kinds of call share every step above. A worker's carries a lease (the ``Fence-*``
+headers); a ``client``'s carries none, only its ``Idempotency-Key`` (``client_key``): its
+effect is keyed (``effects.keyed_effect_id``: the principal, the downstream and the key), its
+prepare checks no fence, the downstream gets no fencing token, and a replay also says
+``Idempotent-Replayed: true``. Which kind a caller may send is its role's (``_caller``, before
+anything is recorded), and whether a downstream takes keys at all is its
+``client_idempotency_keys``. A lease-less client's safe method without a key is forwarded
+unrecorded, with no fence to check. Every answer carries
 ``Fence-Effect-Id`` (when an effect is involved), ``Fence-Effect-State``,
 ``Fence-Replayed`` and ``Server-Timing`` (how long each step took: ``_Progress``).
 
@@ -38,7 +47,7 @@ from yarl import URL
 from fencegate.adapters import Adapter, ProbeAdapter
 from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.http import NOT_APPLIED_STATUSES, UNKNOWN_STATUSES, HttpAdapter
-from fencegate.gateway import failpoints
+from fencegate.gateway import effect_waiters, failpoints
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.forward import (
     ForwardFailed,
@@ -64,7 +73,7 @@ from fencegate.gateway.http_rules import (
     upstream_response_headers,
     without_secret_values,
 )
-from fencegate.gateway.principals import principal_of
+from fencegate.gateway.principals import caller_name, may_key, may_lease, principal_of
 from fencegate.gateway.problems import http_detail, problem_body, problem_response, requested
 from fencegate.gateway.proxy_decisions import (
     Decision,
@@ -78,20 +87,25 @@ from fencegate.gateway.proxy_decisions import (
     call_fields,
     decide_effect,
     decide_safe,
+    keyed_call_fields,
 )
 from fencegate.gateway.reconcile import reconcile
 from fencegate.gateway.state import ADAPTERS, CONFIG, FORWARD_CLOCK, METRICS, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import (
+    ClientKey,
     Effect,
     EffectRequest,
     EffectState,
     Fence,
     PrepareOutcome,
+    keyed_effect_id,
 )
 from fencegate.ledger.errors import (
     BadRequest,
     FencegateError,
+    Forbidden,
+    IdempotencyKeyRequired,
     NoSuchDownstream,
     PayloadTooLarge,
     StoreUnavailable,
@@ -100,7 +114,9 @@ from fencegate.ledger.responses import OMITTED_BY_CONFIG, OMITTED_TOO_LARGE, res
 from fencegate.ledger.store import new_id
 
 __all__ = [
+    "CLIENT_KEY_HEADER",
     "account",
+    "client_key_header",
     "counter_header",
     "id_header",
     "proxy_answer_headers",
@@ -116,6 +132,21 @@ _COUNTER = re.compile(r"0|[1-9][0-9]{0,15}")
 _MAX_COUNTER = 2**53 - 1
 _FORBIDDEN_METHODS = frozenset({"CONNECT", "TRACE"})
 _ALLOWED_METHODS = ("GET", "HEAD", "OPTIONS", "POST", "PUT", "PATCH", "DELETE")
+#: The header a lease-less client sends its idempotency key in (whatever header the
+#: downstream receives: ``idempotency_key_header``, which carries the effectId).
+CLIENT_KEY_HEADER = "Idempotency-Key"
+#: Longest idempotency key, decoded (IETF httpapi-idempotency-key-header; Stripe's is 255).
+_MAX_KEY = 255
+#: A bare key: visible ASCII, no space, no control.
+_BARE_KEY = re.compile(rf"[\x21-\x7e]{{1,{_MAX_KEY}}}")
+#: An RFC 8941 sf-string: printable ASCII between quotes, only ``\"`` and ``\\`` escaped.
+_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+_SF_ESCAPE = re.compile(r'\\(["\\])')
+#: What a keyed call's ``Outgoing.slot`` says (``EffectRequest.slot``): not part of a keyed
+#: effect's identity (its record has no slot), only what the adapters' ``effect_of`` reads.
+_KEYED_SLOT = "key"
+#: The node a keyed call's request names; likewise not part of its identity.
+_KEYED_NODE = "main"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +157,8 @@ class _Call:
     adapter: Adapter
     method: str
     tail: str
-    fence: Fence
+    #: The lease of a worker's call; None for a lease-less client's.
+    fence: Fence | None
     node: str
     slot: str | None
     body: bytes
@@ -134,6 +166,17 @@ class _Call:
     progress: _Progress
     #: Shadow mode: refusals are recorded and let through.
     shadow: bool = False
+    #: A lease-less client's principal and idempotency key (None: a leased call, or a
+    #: lease-less safe method without a key, forwarded unrecorded).
+    key: ClientKey | None = None
+    #: Whose call it is (``principals.caller_name``).
+    principal: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``leased`` or ``keyed`` (a lease-less client's call, with or without a key): the
+        ``kind`` label of its metrics and log lines."""
+        return "leased" if self.fence is not None else "keyed"
 
 
 def _one_header(request: web.Request, name: str, required: bool) -> str | None:
@@ -167,6 +210,47 @@ id_header = _id_header
 counter_header = _counter_header
 
 
+def parse_client_key(value: str) -> str | None:
+    """An ``Idempotency-Key`` field value's key, None when it is not one: an RFC 8941
+    sf-string when quoted (``"abc"`` is the key ``abc``), else a bare token of 1 to 255
+    visible ASCII characters; either way 1 to 255 characters once decoded. Pure."""
+    value = value.strip(" \t")
+    if value.startswith('"'):
+        quoted = _SF_STRING.fullmatch(value)
+        if quoted is None:
+            return None
+        key = _SF_ESCAPE.sub(r"\1", quoted.group(1))
+        return key if 1 <= len(key) <= _MAX_KEY else None
+    return value if _BARE_KEY.fullmatch(value) else None
+
+
+def client_key_header(request: web.Request) -> str | None:
+    """The request's ``Idempotency-Key`` (``parse_client_key``), None when it sends none;
+    400 naming the header for any other value, and when it is sent twice."""
+    values = request.headers.getall(CLIENT_KEY_HEADER, [])
+    if not values:
+        return None
+    if len(values) > 1:
+        raise BadRequest(f"{CLIENT_KEY_HEADER}: sent more than once")
+    key = parse_client_key(values[0])
+    if key is None:
+        raise BadRequest(
+            f"{CLIENT_KEY_HEADER}: expected 1 to 255 visible ASCII characters (no space or "
+            'control character), or a quoted string (RFC 8941: "...", printable ASCII, only '
+            '\\" and \\\\ escaped) of 1 to 255 characters'
+        )
+    return key
+
+
+def _lease_headers(request: web.Request) -> list[str]:
+    """The ``Fence-*`` headers the request sends (its credential, ``Fence-Authorization``,
+    is no part of a lease): any of them makes it a call under a lease."""
+    return sorted(
+        {name for name in request.headers if name.lower().startswith("fence-")}
+        - {name for name in request.headers if name.lower() == "fence-authorization"}
+    )
+
+
 def _check_framing(request: web.Request) -> None:
     """Refuse requests whose body length is ambiguous; a proxy that guesses is smuggled."""
     lengths = request.headers.getall("Content-Length", [])
@@ -191,20 +275,8 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
     _check_framing(request)
     approval = request.app[ADAPTERS][name].require_approval  # an approval covers the method
     refuse_method_override(method, request.headers.items(), tail, approval_required=approval)
-    task_id = _id_header(request, "Fence-Task")
-    attempt_id = _id_header(request, "Fence-Attempt")
-    assert task_id is not None and attempt_id is not None
     principal = principal_of(request)  # the lease's holder must be the caller (with [auth])
-    fence = Fence(
-        task_id=task_id,
-        attempt_id=attempt_id,
-        claim_generation=_counter_header(request, "Fence-Generation"),
-        scheduler_epoch=_counter_header(request, "Fence-Epoch"),
-        cancel_generation=_counter_header(request, "Fence-Cancel"),
-        principal=principal.name if principal is not None else None,
-    )
-    node = _id_header(request, "Fence-Node", required=False) or "main"
-    slot = _id_header(request, "Fence-Slot", required=method not in SAFE_METHODS)
+    fence, key, node, slot = _caller(request, downstream, method)
     limit = downstream.max_body_bytes
     body = await request.read()
     if limit is not None and len(body) > limit:
@@ -224,7 +296,89 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
         body,
         progress,
         shadow=enforcement == "shadow",
+        key=key,
+        principal=caller_name(principal),
     )
+
+
+def _caller(
+    request: web.Request, downstream: DownstreamConfig, method: str
+) -> tuple[Fence | None, ClientKey | None, str, str | None]:
+    """Which kind of call this is, and whether the caller may send it: (its lease, its
+    client key, node, slot). Nothing is recorded before this has passed.
+
+    With ``Fence-*`` headers: a call under a lease, a ``worker``'s (a ``client`` is 403).
+    Without: a lease-less ``client``'s (a ``worker`` sending ``Idempotency-Key`` is 403),
+    by the downstream's ``client_idempotency_keys``: ``off`` refuses it (400); with a key it
+    is a keyed effect; without one a safe method is forwarded unrecorded, a mutation is 400
+    (``required``: ``IDEMPOTENCY_KEY_REQUIRED``). Without ``[auth]`` the one caller
+    (``anonymous``) may send either kind."""
+    principal = principal_of(request)
+    name = downstream.name
+    lease = _lease_headers(request)
+    if lease:
+        if not may_lease(principal):
+            assert principal is not None
+            log.info("proxy.role_refused", principal=principal.name, downstream=name,
+                     reason="lease_headers_from_client", headers=lease)  # fmt: skip
+            raise Forbidden(
+                f"{principal.name!r} has the role client: it calls without a lease, by "
+                f"{CLIENT_KEY_HEADER}, and may not send {', '.join(lease)} (a worker's lease)"
+            )
+        return _fence(request, method, principal.name if principal is not None else None)
+    sends_key = bool(request.headers.getall(CLIENT_KEY_HEADER, []))
+    if sends_key and not may_key(principal):
+        assert principal is not None
+        log.info("proxy.role_refused", principal=principal.name, downstream=name,
+                 reason="key_without_lease_from_worker")  # fmt: skip
+        raise Forbidden(
+            f"{principal.name!r} is a worker: its calls carry their lease (the Fence-* "
+            f"headers); a call by {CLIENT_KEY_HEADER} without one is a client's (role client)"
+        )
+    setting = downstream.client_idempotency_keys
+    if not may_key(principal) or (setting == "off" and not sends_key and may_lease(principal)):
+        # As before keyed calls: a call without a lease names its missing lease.
+        return _fence(request, method, principal.name if principal is not None else None)
+    if setting == "off":
+        raise BadRequest(
+            f"{CLIENT_KEY_HEADER}: downstream {name!r} takes no calls without a lease "
+            f'(downstreams.{name}.client_idempotency_keys = "off"); send it under a lease'
+        )
+    key = client_key_header(request)
+    if key is not None:
+        return None, ClientKey(caller_name(principal), key), _KEYED_NODE, _KEYED_SLOT
+    if method in SAFE_METHODS:
+        return None, None, _KEYED_NODE, None
+    if setting == "required":
+        raise IdempotencyKeyRequired(
+            f"{CLIENT_KEY_HEADER}: header is required on a call without a lease to downstream "
+            f'{name!r} (downstreams.{name}.client_idempotency_keys = "required"); nothing '
+            "was recorded or sent"
+        )
+    raise BadRequest(
+        f"{CLIENT_KEY_HEADER}: header is required on a {method} without a lease (or send it "
+        "under a lease: the Fence-* headers)"
+    )
+
+
+def _fence(
+    request: web.Request, method: str, principal: str | None
+) -> tuple[Fence, None, str, str | None]:
+    """A leased call's ``Fence-*`` headers."""
+    task_id = _id_header(request, "Fence-Task")
+    attempt_id = _id_header(request, "Fence-Attempt")
+    assert task_id is not None and attempt_id is not None
+    fence = Fence(
+        task_id=task_id,
+        attempt_id=attempt_id,
+        claim_generation=_counter_header(request, "Fence-Generation"),
+        scheduler_epoch=_counter_header(request, "Fence-Epoch"),
+        cancel_generation=_counter_header(request, "Fence-Cancel"),
+        principal=principal,
+    )
+    node = _id_header(request, "Fence-Node", required=False) or "main"
+    slot = _id_header(request, "Fence-Slot", required=method not in SAFE_METHODS)
+    return fence, None, node, slot
 
 
 def _fence_headers(effect: Effect | None, state: str | None, replayed: bool) -> dict[str, str]:
@@ -254,11 +408,23 @@ def _subject(call: _Call, fields: dict[str, Any]) -> Subject:
     return Subject(call.downstream.name, fields, call.shadow, call.adapter.kind)
 
 
+def _call_fields(call: _Call) -> dict[str, Any]:
+    """``call_fields`` of a leased call, ``keyed_call_fields`` of a lease-less one."""
+    if call.fence is not None:
+        return call_fields(call.fence, call.downstream.name, call.method)
+    effect_id = None
+    if call.key is not None:
+        effect_id = keyed_effect_id(call.key.principal, call.downstream.name, call.key.key)
+    return keyed_call_fields(call.principal, call.downstream.name, call.method, effect_id)
+
+
 async def proxy_answer_headers(request: web.Request, response: web.StreamResponse) -> None:
     """``app.on_response_prepare`` hook: an answer under ``/proxy/`` that the proxy did not
     make (a middleware's refusal before the handler ran: 413 for a body over
     ``server.max_body_bytes``, 408, 421, 403, 505; an error outside the handler) still says
-    ``Fence-Effect-State: NONE`` and ``Fence-Replayed: false``: nothing was prepared."""
+    ``Fence-Effect-State: NONE`` and ``Fence-Replayed: false``: nothing was prepared. A call
+    that waited for an in-flight effect (``/mcp`` too) says so: ``effect_waiters``."""
+    effect_waiters.applied_header(request, response)
     if request.path.startswith("/proxy/") and "Fence-Effect-State" not in response.headers:
         response.headers["Fence-Effect-State"] = "NONE"
         response.headers.setdefault("Fence-Replayed", "false")
@@ -323,6 +489,8 @@ async def _answer(request: web.Request, progress: _Progress) -> web.StreamRespon
     try:
         return await _handle(request, progress)
     except FencegateError as exc:
+        if exc.about_request:  # a refusal of the request itself names it (a 403, a 413...)
+            exc.about(requested(request))
         return _refusal(exc)
     except web.HTTPRequestEntityTooLarge as exc:
         return _refusal(
@@ -354,20 +522,25 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
     """Ask the store, let ``proxy_decisions`` decide, carry the decision out."""
     call = await _parse(request, progress)
     store = request.app[STORE]
-    fields = call_fields(call.fence, call.downstream.name, call.method)
+    fields = _call_fields(call)
     if call.method in SAFE_METHODS:
+        # Never recorded: under a lease, fence-checked; a lease-less client's has no fence
+        # (with or without a key: nothing of a safe method is an effect to replay).
         refusal = None
-        began = time.perf_counter()
-        try:
-            await store.check_fence(call.fence)
-        except FencegateError as exc:
-            refusal = exc
-        finally:
-            progress.fence = time.perf_counter() - began
+        if call.fence is not None:
+            began = time.perf_counter()
+            try:
+                await store.check_fence(call.fence)
+            except FencegateError as exc:
+                refusal = exc
+            finally:
+                progress.fence = time.perf_counter() - began
         return await _carry_out(request, call, decide_safe(_subject(call, fields), refusal))
 
     effect_request, resend_window_ms = _effect_request(request, call)
-    fields.update(node=call.node, slot=call.slot, payload_digest=effect_request.payload_digest)
+    if call.fence is not None:  # a keyed effect has no node or slot
+        fields.update(node=call.node, slot=call.slot)
+    fields.update(payload_digest=effect_request.payload_digest)
     proxy_config = request.app[CONFIG].proxy
     deadline_ms = call.downstream.timeout_ms + proxy_config.prepared_margin_ms
     #: The gateway's clock just before the prepare that opened the forward was sent: the
@@ -394,7 +567,8 @@ async def _handle(request: web.Request, progress: _Progress) -> web.StreamRespon
 
     prepared: PrepareOutcome | FencegateError
     try:
-        prepared = outcome = await prepare()
+        wait = None if call.shadow else effect_waiters.prefer_wait(request)
+        prepared = outcome = await effect_waiters.wait_out(request, wait, await prepare(), prepare)
         if (
             outcome.error is not None
             and outcome.error.code == "EFFECT_UNKNOWN"
@@ -440,6 +614,7 @@ def _effect_request(request: web.Request, call: _Call) -> tuple[EffectRequest, i
     shape = call.adapter.effect_of(_outgoing(request, call))
     effect_request = EffectRequest(
         fence=call.fence,
+        client_key=call.key,
         node=call.node,
         slot=shape.slot,
         downstream=call.downstream.name,
@@ -547,6 +722,7 @@ async def start_too_late(
             lambda record, now: effects.abort(record, forward_id, now, effects.LATE_REASON),
         )
         state = aborted.state
+        effect_waiters.settled(request.app, effect.effect_id, state)
         log.info("effect.aborted", state=state.value, **fields)
     except StoreUnavailable:
         abort_later(request.app, effect_request, deadline_ms)
@@ -591,7 +767,10 @@ def _credential_values(call: _Call) -> list[str]:
     return list(call.adapter.outbound_headers(None, None).values())
 
 
-def _token(call: _Call) -> str:
+def _token(call: _Call) -> str | None:
+    """The fencing token a leased call's forward carries; a keyed call has none to send."""
+    if call.fence is None:
+        return None
     return f"{call.fence.scheduler_epoch}.{call.fence.claim_generation}"
 
 
@@ -634,7 +813,7 @@ async def _forward(
             progress.forward = time.perf_counter() - began
             seconds = time.monotonic() - started
             outcome = outcome_of(resp.status).value.lower()
-            request.app[METRICS].forward_seconds.labels(name, outcome).observe(seconds)
+            request.app[METRICS].forward_seconds.labels(name, outcome, call.kind).observe(seconds)
             observed = True
             live = without_secret_values(
                 upstream_response_headers(resp.headers.items()), _credential_values(call)
@@ -651,21 +830,26 @@ async def _forward(
         if progress.forward is None:  # not a body that broke off while streaming
             progress.forward = time.perf_counter() - began
         if not observed:  # a body that broke off while streaming was observed already
-            request.app[METRICS].forward_seconds.labels(name, failed.failure.metric).observe(
-                time.monotonic() - started
-            )
+            request.app[METRICS].forward_seconds.labels(
+                name, failed.failure.metric, call.kind
+            ).observe(time.monotonic() - started)
         raise
 
 
 def _forward_headers(
     request: web.Request, call: _Call, identity: dict[str, str]
 ) -> CIMultiDict[str]:
-    """The headers a forward of ``call`` sends, with the adapter's ``identity``."""
+    """The headers a forward of ``call`` sends, with the adapter's ``identity``. A lease-less
+    client's own ``Idempotency-Key`` never goes on as it was sent: the downstream's key is
+    the effectId (in the adapter's header), whatever that header's name."""
+    reserved = [call.downstream.idempotency_key_header, call.downstream.fencing_token_header]
+    if call.fence is None:
+        reserved.append(CLIENT_KEY_HEADER)
     return downstream_request_headers(
         request.headers.items(),
         identity,
         forward_authorization=call.downstream.forward_authorization,
-        reserved=(call.downstream.idempotency_key_header, call.downstream.fencing_token_header),
+        reserved=reserved,
         peer=request.remote,
     )
 
@@ -763,15 +947,22 @@ async def _forward_effect(
         ) from failed.cause
 
 
+#: Marks the replay of a keyed effect (IETF httpapi-idempotency-key-header, as Stripe's).
+IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
+
+
 def _replay(answer: Answer, effect: Effect) -> web.Response:
-    """A duplicate's answer (``Adapter.replay``), with the Fence-* headers. An effect settled
-    COMMITTED by an operator who knew no response is 204 ``Fence-Replay-Body: none``: invent
-    nothing; one whose body was not stored keeps its status and headers,
-    ``Fence-Replay-Body: omitted``."""
+    """A duplicate's answer (``Adapter.replay``), with the Fence-* headers, and for a keyed
+    effect ``Idempotent-Replayed: true`` (the client sent an ``Idempotency-Key``, and this
+    is what that header's clients look for). An effect settled COMMITTED by an operator who
+    knew no response is 204 ``Fence-Replay-Body: none``: invent nothing; one whose body was
+    not stored keeps its status and headers, ``Fence-Replay-Body: omitted``."""
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in answer.headers:
         headers.add(name, value)
     headers.update(_fence_headers(effect, None, True))
+    if effect.kind == "keyed":
+        headers[IDEMPOTENT_REPLAYED] = "true"  # one value, whatever the stored answer said
     if effect.response_json is None:
         headers["Fence-Replay-Body"] = "none"
         return web.Response(status=204, headers=headers)
@@ -808,7 +999,7 @@ async def _record(
 
 async def record_outcome(
     request: web.Request,
-    fence: Fence,
+    fence: Fence | None,
     downstream: str,
     effect: Effect,
     seq: int,
@@ -818,12 +1009,19 @@ async def record_outcome(
     fields: Mapping[str, Any],
 ) -> Effect:
     """Step two. A store failure here leaves the record PREPARED, which reads UNKNOWN once its
-    deadline passes: never lost, never replayed as if it had not happened."""
+    deadline passes: never lost, never replayed as if it had not happened. ``fence`` None:
+    a keyed effect's forward (no task; its attempt is named by its forward id, which the
+    prepared record's attempt ``seq`` holds)."""
+    if fence is not None:
+        task_id: str | None = fence.task_id
+        attempt_id = fence.attempt_id
+    else:
+        task_id, attempt_id = None, effect.attempts[seq].attempt_id
     try:
         recorded, applied = await request.app[STORE].complete_effect(
-            fence.task_id, effect.effect_id, seq, fence.attempt_id, outcome, reason,
-            response_json,
-        )  # fmt: skip
+            task_id, effect.effect_id, seq, attempt_id, outcome, reason, response_json
+        )
+        effect_waiters.settled(request.app, effect.effect_id, recorded.state)
     except StoreUnavailable as exc:
         log.error("effect.unrecorded", outcome=outcome.value, reason=exc.detail, **fields)
         raise _with_effect(
@@ -838,7 +1036,7 @@ async def record_outcome(
         log.warning("effect.stale_completion", outcome=outcome.value, state=recorded.state.value,
                     reason=reason, **fields)  # fmt: skip
         return recorded
-    request.app[METRICS].effects.labels(downstream, outcome.value).inc()
+    request.app[METRICS].effects.labels(downstream, outcome.value, effect.kind).inc()
     event = {
         EffectState.COMMITTED: "effect.committed",
         EffectState.NOT_APPLIED: "effect.not_applied",

@@ -12,6 +12,10 @@ mutation); what the store said, with the call's shadow setting, decides the rest
     prepare: REPLAY                    Replay                  ShadowForward("REPLAY", effect)
     prepare: FORWARD                   Forward(effect, seq)    Forward(effect, seq)
 
+A lease-less client's call (``keyed_call_fields``, ``kind`` keyed) goes through the same table:
+its prepare checks no fence, so no claim is ever gone, and it counts at no acceptance point
+(``Validation``); its effects are counted with ``kind`` keyed.
+
 A ``Decision`` also carries the log lines and metric increments that go with it, in the order
 they are emitted, so a test can read the whole audit trail of a call from a value. The event
 names, fields and labels are the ones operators' dashboards and alerts use: they are a
@@ -45,6 +49,7 @@ __all__ = [
     "call_fields",
     "decide_effect",
     "decide_safe",
+    "keyed_call_fields",
     "next_step",
     "with_next_step",
 ]
@@ -187,7 +192,8 @@ class Validation:
 
 @dataclass(frozen=True, slots=True)
 class Count:
-    """One increment of a labelled counter of ``Metrics``."""
+    """One increment of a labelled counter of ``Metrics`` (``effects``: downstream, outcome,
+    kind; ``shadow_rejections``: point, code)."""
 
     counter: Literal["effects", "shadow_rejections"]
     labels: tuple[str, ...]
@@ -209,7 +215,8 @@ class Decision:
 
 
 def call_fields(fence: Fence, downstream: str, method: str, **extra: Any) -> dict[str, Any]:
-    """The fields every log line about one proxied call carries (``extra`` after them)."""
+    """The fields every log line about one proxied call under a lease carries (``extra``
+    after them); ``kind`` says which of the two kinds of call it is (``leased``)."""
     return {
         "task": fence.task_id,
         "attempt": fence.attempt_id,
@@ -217,8 +224,21 @@ def call_fields(fence: Fence, downstream: str, method: str, **extra: Any) -> dic
         "epoch": fence.scheduler_epoch,
         "downstream": downstream,
         "method": method,
+        "kind": "leased",
         **extra,
     }
+
+
+def keyed_call_fields(
+    principal: str, downstream: str, method: str, effect_id: str | None, **extra: Any
+) -> dict[str, Any]:
+    """``call_fields`` of a lease-less client's call (``kind`` ``keyed``): its principal and,
+    when it sent an idempotency key, the keyed effect's id (a hash of the key: the key itself
+    is the client's and is not logged; neither is any credential)."""
+    fields: dict[str, Any] = {"principal": principal}
+    if effect_id is not None:
+        fields["effect_id"] = effect_id
+    return {**fields, "downstream": downstream, "method": method, "kind": "keyed", **extra}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +253,18 @@ class Subject:
     #: The downstream's adapter kind: what an operator does about a refusal depends on it.
     kind: str = field(default="http")
 
+    @property
+    def keyed(self) -> bool:
+        """A lease-less client's call (``keyed_call_fields``): no fence is compared, so it
+        is no acceptance point's decision (``Validation``)."""
+        return self.fields.get("kind") == "keyed"
+
+
+def _validation(subject: Subject, code: str | None, *, validated: bool) -> tuple[Metric, ...]:
+    """The acceptance point's count of a leased call; none for a keyed one, which compares
+    no fence (counting it would read as a path that skips the fence checks)."""
+    return () if subject.keyed else (Validation(POINT, code, validated=validated),)
+
 
 # --- the decisions -------------------------------------------------------------------------
 
@@ -241,7 +273,7 @@ def decide_safe(subject: Subject, refusal: FencegateError | None) -> Decision:
     """A safe method after ``check_fence``: ``refusal`` is what it raised, None if it passed."""
     if refusal is not None:
         return _refused(subject, refusal)
-    return Decision(PassThrough(), metrics=(Validation(POINT, None, validated=True),))
+    return Decision(PassThrough(), metrics=_validation(subject, None, validated=True))
 
 
 def decide_effect(subject: Subject, prepared: PrepareOutcome | FencegateError) -> Decision:
@@ -251,7 +283,7 @@ def decide_effect(subject: Subject, prepared: PrepareOutcome | FencegateError) -
     effect = prepared.effect
     fields = {**subject.fields, "effect_id": effect.effect_id}
     error = prepared.error
-    validation = Validation(POINT, error.code if error else None, validated=True)
+    validation = _validation(subject, error.code if error else None, validated=True)
     if prepared.action is Action.REJECT:
         assert error is not None
         error = with_next_step(error, subject.kind, effect.payload_digest, wanted_approval(effect))
@@ -261,18 +293,20 @@ def decide_effect(subject: Subject, prepared: PrepareOutcome | FencegateError) -
             "effect.rejected",
             {"code": code, "reason": error.detail, "state": effect.state.value, **fields},
         )
-        counted = Count("effects", (subject.downstream, EFFECT_REFUSALS.get(code, code)))
+        counted = Count(
+            "effects", (subject.downstream, EFFECT_REFUSALS.get(code, code), effect.kind)
+        )
         return _answer(subject, Refuse(error), code, effect, fields, rejected,
-                       (validation, counted))  # fmt: skip
+                       (*validation, counted))  # fmt: skip
     if prepared.action is Action.REPLAY:
         replayed = LogRecord("info", "effect.replayed", fields)
-        counted = Count("effects", (subject.downstream, "replayed"))
+        counted = Count("effects", (subject.downstream, "replayed", effect.kind))
         return _answer(subject, Replay(effect), "REPLAY", effect, fields, replayed,
-                       (validation, counted))  # fmt: skip
+                       (*validation, counted))  # fmt: skip
     return Decision(
         Forward(effect, prepared.seq, fields),
         logs=(LogRecord("info", "effect.prepared", {"seq": prepared.seq, **fields}),),
-        metrics=(validation,),
+        metrics=validation,
     )
 
 
@@ -280,14 +314,14 @@ def _refused(subject: Subject, error: FencegateError) -> Decision:
     """The store raised: the claim is gone (fenced, logged, shadowed when asked) or it could
     not decide (the error is the answer, with no log line here)."""
     claim_gone = isinstance(error, ClaimRefused)
-    validation = Validation(POINT, error.code, validated=claim_gone)
+    validation = _validation(subject, error.code, validated=claim_gone)
     if not claim_gone:
-        return Decision(Refuse(error), metrics=(validation,))
+        return Decision(Refuse(error), metrics=validation)
     fenced = LogRecord(
         "info", "effect.fenced", {"code": error.code, "reason": error.detail, **subject.fields}
     )
     return _answer(subject, Refuse(error), error.code, None, subject.fields, fenced,
-                   (validation,))  # fmt: skip
+                   validation)  # fmt: skip
 
 
 def _answer(

@@ -32,7 +32,7 @@ from fencegate.gateway.proxy_decisions import next_step
 from fencegate.gateway.state import ADAPTERS, CONFIG, STORE
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Effect, EffectState, ProbeVerdict
-from fencegate.ledger.errors import EffectUnknown, FencegateError
+from fencegate.ledger.errors import EffectInFlight, EffectUnknown, FencegateError
 from fencegate.ledger.responses import response_json
 from fencegate.ledger.store import new_id
 
@@ -122,9 +122,17 @@ async def reconcile(
     holder = f"{actor}:{new_id()[:12]}"
     lease_ms = adapter.probe.timeout_ms + _LEASE_SLACK_MS
     settle_ms = adapter.settle_ms_for(effect.path)
-    effect = await store.update_effect(
-        effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
-    )
+    try:
+        effect = await store.update_effect(
+            effect_id, lambda record, now: effects.begin_probe(record, holder, lease_ms, now)
+        )
+    except EffectInFlight:
+        if not only_if_due:
+            raise
+        # An agent's retry met another reconciler's probe (or a new forward): it is answered
+        # from the record as it is, still UNKNOWN (retry later) or moved on, never "in
+        # flight" for an effect whose outcome is simply not known yet.
+        return await store.get_effect(effect_id)
     asked_at = effect.updated_at  # the store's instant when the probe lease was taken
     verdict, answer, reason = await _probe(app, adapter, effect)
     effect = await store.update_effect(

@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_SETTLE_MS",
     "RESOLVE_OUTCOMES",
     "Action",
+    "ClientKey",
     "Effect",
     "EffectAttempt",
     "EffectRequest",
@@ -79,6 +80,8 @@ __all__ = [
     "finish_probe",
     "is_awaiting_approval",
     "is_overdue",
+    "keyed_effect_id",
+    "keyed_settled",
     "landing_until",
     "may_have_executed",
     "payload_digest",
@@ -120,6 +123,15 @@ class Action(StrEnum):
 def effect_id(task_id: str, revision: int, node: str, slot: str) -> str:
     """Lowercase hex SHA-256 of the compact JSON array ``[taskId, revision, node, slot]``."""
     raw = json.dumps([task_id, revision, node, slot], separators=(",", ":"))
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def keyed_effect_id(principal: str, downstream: str, key: str) -> str:
+    """A keyed effect's id: lowercase hex SHA-256 of the compact JSON array
+    ``["key", principal, downstream, key]``. The leading ``"key"`` keeps it apart from every
+    leased effect's id (whose array starts with a task id string and has four members of
+    other types), and the principal scopes it: two principals' equal keys are two effects."""
+    raw = json.dumps(["key", principal, downstream, key], separators=(",", ":"))
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -205,8 +217,20 @@ class Fence:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientKey:
+    """A lease-less client's call (the ``client`` role): who sent it and the idempotency key
+    it sent. The key is the client's; the effect is the principal's: ``keyed_effect_id``."""
+
+    principal: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class EffectRequest:
-    fence: Fence
+    """One mutation to prepare: under a lease (``fence``) or, for a lease-less client, under
+    its idempotency key (``client_key``); exactly one of the two."""
+
+    fence: Fence | None
     node: str
     slot: str
     downstream: str
@@ -222,11 +246,28 @@ class EffectRequest:
     #: The request as forwarded, for operators (``ledger.requests``: headers and body, less
     #: what no record keeps); None unless the downstream keeps request bodies.
     request_json: str | None = None
+    #: A keyed call's principal and key (``fence`` is then None; ``node`` and ``slot`` are
+    #: not part of its identity).
+    client_key: ClientKey | None = None
+
+    def __post_init__(self) -> None:
+        if (self.fence is None) == (self.client_key is None):
+            raise ValueError("an effect request has a fence or a client key, never both")
+
+    @property
+    def effect_id(self) -> str | None:
+        """The keyed effect's id (None for a leased one: its id needs the task's revision,
+        which only the store's step reads)."""
+        if self.client_key is None:
+            return None
+        return keyed_effect_id(self.client_key.principal, self.downstream, self.client_key.key)
 
 
 @dataclass(frozen=True, slots=True)
 class EffectAttempt:
+    #: The claim's attempt id; a keyed effect's forward has no claim: its forward id.
     attempt_id: str
+    #: The claim's generation; 0 for a keyed effect's forward.
     claim_generation: int
     started_at: int
     ended_at: int | None = None
@@ -240,10 +281,11 @@ class EffectAttempt:
 @dataclass(frozen=True, slots=True)
 class Effect:
     effect_id: str
-    task_id: str
-    revision: int
-    node: str
-    slot: str
+    #: The task, its revision, node and slot of a leased effect; all None for a keyed one.
+    task_id: str | None
+    revision: int | None
+    node: str | None
+    slot: str | None
     downstream: str
     method: str
     path: str
@@ -282,6 +324,14 @@ class Effect:
     #: The last forward's request as ``ledger.requests`` keeps it (JSON text), written by the
     #: prepare that opened it; None when its downstream keeps no request bodies.
     request_json: str | None = None
+    #: A keyed effect's owner and idempotency key (``ClientKey``); None for a leased effect.
+    principal: str | None = None
+    idempotency_key: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``keyed`` (a lease-less client's, by idempotency key) or ``leased``."""
+        return "leased" if self.idempotency_key is None else "keyed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +397,22 @@ def is_awaiting_approval(effect: Effect) -> bool:
     return effect.state is EffectState.NOT_APPLIED and (
         not effect.attempts or effect.approval_digest is not None
     )
+
+
+def keyed_settled(effect: Effect) -> bool:
+    """Is this a keyed effect that retention may count down (``retention.why_kept_keyed``):
+    COMMITTED, or NOT_APPLIED and not awaiting approval? Never while PREPARED or UNKNOWN. A
+    keyed effect has no task to expire with, so the stores index exactly these, due from the
+    ``updated_at`` at which they entered the set (a write that leaves one settled keeps its
+    due time; one leaving the set, e.g. a retry forwarding again, loses its entry).
+
+    The one source of the rule. Mirrors: ``index_effect`` in ``lua/effect_lib.lua`` and the
+    SQL stores' keyed index upkeep (``sql_steps``)."""
+    if effect.idempotency_key is None:
+        return False
+    if effect.state is EffectState.COMMITTED:
+        return True
+    return effect.state is EffectState.NOT_APPLIED and not is_awaiting_approval(effect)
 
 
 #: How a forward's reason says it certainly sent nothing: the connection was refused or never
@@ -430,26 +496,53 @@ def prepare(
     effect): the caller's principal is recorded as ``requested_by`` whenever its call binds
     the payload.
     """
-    task = check_fence(task, scheduler, request.fence, now)
-    fence = request.fence
-    attempt = EffectAttempt(
-        fence.attempt_id, fence.claim_generation, now, forward_id=request.forward_id
-    )
-    if effect is None:
-        effect = Effect(
-            effect_id=effect_id(task.task_id, task.revision, request.node, request.slot),
-            task_id=task.task_id,
-            revision=task.revision,
-            node=request.node,
-            slot=request.slot,
-            downstream=request.downstream,
-            method=request.method,
-            path=request.path,
-            payload_digest=request.payload_digest,
-            state=EffectState.NOT_APPLIED,
-            created_at=now,
-            updated_at=now,
+    fence, key = request.fence, request.client_key
+    if fence is not None:
+        task = check_fence(task, scheduler, fence, now)
+        attempt = EffectAttempt(
+            fence.attempt_id, fence.claim_generation, now, forward_id=request.forward_id
         )
+        requester = fence.principal or None
+    else:
+        # A keyed call has no lease to check: its key and principal are the whole identity.
+        assert key is not None and request.forward_id is not None
+        attempt = EffectAttempt(request.forward_id, 0, now, forward_id=request.forward_id)
+        requester = key.principal
+    if effect is None:
+        if fence is not None:
+            assert task is not None
+            effect = Effect(
+                effect_id=effect_id(task.task_id, task.revision, request.node, request.slot),
+                task_id=task.task_id,
+                revision=task.revision,
+                node=request.node,
+                slot=request.slot,
+                downstream=request.downstream,
+                method=request.method,
+                path=request.path,
+                payload_digest=request.payload_digest,
+                state=EffectState.NOT_APPLIED,
+                created_at=now,
+                updated_at=now,
+            )
+        else:
+            assert key is not None and request.effect_id is not None
+            effect = Effect(
+                effect_id=request.effect_id,
+                task_id=None,
+                revision=None,
+                node=None,
+                slot=None,
+                downstream=request.downstream,
+                method=request.method,
+                path=request.path,
+                payload_digest=request.payload_digest,
+                state=EffectState.NOT_APPLIED,
+                created_at=now,
+                updated_at=now,
+                principal=key.principal,
+                idempotency_key=key.key,
+            )
         current, changed = effect, True
     else:
         current = effective(effect, now)
@@ -459,7 +552,6 @@ def prepare(
 
     in_window = resend_window_ms is not None and now < current.created_at + resend_window_ms
     if state is EffectState.NOT_APPLIED or (state is EffectState.UNKNOWN and same and in_window):
-        requester = fence.principal or None
         wanted = request.approval_digest or request.payload_digest
         requested = None if wanted == request.payload_digest else wanted
         moved = (
@@ -1018,7 +1110,7 @@ def finish_probe(
 
 _STR = ("effect_id", "task_id", "node", "slot", "downstream", "method", "path",
         "payload_digest", "approval_digest", "approval_by", "probe_holder",
-        "requested_by", "requested_digest")  # fmt: skip
+        "requested_by", "requested_digest", "principal", "idempotency_key")  # fmt: skip
 _INT = ("revision", "created_at", "updated_at", "deadline_at", "approval_at",
         "approval_expires_at", "probe_until", "probe_count", "next_probe_at",
         "settled_attempts")  # fmt: skip
@@ -1089,10 +1181,10 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         )
     return Effect(
         effect_id=fields["effect_id"],
-        task_id=fields["task_id"],
-        revision=int(fields["revision"]),
-        node=fields["node"],
-        slot=fields["slot"],
+        task_id=get("task_id"),
+        revision=_int(get("revision")),
+        node=get("node"),
+        slot=get("slot"),
         downstream=fields["downstream"],
         method=fields["method"],
         path=fields["path"],
@@ -1116,4 +1208,6 @@ def effect_from_fields(fields: dict[str, str]) -> Effect:
         requested_by=get("requested_by"),
         requested_digest=get("requested_digest"),
         request_json=get("request"),
+        principal=get("principal"),
+        idempotency_key=get("idempotency_key"),
     )

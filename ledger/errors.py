@@ -4,6 +4,7 @@ The tree::
 
     FencegateError                 (500 INTERNAL, never raised on purpose)
     ├── BadRequest                 400 BAD_REQUEST
+    │   └── IdempotencyKeyRequired IDEMPOTENCY_KEY_REQUIRED (a lease-less call without a key)
     ├── Unauthenticated            401 UNAUTHENTICATED (with [auth]: no or a bad credential)
     ├── Forbidden                  403 FORBIDDEN (with [auth]: the principal's roles may not)
     ├── NotFound                   404
@@ -65,6 +66,7 @@ __all__ = [
     "FencegateError",
     "Forbidden",
     "HttpVersionNotSupported",
+    "IdempotencyKeyRequired",
     "LeaseExpired",
     "MisdirectedRequest",
     "NoSuchDownstream",
@@ -128,6 +130,17 @@ class BadRequest(FencegateError):
     code = "BAD_REQUEST"
     status = 400
     title = "Bad request"
+
+
+class IdempotencyKeyRequired(BadRequest):
+    """A lease-less mutation on ``/proxy`` (or an MCP ``tools/call``) to a downstream with
+    ``client_idempotency_keys = "required"`` that carries no idempotency key: nothing was
+    recorded or sent. A BadRequest, so a client that handles 400 handles it; its own code so
+    a client can tell "send a key" from every other 400."""
+
+    code = "IDEMPOTENCY_KEY_REQUIRED"
+    title = "This downstream requires an idempotency key"
+    about_request = True
 
 
 class Unauthenticated(FencegateError):

@@ -44,7 +44,7 @@ def task_event(
 
 
 def effect_event(
-    effect_id: str, task_id: str, state: str, downstream: str, at: int
+    effect_id: str, task_id: str | None, state: str, downstream: str, at: int
 ) -> dict[str, Any]:
     return {
         "type": "effect",

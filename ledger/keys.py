@@ -58,11 +58,28 @@ class Keys:
     def scheduler(self) -> str:
         return f"{self.prefix}:scheduler"
 
+    def keyed_effect(self, effect_id: str) -> str:
+        """Hash: a keyed effect's record (a lease-less client's, ``effects.Effect.kind``
+        ``keyed``), as ``effects`` holds a leased one: one field, effectId -> the record.
+        One key per effect under its own hash tag (the effect id, 64 lowercase hex), so a
+        keyed effect touches no task's keys; the ``:keyed-effect`` suffix keeps it apart
+        from the keys of a task whose id happens to be the same hex string."""
+        return f"{self.prefix}:{{{effect_id}}}:keyed-effect"
+
     @property
     def effects_index(self) -> str:
         """Sorted set (all scores 0) of ``<createdAt:%015d>:<effectId>:<taskId>``: lexical
-        order is creation order, and a member names the record's key."""
+        order is creation order, and a member names the record's key (a keyed effect's
+        member ends in an empty task id: its record is ``keyed_effect``)."""
         return f"{self.prefix}:effects:index"
+
+    @property
+    def keyed_settled(self) -> str:
+        """Sorted set: the id of every keyed effect ``effects.keyed_settled`` admits, scored
+        by the ``updated_at`` at which it entered (``effect_lib.lua``'s ``index_effect``
+        keeps it wherever a record is written); ``retention.lua`` reads the due ones, deletes
+        those ``retention.why_kept_keyed`` lets go and moves the others to the back."""
+        return f"{self.prefix}:effects:keyed-settled"
 
     @property
     def tasks_index(self) -> str:
@@ -128,8 +145,10 @@ class Keys:
 
     def effect_tombstone(self, effect_id: str) -> str:
         """Hash: what is remembered of an expired effect (every field of
-        ``ledger.retention.EffectTombstone``); expires as ``tombstone`` does. Until then a
-        refusal of a missing effect becomes EFFECT_EXPIRED."""
+        ``ledger.retention.EffectTombstone``; a keyed effect's ``task_id`` is empty, which
+        a gateway of an older fencegate still reads); expires as ``tombstone`` does. Until
+        then a refusal of a missing effect becomes EFFECT_EXPIRED, and a keyed prepare of
+        its id answers that refusal (``prepare_keyed.lua``)."""
         return f"{self.prefix}:effect-tombstone:{effect_id}"
 
     @property
@@ -180,7 +199,8 @@ class Keys:
 
     @property
     def effect_tasks(self) -> str:
-        """Hash: effectId -> taskId, to find a record from its id alone."""
+        """Hash: effectId -> taskId, to find a leased record from its id alone (a keyed
+        effect has no entry: its id names its key, ``keyed_effect``)."""
         return f"{self.prefix}:effects:task"
 
     @property

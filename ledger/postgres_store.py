@@ -100,9 +100,19 @@ _TASK_EVENT = """json_build_object('type', 'task', 'taskId', NEW.task_id, 'state
         'revision', (NEW.fields::jsonb ->> 'revision')::bigint,
         'claimGeneration', (NEW.fields::jsonb ->> 'claim_generation')::bigint,
         'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text"""
-_EFFECT_EVENT = """json_build_object('type', 'effect', 'effectId', NEW.effect_id,
-        'taskId', NEW.task_id, 'state', NEW.state, 'downstream', NEW.downstream,
+#: A keyed effect's row holds ``sql_steps.NO_TASK`` as its task: its event says null.
+_EFFECT_EVENT = f"""json_build_object('type', 'effect', 'effectId', NEW.effect_id,
+        'taskId', NULLIF(NEW.task_id, '{sql_steps.NO_TASK}'), 'state', NEW.state,
+        'downstream', NEW.downstream,
         'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text"""
+_EFFECT_EVENT_FUNCTION = f"""CREATE OR REPLACE FUNCTION fencegate_effect_event() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' OR OLD.state IS DISTINCT FROM NEW.state THEN
+            INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+        END IF;
+        RETURN NULL;
+    END $$"""
 _FLOW_SCHEMA = (
     *(
         f"ALTER TABLE tasks ADD COLUMN IF NOT EXISTS {name} {sql_type}"
@@ -140,14 +150,7 @@ _FLOW_SCHEMA = (
         END IF;
         RETURN NULL;
     END $$""",
-    f"""CREATE OR REPLACE FUNCTION fencegate_effect_event() RETURNS trigger
-    LANGUAGE plpgsql AS $$
-    BEGIN
-        IF TG_OP = 'INSERT' OR OLD.state IS DISTINCT FROM NEW.state THEN
-            INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
-        END IF;
-        RETURN NULL;
-    END $$""",
+    _EFFECT_EVENT_FUNCTION,
     "DROP TRIGGER IF EXISTS tasks_event ON tasks",
     "CREATE TRIGGER tasks_event AFTER INSERT OR UPDATE ON tasks "
     "FOR EACH ROW EXECUTE FUNCTION fencegate_task_event()",
@@ -186,6 +189,10 @@ _RETENTION_SCHEMA = (
     f"WHEN ((OLD.state IN {_SETTLED}) IS DISTINCT FROM (NEW.state IN {_SETTLED})) "
     "EXECUTE FUNCTION fencegate_task_settled()",
 )
+
+#: Schema version 4 (keyed effects): ``sql_steps.KEYED_TABLES``, and the effect events'
+#: function replaced (a version-2 or -3 database has it without the ``NULLIF``).
+_KEYED_SCHEMA = (*sql_steps.KEYED_TABLES, _EFFECT_EVENT_FUNCTION)
 
 #: The database's time in ms. ``clock_timestamp()`` (not ``now()``, fixed at BEGIN): read
 #: after the step's locks are held.
@@ -399,7 +406,9 @@ class PostgresStore(SqlStore):
                         return found
                     # New, or written by an older fencegate: upgrade (idempotent steps, the
                     # version row last), one script.
-                    upgrade = [*_RETENTION_SCHEMA, sql_steps.backfill_settled(_POSTGRES)]
+                    upgrade = list(_KEYED_SCHEMA)
+                    if found is None or found < 3:
+                        upgrade[:0] = [*_RETENTION_SCHEMA, sql_steps.backfill_settled(_POSTGRES)]
                     if found is None or found < 2:
                         upgrade[:0] = _FLOW_SCHEMA
                     await conn.execute(";\n".join(upgrade))

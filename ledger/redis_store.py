@@ -31,6 +31,19 @@ each expiring by itself, and two sorted sets by ``forget_at`` to count and forge
 ``put.lua`` reads a task's tombstone as it creates it; every other refusal of a missing task or
 effect is refined into ``TASK_EXPIRED`` / ``EFFECT_EXPIRED`` in one place (``_refusal``).
 
+Keyed effects (issue 28, a lease-less client's, ``effects.Effect.kind`` ``keyed``): each
+record is the one field of its own hash ``{prefix}:{<effectId>}:keyed-effect`` (hash tag: the
+effect id), found from the id alone, so it has no effectId -> taskId entry and its
+creation-order member ends in an empty task id. ``prepare_keyed.lua`` reads no task and no
+scheduler (the decision is ``prepare_lib.lua``'s, shared with the leased ``prepare.lua``, which
+does no keyed work); ``effect_lib.lua`` keeps ``{prefix}:effects:keyed-settled``
+(``effects.keyed_settled``) wherever a keyed record is written, and ``retention.lua`` expires
+from it. The format stays 2: no leased record or key changed, and a gateway of the previous
+version sharing the store finds no keyed record (an id lookup answers NO_SUCH_EFFECT, a list
+skips the entry, a keyed tombstone reads with an empty task id) and never writes one; its
+reconciler parks a due keyed UNKNOWN effect's probe for a minute at a time, so such probes may
+wait until the last such gateway stopped.
+
 At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
 ``store.durability_warning`` for each setting under which an answered transition can be lost.
 
@@ -152,7 +165,8 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "cascade": ("task_lib",),
     "scheduler": (),
     "fence": (),
-    "prepare": ("sha256", "effect_lib"),
+    "prepare": ("sha256", "effect_lib", "prepare_lib"),
+    "prepare_keyed": ("effect_lib", "prepare_lib"),
     "complete": ("effect_lib",),
     "cas_effect": ("effect_lib",),
     "gauges": (),
@@ -162,7 +176,7 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "retention": ("task_lib", "effect_lib"),
     "settled_index": ("task_lib",),
     "stats": (),
-    "effect_prefix": (),
+    "effect_prefix": ("keys",),
 }
 #: The scripts that never write: no WAIT follows them (every other script may write).
 _READ_ONLY_SCRIPTS = frozenset({"fence", "gauges", "events_read", "stats", "effect_prefix"})
@@ -204,13 +218,15 @@ def load_script_source(name: str) -> str:
     """``common.lua``, the script's libraries, then the script, as sent to Redis.
     ``task_lib.lua`` comes after the key layout rendered from ``ledger/keys.py``
     (``keys.lua_key_helpers``): its scripts build the keys of tasks they were not given in
-    KEYS, and no Lua file retypes one."""
+    KEYS, and no Lua file retypes one. The library name ``keys`` is that layout alone, for a
+    script that builds keys without ``task_lib.lua`` (its ARGV[2] is then the key prefix)."""
     folder = resources.files("fencegate.ledger") / "lua"
     texts = []
     for part in ["common", *_SCRIPTS[name], name]:
-        if part == "task_lib":
+        if part in ("task_lib", "keys"):
             texts.append(keys.lua_key_helpers())
-        texts.append((folder / f"{part}.lua").read_text(encoding="utf-8"))
+        if part != "keys":
+            texts.append((folder / f"{part}.lua").read_text(encoding="utf-8"))
     return "\n".join(texts)
 
 
@@ -272,6 +288,24 @@ def _record(raw: str) -> Effect:
     return effects.effect_from_fields(json.loads(raw))
 
 
+def _prepared(reply: Sequence[Any]) -> PrepareOutcome:
+    """A prepare script's decision (prepare.lua, prepare_keyed.lua; prepare_lib.lua decides
+    for both): FORWARD or REPLAY with the record, or REJECT with the model's refusal."""
+    status = reply[0]
+    if status != "REJECT":
+        return PrepareOutcome(Action(status), _record(reply[1]), write=False)
+    code, detail, retry = reply[1], reply[2], reply[3]
+    effect = _record(reply[4])
+    error = ERRORS_BY_CODE[code](detail or None)
+    if retry:
+        error.extra["retryAfterMs"] = int(retry)
+    error.about_effect(effect.effect_id)  # as effects._rejection
+    error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
+    if code == "APPROVAL_REQUIRED":
+        error.extra["approvalDigest"] = effects.wanted_approval(effect)
+    return PrepareOutcome(Action.REJECT, effect, write=False, error=error)
+
+
 def _task_tombstone(fields: dict[str, str]) -> Tombstone:
     """A task tombstone as ``retention.lua`` writes it (and ``put.lua`` answers it)."""
     return Tombstone(
@@ -288,19 +322,22 @@ def _task_tombstone(fields: dict[str, str]) -> Tombstone:
 
 
 def _effect_tombstone(fields: dict[str, str]) -> EffectTombstone:
-    """An effect tombstone as ``retention.lua`` writes it."""
+    """An effect tombstone as ``retention.lua`` writes it (a keyed effect's with an empty
+    ``task_id``, which an older gateway still reads)."""
     return EffectTombstone(
         effect_id=fields["effect_id"],
-        task_id=fields["task_id"],
+        task_id=fields.get("task_id") or None,
         state=EffectState(fields["state"]),
         expired_at=int(fields["expired_at"]),
         forget_at=int(fields["forget_at"]),
     )
 
 
-def _index_member_parts(member: str) -> tuple[int, str, str]:
+def _index_member_parts(member: str) -> tuple[int, str, str | None]:
+    """An effects index member: createdAt, effectId and the taskId (None: a keyed effect's
+    member, which names no task)."""
     created, effect_id, task_id = member.split(":", 2)
-    return int(created), effect_id, task_id
+    return int(created), effect_id, task_id or None
 
 
 def split_pipeline_option(url: str) -> tuple[str, bool | None]:
@@ -1479,6 +1516,10 @@ class RedisStore(Store):
         require_approval: bool = False,
     ) -> PrepareOutcome:
         fence = request.fence
+        if fence is None:
+            return await self._prepare_keyed(
+                request, forward_deadline_ms, resend_window_ms, require_approval
+            )
         revision = self._revisions.get((fence.task_id, fence.claim_generation))
         eid = (
             ""
@@ -1518,32 +1559,63 @@ class RedisStore(Store):
                 request.request_json or "",
             ],
         )
-        status = reply[0]
-        if status == "ERR":
+        if reply[0] == "ERR":
             try:
                 _parse(reply)  # raises
             except FencegateError as exc:
                 raise await self._refusal(exc, task_id=fence.task_id) from None
-        if status == "REJECT":
-            code, detail, retry = reply[1], reply[2], reply[3]
-            effect = _record(reply[4])
-            error = ERRORS_BY_CODE[code](detail or None)
-            if retry:
-                error.extra["retryAfterMs"] = int(retry)
-            error.about_effect(effect.effect_id)  # as effects._rejection
-            error.extra.update(effectId=effect.effect_id, effectState=effect.state.value)
-            if code == "APPROVAL_REQUIRED":
-                error.extra["approvalDigest"] = effects.wanted_approval(effect)
-            outcome = PrepareOutcome(Action.REJECT, effect, write=False, error=error)
-        else:
-            outcome = PrepareOutcome(Action(status), _record(reply[1]), write=False)
-        if revision is None:
-            self._remember_revision(fence.task_id, fence.claim_generation, outcome.effect.revision)
+        outcome = _prepared(reply)
+        learnt = outcome.effect.revision
+        if revision is None and learnt is not None:
+            self._remember_revision(fence.task_id, fence.claim_generation, learnt)
         return outcome
+
+    async def _prepare_keyed(
+        self,
+        request: EffectRequest,
+        forward_deadline_ms: int,
+        resend_window_ms: int | None,
+        require_approval: bool,
+    ) -> PrepareOutcome:
+        """prepare_keyed.lua: a lease-less client's effect, found by its id alone (no task,
+        no claim: none of the leased step's reads). An id whose effect expired answers the
+        model's EFFECT_EXPIRED, from its tombstone read in the same step, until the
+        tombstone's ``forget_at``; after that the key is new."""
+        key, eid = request.client_key, request.effect_id
+        assert key is not None and eid is not None and request.forward_id is not None
+        reply = await self._script(
+            "prepare_keyed",
+            [
+                self._keys.keyed_effect(eid),
+                self._keys.effects_index,
+                self._keys.effect_ids,
+                *self._effect_indexes,
+                self._keys.keyed_settled,
+                self._keys.effect_tombstone(eid),
+            ],
+            [
+                eid,
+                key.principal,
+                key.key,
+                request.downstream,
+                request.method,
+                request.path,
+                request.payload_digest,
+                forward_deadline_ms,
+                "" if resend_window_ms is None else resend_window_ms,
+                "1" if require_approval else "0",
+                request.forward_id,
+                request.approval_digest or "",
+                request.request_json or "",
+            ],
+        )
+        if reply[0] == "EXPIRED":
+            raise expired_effect(_effect_tombstone(_pairs(reply[1:])))
+        return _prepared(reply)
 
     async def complete_effect(
         self,
-        task_id: str,
+        task_id: str | None,
         effect_id: str,
         seq: int,
         attempt_id: str,
@@ -1551,9 +1623,19 @@ class RedisStore(Store):
         reason: str,
         response_json: str | None,
     ) -> tuple[Effect, bool]:
+        """complete.lua on the record's hash: the task's effects hash, or (``task_id`` None)
+        the keyed effect's own, whose step also keeps the keyed-settled index."""
+        if task_id is None:
+            keys_ = [
+                self._keys.keyed_effect(effect_id),
+                *self._effect_indexes,
+                self._keys.keyed_settled,
+            ]
+        else:
+            keys_ = [self._keys.effects(task_id), *self._effect_indexes]
         reply = await self._script(
             "complete",
-            [self._keys.effects(task_id), *self._effect_indexes],
+            keys_,
             [effect_id, seq, attempt_id, outcome.value, reason, response_json or ""],
         )
         status = reply[0]
@@ -1564,14 +1646,21 @@ class RedisStore(Store):
                 raise await self._refusal(exc, effect_id=effect_id) from None
         return _record(reply[1]), status == "OK"
 
-    async def _read_effects(self, refs: Sequence[tuple[str, str]]) -> list[Effect | None]:
-        """Records for (taskId, effectId) pairs as of the store's now (effective view), in
-        one round trip; None where a record is missing."""
+    def _record_key(self, task_id: str | None, effect_id: str) -> str:
+        """The hash holding an effect's record: its task's effects hash, or (``task_id``
+        None) a keyed effect's own."""
+        if task_id is None:
+            return self._keys.keyed_effect(effect_id)
+        return self._keys.effects(task_id)
+
+    async def _read_effects(self, refs: Sequence[tuple[str | None, str]]) -> list[Effect | None]:
+        """Records for (taskId, effectId) pairs (taskId None: a keyed effect) as of the
+        store's now (effective view), in one round trip; None where a record is missing."""
 
         async def read() -> Any:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for task_id, effect_id in refs:
-                    pipe.hget(self._keys.effects(task_id), effect_id)
+                    pipe.hget(self._record_key(task_id, effect_id), effect_id)
                 pipe.time()
                 return await pipe.execute()
 
@@ -1584,13 +1673,22 @@ class RedisStore(Store):
             for raw in raws
         ]
 
-    async def _task_of(self, effect_id: str) -> str:
-        task_id: Any = await self._call(
-            lambda: self._redis.hget(self._keys.effect_tasks, effect_id)
-        )
-        if task_id is None:
+    async def _task_of(self, effect_id: str) -> str | None:
+        """The effect's task id, or None for a keyed effect (its record has its own key and
+        no effectId -> taskId entry); one round trip. Refuses an effect that is neither."""
+
+        async def read() -> Any:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self._keys.effect_tasks, effect_id)
+                pipe.exists(self._keys.keyed_effect(effect_id))
+                return await pipe.execute()
+
+        task_id, keyed = await self._call(read)
+        if task_id is not None:
+            return str(task_id)
+        if not keyed:
             raise await self._refusal(NoSuchEffect(), effect_id=effect_id)
-        return str(task_id)
+        return None
 
     async def get_effect(self, effect_id: str) -> Effect:
         task_id = await self._task_of(effect_id)
@@ -1620,7 +1718,9 @@ class RedisStore(Store):
         if not self._effect_ids_indexed:
             await self._index_old_effects()
         reply = await self._script(
-            "effect_prefix", [self._keys.effect_ids, self._keys.effect_tasks], [prefix, limit]
+            "effect_prefix",
+            [self._keys.effect_ids, self._keys.effect_tasks],
+            [self._keys.prefix, prefix, limit],
         )
         return [str(effect_id) for effect_id in reply]
 
@@ -1761,13 +1861,14 @@ class RedisStore(Store):
         return found[:limit]
 
     async def _records(self, effect_ids: list[str]) -> list[Effect]:
-        """The current records of these effects (those that still exist)."""
+        """The current records of these effects (those that still exist): an id with no
+        effectId -> taskId entry is looked for as a keyed effect."""
         if not effect_ids:
             return []
         task_ids: Any = await self._call(
             lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
         )
-        refs = [(t, e) for t, e in zip(task_ids, effect_ids, strict=True) if t is not None]
+        refs = list(zip(task_ids, effect_ids, strict=True))
         return [e for e in await self._read_effects(refs) if e is not None]
 
     async def find_forward(self, task_id: str, forward_id: str) -> str | None:
@@ -1841,6 +1942,8 @@ class RedisStore(Store):
                 self._keys.probe_due,
                 self._keys.task_tombstones,
                 self._keys.effect_tombstones,
+                self._keys.keyed_settled,
+                self._keys.effect_ids,
             ],
             [settled_ms, tombstone_ms, limit],
         )
@@ -1865,6 +1968,7 @@ class RedisStore(Store):
             "effects:index": self._keys.effects_index,
             "effects:task": self._keys.effect_tasks,
             "settled": self._keys.settled,
+            "effects:keyed-settled": self._keys.keyed_settled,
             "tombstones:tasks": self._keys.task_tombstones,
             "tombstones:effects": self._keys.effect_tombstones,
         }
@@ -1909,8 +2013,7 @@ class RedisStore(Store):
 
     async def update_effect(self, effect_id: str, transition: EffectTransition) -> Effect:
         """Read, decide in Python, compare-and-set; a concurrent writer makes it read again."""
-        task_id = await self._task_of(effect_id)
-        key = self._keys.effects(task_id)
+        key = self._record_key(await self._task_of(effect_id), effect_id)
         for _ in range(_CAS_ATTEMPTS):
 
             async def read() -> Any:
@@ -1928,7 +2031,7 @@ class RedisStore(Store):
                 raise await self._refusal(exc, effect_id=effect_id) from None
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]
-            cas_keys = [key, *self._effect_indexes]
+            cas_keys = [key, *self._effect_indexes, self._keys.keyed_settled]
             written = await self._call(functools.partial(self._eval, "cas_effect", cas_keys, args))
             if written:
                 return updated

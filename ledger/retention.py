@@ -45,6 +45,7 @@ __all__ = [
     "expired_task",
     "tombstone",
     "why_kept",
+    "why_kept_keyed",
 ]
 
 #: The task states retention may delete (and the stores' settled index holds).
@@ -56,7 +57,8 @@ class EffectTombstone:
     """What is remembered of an expired effect until ``forget_at``."""
 
     effect_id: str
-    task_id: str
+    #: None for a keyed effect (``effects.Effect.kind``), which has no task.
+    task_id: str | None
     #: COMMITTED or NOT_APPLIED.
     state: EffectState
     expired_at: int
@@ -67,7 +69,7 @@ class EffectTombstone:
 class ExpiryReport:
     """What one sweep step did."""
 
-    #: Settled tasks read from the index.
+    #: Settled tasks and settled keyed effects read from their indexes.
     examined: int = 0
     expired_tasks: int = 0
     expired_effects: int = 0
@@ -127,6 +129,22 @@ def why_kept(task: Task, effects: Iterable[Effect], has_dependents: bool, now: i
     return None
 
 
+def why_kept_keyed(effect: Effect, now: int) -> str | None:
+    """None when a keyed effect the keyed index holds (``effects.keyed_settled``, due for
+    ``settled_ms``) may go now; otherwise why not, in ``why_kept``'s words: it has no task,
+    no dependents, and goes alone, never while its outcome is unknown or it waits for an
+    operator. Its tombstone answers a late duplicate of its key ``EFFECT_EXPIRED`` until
+    ``forget_at``; after that the key is new.
+
+    Mirrors: the keyed part of ``lua/retention.lua``, the SQL stores' ``expire_settled``."""
+    current = effective(effect, now)
+    if current.state in (EffectState.PREPARED, EffectState.UNKNOWN):
+        return "unsettled_effect"
+    if is_awaiting_approval(current):
+        return "awaiting_approval"
+    return None
+
+
 def tombstone(task: Task, effects: int, now: int, tombstone_ms: int) -> Tombstone:
     return Tombstone(
         task_id=task.task_id,
@@ -150,6 +168,15 @@ def effect_tombstones(
 
 
 def expired_effect(stone: EffectTombstone) -> EffectExpired:
+    if stone.task_id is None:
+        return EffectExpired(
+            f"keyed effect {stone.effect_id} was {stone.state.value} and expired at expiredAt "
+            f"{stone.expired_at}: nothing was done; its idempotency key is new again at "
+            f"forgetAt {stone.forget_at}",
+            expiredAt=stone.expired_at,
+            effectState=stone.state.value,
+            forgetAt=stone.forget_at,
+        )
     return EffectExpired(
         f"effect {stone.effect_id} of task {stone.task_id} was {stone.state.value} and "
         f"expired at expiredAt {stone.expired_at} with its task: nothing was done",

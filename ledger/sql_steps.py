@@ -57,6 +57,7 @@ from fencegate.ledger.tasks import (
 )
 
 __all__ = [
+    "KEYED_TABLES",
     "NOW",
     "RETENTION_TABLES",
     "SCHEMA_VERSION",
@@ -77,7 +78,7 @@ T = TypeVar("T")
 
 #: The version of the tables these steps read and write. A store finding a newer one in its
 #: database refuses to start: a newer fencegate wrote rows this code may misread.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Version 2 (task flow): tasks gained the columns ``queue``, ``priority``, ``ready_at``,
 #: ``claim_epoch`` (every row of version 1 has no queue: NULLs are right for it), the tables
 #: ``dependents`` and ``events`` (with triggers filling it) came new. A store opening a
@@ -86,6 +87,16 @@ SCHEMA_VERSION = 3
 #: ``task_tombstones`` and ``effect_tombstones`` (``RETENTION_TABLES``). A store opening a
 #: version-1 or -2 database adds them (and version 2's), fills ``settled`` from the tasks
 #: already settled (``backfill_settled``) and writes 3, in one transaction.
+#: Version 4 (keyed effects, a lease-less client's, ``effects.Effect.kind``): the table
+#: ``keyed_settled`` (``KEYED_TABLES``), and the effect events' ``taskId`` null for a keyed
+#: effect (its row holds ``''`` in ``effects.task_id``: ``NO_TASK``). Nothing to backfill: no
+#: older gateway wrote a keyed effect.
+
+#: What a keyed effect's row holds in the columns ``effects.task_id`` and
+#: ``effect_tombstones.task_id`` (NOT NULL since version 1; a task id is never empty). Its
+#: record says None (the JSON ``fields`` leave the task fields out), and so do the change
+#: feed's triggers (``NULLIF``).
+NO_TASK = ""
 
 #: The columns version 2 added to ``tasks`` (name, portable type).
 TASK_FLOW_COLUMNS = (
@@ -129,6 +140,19 @@ RETENTION_TABLES = (
     "CREATE INDEX IF NOT EXISTS effect_tombstones_forget ON effect_tombstones (forget_at)",
 )
 
+#: The table version 4 added, portable DDL (each statement idempotent): the keyed index, one
+#: row per keyed effect ``effects.keyed_settled`` holds, ``due_at`` the ``updated_at`` at which
+#: it entered the set (or when a sweep last kept it). Kept by the steps that write effects
+#: (``save_effect``), in their transaction: the rule reads the record's JSON, which the
+#: triggers of two dialects would each have to mirror.
+KEYED_TABLES = (
+    """CREATE TABLE IF NOT EXISTS keyed_settled (
+        effect_id TEXT PRIMARY KEY,
+        due_at    BIGINT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS keyed_settled_due ON keyed_settled (due_at, effect_id)",
+)
+
 #: Every table of fencegate's schema (what ``store_stats`` sizes, where a store can tell).
 STORE_TABLES = (
     "tasks",
@@ -141,6 +165,7 @@ STORE_TABLES = (
     "settled",
     "task_tombstones",
     "effect_tombstones",
+    "keyed_settled",
     "fencegate_schema",
 )
 
@@ -365,9 +390,11 @@ def load_effect(d: Dialect, effect_id: str, *, lock: bool) -> Step[Effect | None
     return effects.effect_from_fields(json.loads(row[0])) if row else None
 
 
-def save_effect(effect: Effect, existed: bool) -> Step[None]:
+def save_effect(effect: Effect, before: Effect | None) -> Step[None]:
+    """UPDATE the row the step loaded as ``before`` (and locked), or INSERT one it saw absent
+    (None). Keeps the keyed index in the same transaction (``_index_keyed``)."""
     fields = _dumps(effects.effect_to_fields(effect))
-    if existed:
+    if before is not None:
         yield Sql(
             "UPDATE effects SET downstream = ?, state = ?, deadline_at = ?, fields = ? "
             "WHERE effect_id = ?",
@@ -379,7 +406,7 @@ def save_effect(effect: Effect, existed: bool) -> Step[None]:
             "created_at, fields) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 effect.effect_id,
-                effect.task_id,
+                NO_TASK if effect.task_id is None else effect.task_id,
                 effect.downstream,
                 effect.state.value,
                 effect.deadline_at,
@@ -387,6 +414,24 @@ def save_effect(effect: Effect, existed: bool) -> Step[None]:
                 fields,
             ),
         )
+    yield from _index_keyed(effect, before)
+
+
+def _index_keyed(effect: Effect, before: Effect | None) -> Step[None]:
+    """The keyed index after a write of ``effect`` (``before``: the record it replaced):
+    an entry due from the ``updated_at`` at which the effect entered ``effects.keyed_settled``;
+    a write that leaves it in the set keeps the entry's due time (a sweep may have moved it
+    to the back); one leaving the set removes it. A leased effect costs no statement."""
+    settled = effects.keyed_settled(effect)
+    was = before is not None and effects.keyed_settled(before)
+    if settled and not was:
+        yield Sql(
+            "INSERT INTO keyed_settled (effect_id, due_at) VALUES (?, ?) "
+            "ON CONFLICT (effect_id) DO UPDATE SET due_at = excluded.due_at",
+            (effect.effect_id, effect.updated_at),
+        )
+    elif was and not settled:
+        yield Sql("DELETE FROM keyed_settled WHERE effect_id = ?", (effect.effect_id,))
 
 
 def _effects_from(rows: Iterable[Any], now: int) -> list[Effect]:
@@ -430,7 +475,7 @@ def load_effect_tombstone(effect_id: str) -> Step[EffectTombstone | None]:
         return None
     return EffectTombstone(
         effect_id=effect_id,
-        task_id=str(row[0]),
+        task_id=None if row[0] == NO_TASK else str(row[0]),
         state=EffectState(row[1]),
         expired_at=int(row[2]),
         forget_at=int(row[3]),
@@ -750,6 +795,11 @@ def set_claims_paused(d: Dialect, paused: bool) -> Step[Scheduler]:
 # --- the idempotency ledger -------------------------------------------------------------------
 
 
+#: What a keyed prepare passes ``effects.prepare`` for the scheduler it never reads (only a
+#: fence is checked against the scheduler).
+_NO_SCHEDULER = Scheduler()
+
+
 def check_fence(d: Dialect, fence: Fence) -> Step[Task]:
     """Read-only: answered as of one consistent moment, no lock needed."""
     scheduler = yield from read_scheduler(d, deciding=False)
@@ -768,14 +818,33 @@ def prepare_effect(
     windows_from: int | None,
 ) -> Step[PrepareOutcome]:
     """``windows_from``: records created before this instant get no resend window (SQLite:
-    created before a reboot whose downtime its clock lost; None where time is never lost)."""
-    scheduler = yield from read_scheduler(d, deciding=True)
-    task = yield from load_task(d, request.fence.task_id, lock=True)
-    existing = None
-    if task is not None:
-        eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
-        existing = yield from load_effect(d, eid, lock=True)
+    created before a reboot whose downtime its clock lost; None where time is never lost).
+
+    A keyed request (``request.fence`` None) reads no task and no scheduler: its effect is
+    found by its id (``request.effect_id``), and an effect tombstone still live for that id
+    refuses it (a late duplicate of an expired keyed effect, ``retention.expired_effect``);
+    one past its ``forget_at`` is dropped as the key starts afresh."""
+    fence = request.fence
+    task = None
+    scheduler = _NO_SCHEDULER
+    stone = None
+    if fence is not None:
+        scheduler = yield from read_scheduler(d, deciding=True)
+        task = yield from load_task(d, fence.task_id, lock=True)
+        existing = None
+        if task is not None:
+            eid = effects.effect_id(task.task_id, task.revision, request.node, request.slot)
+            existing = yield from load_effect(d, eid, lock=True)
+    else:
+        assert request.effect_id is not None
+        existing = yield from load_effect(d, request.effect_id, lock=True)
+        if existing is None:
+            stone = yield from load_effect_tombstone(request.effect_id)
     now = yield NOW
+    if stone is not None:
+        if stone.forget_at > now:
+            raise retention.expired_effect(stone)
+        yield Sql("DELETE FROM effect_tombstones WHERE effect_id = ?", (stone.effect_id,))
     window = resend_window_ms
     if existing is not None and windows_from is not None and existing.created_at < windows_from:
         window = None
@@ -790,7 +859,7 @@ def prepare_effect(
         require_approval=require_approval,
     )
     if outcome.write:
-        yield from save_effect(outcome.effect, existing is not None)
+        yield from save_effect(outcome.effect, existing)
     return outcome
 
 
@@ -809,7 +878,7 @@ def complete_effect(
     now = yield NOW
     done, applied = effects.complete(effect, seq, attempt_id, outcome, reason, response_json, now)
     if applied:
-        yield from save_effect(done, True)
+        yield from save_effect(done, effect)
     return done, applied
 
 
@@ -950,7 +1019,10 @@ def expire_settled(
 
     ``now`` is read once, first (the cutoff needs it): what the rules read of it
     (``effects.effective``) only tells a running PREPARED from an overdue one, and both
-    keep the task."""
+    keep the task.
+
+    Then the keyed index (``_expire_keyed``: up to ``limit`` more entries, counted in the
+    same report), then the tombstones past ``forget_at``."""
     now = yield NOW
     rows = yield Sql(
         "SELECT tasks.fields FROM settled JOIN tasks ON tasks.task_id = settled.task_id "
@@ -986,6 +1058,7 @@ def expire_settled(
             yield from _expire_task(d, task, records, now, tombstone_ms)
             expired_tasks += 1
             expired_effects += len(records)
+    keyed = yield from _expire_keyed(d, settled_ms, tombstone_ms, limit, now, kept)
     forgotten = 0
     for table, key in (("task_tombstones", "task_id"), ("effect_tombstones", "effect_id")):
         gone = yield Sql(
@@ -997,12 +1070,64 @@ def expire_settled(
         )
         forgotten += len(gone)
     return ExpiryReport(
-        examined=len(rows),
+        examined=len(rows) + keyed[0],
         expired_tasks=expired_tasks,
-        expired_effects=expired_effects,
+        expired_effects=expired_effects + keyed[1],
         kept=kept,
         forgotten=forgotten,
     )
+
+
+def _expire_keyed(
+    d: Dialect, settled_ms: int, tombstone_ms: int, limit: int, now: int, kept: dict[str, int]
+) -> Step[tuple[int, int]]:
+    """The keyed part of a sweep step: up to ``limit`` due entries of the keyed index, with
+    their effects, taken ``FOR UPDATE SKIP LOCKED`` (an effect some step holds is left for a
+    later sweep, never waited for: the steps lock the effect, then its entry). Each one
+    ``retention.why_kept_keyed`` lets go is deleted with its entry and leaves an effect
+    tombstone (``NO_TASK``); each one still needed is moved to the back (counted in
+    ``kept``). Returns (examined, expired)."""
+    rows = yield Sql(
+        "SELECT effects.fields FROM keyed_settled "
+        "JOIN effects ON effects.effect_id = keyed_settled.effect_id "
+        "WHERE keyed_settled.due_at <= ? "
+        "ORDER BY keyed_settled.due_at, keyed_settled.effect_id LIMIT ?"
+        f"{d.for_update_skip_locked}",
+        (now - settled_ms, limit),
+        "all",
+    )
+    expired = 0
+    for row in rows:
+        effect = effects.effect_from_fields(json.loads(row[0]))
+        reason = retention.why_kept_keyed(effect, now)
+        if reason is not None:
+            kept[reason] = kept.get(reason, 0) + 1
+            yield Sql(
+                "UPDATE keyed_settled SET due_at = ? WHERE effect_id = ?", (now, effect.effect_id)
+            )
+            continue
+        yield Sql("DELETE FROM effects WHERE effect_id = ?", (effect.effect_id,))
+        yield Sql("DELETE FROM keyed_settled WHERE effect_id = ?", (effect.effect_id,))
+        yield from _save_effect_tombstones([effect], now, tombstone_ms)
+        expired += 1
+    return len(rows), expired
+
+
+def _save_effect_tombstones(records: list[Effect], now: int, tombstone_ms: int) -> Step[None]:
+    for effect_stone in retention.effect_tombstones(records, now, tombstone_ms):
+        yield Sql(
+            "INSERT INTO effect_tombstones (effect_id, task_id, state, expired_at, forget_at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (effect_id) DO UPDATE SET "
+            "task_id = excluded.task_id, state = excluded.state, "
+            "expired_at = excluded.expired_at, forget_at = excluded.forget_at",
+            (
+                effect_stone.effect_id,
+                NO_TASK if effect_stone.task_id is None else effect_stone.task_id,
+                effect_stone.state.value,
+                effect_stone.expired_at,
+                effect_stone.forget_at,
+            ),
+        )
 
 
 def _expire_task(
@@ -1052,20 +1177,7 @@ def _expire_task(
             stone.effects,
         ),
     )
-    for effect_stone in retention.effect_tombstones(records, now, tombstone_ms):
-        yield Sql(
-            "INSERT INTO effect_tombstones (effect_id, task_id, state, expired_at, forget_at) "
-            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (effect_id) DO UPDATE SET "
-            "task_id = excluded.task_id, state = excluded.state, "
-            "expired_at = excluded.expired_at, forget_at = excluded.forget_at",
-            (
-                effect_stone.effect_id,
-                effect_stone.task_id,
-                effect_stone.state.value,
-                effect_stone.expired_at,
-                effect_stone.forget_at,
-            ),
-        )
+    yield from _save_effect_tombstones(records, now, tombstone_ms)
 
 
 def store_stats(d: Dialect, settled_ms: int) -> Step[StoreStats]:
@@ -1120,7 +1232,7 @@ def update_effect(d: Dialect, effect_id: str, transition: EffectTransition) -> S
     found = yield from load_effect(d, effect_id, lock=True)
     now = yield NOW
     effect = transition(found, now)
-    yield from save_effect(effect, found is not None)
+    yield from save_effect(effect, found)
     return effect
 
 

@@ -75,12 +75,16 @@ class SqlStore(Store):
             current,
             done=(
                 f"schema upgraded from version {found} to {current} as the store was opened "
-                "(new tables, indexes and triggers; the settled index filled from the tasks)",
+                "(new tables, indexes and triggers; the settled index filled from the tasks; "
+                "the keyed effects' index)",
             ),
             notes=(
                 f"gateways of schema version {found} that are running keep working (the "
                 "upgrade only adds; its triggers index their writes too), but one restarted "
                 "refuses the store: upgrade them all",
+                "turn client_idempotency_keys on only once every gateway is upgraded: a "
+                "gateway of version 3 or older cannot read a keyed effect's record (no task "
+                "fields) and answers 500 where it meets one (reading, listing, reconciling)",
             ),
         )
 
@@ -220,12 +224,14 @@ class SqlStore(Store):
                 windows_from=self._windows_from(),
             ),
             "prepare_effect",
-            task_id=request.fence.task_id,
+            # A keyed request names no task: its refusals are about its effect.
+            task_id=None if request.fence is None else request.fence.task_id,
+            effect_id=request.effect_id,
         )
 
     async def complete_effect(
         self,
-        task_id: str,
+        task_id: str | None,
         effect_id: str,
         seq: int,
         attempt_id: str,

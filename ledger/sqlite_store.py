@@ -109,9 +109,20 @@ _TASK_EVENT = """json_object('type', 'task', 'taskId', NEW.task_id, 'state', NEW
     'revision', CAST(json_extract(NEW.fields, '$.revision') AS INTEGER),
     'claimGeneration', CAST(json_extract(NEW.fields, '$.claim_generation') AS INTEGER),
     'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
-_EFFECT_EVENT = """json_object('type', 'effect', 'effectId', NEW.effect_id,
-    'taskId', NEW.task_id, 'state', NEW.state, 'downstream', NEW.downstream,
+#: A keyed effect's row holds ``sql_steps.NO_TASK`` as its task: its event says null.
+_EFFECT_EVENT = f"""json_object('type', 'effect', 'effectId', NEW.effect_id,
+    'taskId', NULLIF(NEW.task_id, '{sql_steps.NO_TASK}'), 'state', NEW.state,
+    'downstream', NEW.downstream,
     'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
+_EFFECT_TRIGGERS = f"""
+CREATE TRIGGER IF NOT EXISTS effects_event_insert AFTER INSERT ON effects BEGIN
+    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+END;
+CREATE TRIGGER IF NOT EXISTS effects_event_update AFTER UPDATE ON effects
+WHEN OLD.state IS NOT NEW.state BEGIN
+    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
+END;
+"""
 _FLOW_SCHEMA = f"""
 CREATE INDEX IF NOT EXISTS tasks_queue ON tasks (queue, state, priority DESC, ready_at, task_id);
 CREATE INDEX IF NOT EXISTS tasks_queue_expiry ON tasks (queue, state, lease_expires_at);
@@ -127,14 +138,7 @@ WHEN OLD.state IS NOT NEW.state
 BEGIN
     INSERT INTO events (body) VALUES ({_TASK_EVENT});
 END;
-CREATE TRIGGER IF NOT EXISTS effects_event_insert AFTER INSERT ON effects BEGIN
-    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
-END;
-CREATE TRIGGER IF NOT EXISTS effects_event_update AFTER UPDATE ON effects
-WHEN OLD.state IS NOT NEW.state BEGIN
-    INSERT INTO events (body) VALUES ({_EFFECT_EVENT});
-END;
-"""
+{_EFFECT_TRIGGERS}"""
 
 
 #: Schema version 3 (retention, ``sql_steps.RETENTION_TABLES``): the triggers that keep the
@@ -159,6 +163,14 @@ WHEN OLD.state IN {_SETTLED} AND NEW.state NOT IN {_SETTLED} BEGIN
     DELETE FROM settled WHERE task_id = OLD.task_id;
 END;
 """
+
+
+#: Schema version 4 (keyed effects, ``sql_steps.KEYED_TABLES``): the effect events'
+#: triggers written again (a version-2 or -3 file has them without the ``NULLIF``).
+_KEYED_SCHEMA = f"""
+DROP TRIGGER IF EXISTS effects_event_insert;
+DROP TRIGGER IF EXISTS effects_event_update;
+{_EFFECT_TRIGGERS}"""
 
 
 def _statements(script: str) -> list[str]:
@@ -362,11 +374,16 @@ class SQLiteStore(SqlStore):
                 _add_flow_columns(conn)
                 for statement in _statements(_FLOW_SCHEMA):
                     conn.execute(statement)
-                for statement in sql_steps.RETENTION_TABLES:
+                if found is None or found < 3:
+                    for statement in sql_steps.RETENTION_TABLES:
+                        conn.execute(statement)
+                    for statement in _statements(_RETENTION_SCHEMA):
+                        conn.execute(statement)
+                    conn.execute(sql_steps.backfill_settled(_SQLITE))
+                for statement in sql_steps.KEYED_TABLES:
                     conn.execute(statement)
-                for statement in _statements(_RETENTION_SCHEMA):
+                for statement in _statements(_KEYED_SCHEMA):
                     conn.execute(statement)
-                conn.execute(sql_steps.backfill_settled(_SQLITE))
                 conn.execute(
                     "INSERT INTO fencegate_schema (id, version) VALUES (1, ?) "
                     "ON CONFLICT (id) DO UPDATE SET version = excluded.version",

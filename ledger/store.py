@@ -333,12 +333,15 @@ class Store(abc.ABC):
         """Step one of a proxied mutation: validate the claim and decide, in one atomic step.
 
         Raises when the claim is refused; returns REJECT outcomes (with their error) when the
-        effect record refuses, after writing any deadline conversion the decision made."""
+        effect record refuses, after writing any deadline conversion the decision made.
+        A keyed request (``request.fence`` None: a lease-less client's, by its idempotency
+        key) reads no task and no scheduler: its record is ``request.effect_id``'s, and an
+        unforgotten tombstone of that id refuses it ``EFFECT_EXPIRED``."""
 
     @abc.abstractmethod
     async def complete_effect(
         self,
-        task_id: str,
+        task_id: str | None,
         effect_id: str,
         seq: int,
         attempt_id: str,
@@ -409,7 +412,12 @@ class Store(abc.ABC):
         record and every index entry, and leaves a task tombstone and one effect tombstone
         per effect (``forget_at`` = now + ``tombstone_ms``); each one still needed gets
         ``due_at`` = now (looked at again ``settled_ms`` later). Also removes up to ``limit``
-        tombstones past their ``forget_at``. Several gateways may sweep at once."""
+        tombstones past their ``forget_at``. Several gateways may sweep at once.
+
+        Keyed effects (no task) have their own index of the settled ones
+        (``effects.keyed_settled``, due from when they settled): the same step reads up to
+        ``limit`` of them due at now - ``settled_ms`` and deletes each one
+        ``retention.why_kept_keyed`` lets go, leaving an effect tombstone without a task."""
 
     @abc.abstractmethod
     async def migrate(self) -> Migration:

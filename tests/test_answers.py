@@ -97,10 +97,13 @@ def effect_to_json(effect: Effect) -> dict[str, Any]:
         }
     return {
         "effectId": effect.effect_id,
+        "kind": effect.kind,
         "taskId": effect.task_id,
         "revision": effect.revision,
         "node": effect.node,
         "slot": effect.slot,
+        "principal": effect.principal,
+        "idempotencyKey": effect.idempotency_key,
         "downstream": effect.downstream,
         "method": effect.method,
         "path": effect.path,
@@ -229,7 +232,17 @@ def _effects() -> list[Effect]:
         responses.response_json(201, [("X-A", "1")], b"made"), 1_400,
     ).effect  # fmt: skip
     prepared = replace(start, state=EffectState.PREPARED, deadline_at=300, response_json=None)
-    return [start, early, forced, approved, found, omitted, committed, prepared]
+    keyed = replace(
+        committed,
+        effect_id=effects.keyed_effect_id("carol", committed.downstream, "order-7"),
+        task_id=None,
+        revision=None,
+        node=None,
+        slot=None,
+        principal="carol",
+        idempotency_key="order-7",
+    )
+    return [start, early, forced, approved, found, omitted, committed, prepared, keyed]
 
 
 def test_the_effects_hold_every_action_kind_and_response_form() -> None:
@@ -296,6 +309,7 @@ def test_a_stored_record_that_fits_no_model_is_sent_as_stored() -> None:
         task_event("t1", TaskState.READY.value, "q", 2, 3, 40),
         task_event("t1", TaskState.CLAIMED.value, None, 1, 1, 41),
         effect_event("ab" * 32, "t1", EffectState.UNKNOWN.value, "api", 42),
+        effect_event("cd" * 32, None, EffectState.COMMITTED.value, "pay", 43),
     ],
 )
 def test_the_event_schema_is_the_shape_the_stores_write(event: dict[str, Any]) -> None:

@@ -44,12 +44,12 @@ PRINCIPALS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 #: The matrix as the issue asks for it, written out independently of gateway/auth.py.
-SCH, WRK, OPS, OBS = "scheduler", "worker", "operator", "observer"
+SCH, WRK, OPS, OBS, CLI = "scheduler", "worker", "operator", "observer", "client"
 EXPECTED: dict[tuple[str, str], set[str]] = {
     ("GET", "/healthz"): {"anyone"},
     ("GET", "/readyz"): {"anyone"},
     ("GET", "/metrics"): {OPS, OBS},
-    ("GET", "/openapi.json"): {SCH, WRK, OPS, OBS},
+    ("GET", "/openapi.json"): {SCH, WRK, OPS, OBS, CLI},
     ("GET", "/v1/rollout"): {OPS, OBS},
     ("GET", "/v1/store/stats"): {OPS, OBS},
     ("GET", "/v1/tasks"): {SCH, OPS, OBS},
@@ -66,15 +66,16 @@ EXPECTED: dict[tuple[str, str], set[str]] = {
     ("POST", "/v1/epoch/bump"): {OPS},
     ("POST", "/v1/claims/pause"): {OPS},
     ("POST", "/v1/claims/resume"): {OPS},
-    ("GET", "/v1/effects"): {OPS, OBS},
+    # a client: only ?idempotencyKey= of its own keyed effects (tests/test_keyed_proxy.py)
+    ("GET", "/v1/effects"): {OPS, OBS, CLI},
     ("GET", "/v1/effects/{effect_id}"): {OPS, OBS},
     ("POST", "/v1/effects/{effect_id}/resolve"): {OPS},
     ("POST", "/v1/effects/{effect_id}/approve"): {OPS},
     ("POST", "/v1/effects/{effect_id}/reconcile"): {OPS},
-    ("*", "/proxy/{tail}"): {WRK},
-    ("GET", "/mcp/{downstream}"): {WRK},
-    ("POST", "/mcp/{downstream}"): {WRK},
-    ("DELETE", "/mcp/{downstream}"): {WRK},
+    ("*", "/proxy/{tail}"): {WRK, CLI},
+    ("GET", "/mcp/{downstream}"): {WRK, CLI},
+    ("POST", "/mcp/{downstream}"): {WRK, CLI},
+    ("DELETE", "/mcp/{downstream}"): {WRK, CLI},
     # the operator console: pages for readers, actions for operators (tests/test_console.py)
     ("GET", "/console"): {OPS, OBS},
     ("GET", "/console/login"): {"anyone"},

@@ -77,7 +77,14 @@ def console_config(
         "downstreams": [
             # settle_ms 0: these stories resolve NOT_APPLIED at once (no forward can land late);
             # "queue" keeps the default, for the landing rule's console story.
-            {"name": "api", "url": downstream.url, **BRIEF, "settle_ms": 0},
+            # It also takes lease-less calls by Idempotency-Key (keyed effects).
+            {
+                "name": "api",
+                "url": downstream.url,
+                **BRIEF,
+                "settle_ms": 0,
+                "client_idempotency_keys": "optional",
+            },
             {"name": "queue", "url": downstream.url, **BRIEF},
             # The default timeout_ms: an answered call does not race a timer.
             {"name": "plain", "url": downstream.url},
@@ -805,6 +812,75 @@ async def test_without_auth_the_console_asks_a_name_and_records_it(
         other = elsewhere.codec.issue("x", None, ("operator",))
         assert (await env.get("/console", other[0])).status == 303
         assert client.app[CONSOLE].key_from_env is False
+
+
+async def test_a_keyed_effect_shows_its_principal_and_key_and_no_task(
+    tmp_path: Path, downstream: Downstream
+) -> None:
+    """A lease-less client's effect (without ``[auth]``: the principal ``anonymous``) has null
+    task fields: the queue, the effect page and the resolve confirmation name its principal
+    and its key instead, and none of them breaks on the missing task."""
+    config = console_config(tmp_path / "fg.db", downstream, auth=False)
+    app = create_app(config, store=build_test_store(config), forward_clock=still)
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        env = Env(client, downstream)
+        async with client.post(
+            f"/proxy/api/slow/{TIMEOUT_MS + 100}/pay",
+            json={"amount": 5},
+            headers={"Idempotency-Key": '"chat-1:<pay>"'},
+        ) as resp:
+            assert resp.headers["Fence-Effect-State"] == "UNKNOWN", await resp.text()
+            effect_id = resp.headers["Fence-Effect-Id"]
+        bob = await env.login(name="bob")
+        queue = await env.get("/console", bob)
+        assert queue.status == 200, queue.text
+        assert "chat-1:&lt;pay&gt;" in queue.text and "client anonymous" in queue.text
+        assert "/console/tasks?id=" not in queue.text
+        page = await env.get(f"/console/effects/{effect_id}", bob)
+        assert page.status == 200, page.text
+        assert 'id="kind">keyed<' in page.text
+        assert '<dd id="principal">anonymous</dd>' in page.text
+        assert 'id="idempotency-key">chat-1:&lt;pay&gt;</code>' in page.text
+        assert "/console/tasks?id=" not in page.text and "None" not in page.text
+        asked = await env.post(
+            f"/console/effects/{effect_id}/resolve",
+            {"outcome": "COMMITTED", "note": "found it", "csrf": page.csrf},
+            bob,
+        )
+        assert asked.status == 200, asked.text
+        assert "client &#39;anonymous&#39;, Idempotency-Key &#39;chat-1:&lt;pay&gt;&#39;" in (
+            asked.text
+        )
+        done = await env.post(f"/console/effects/{effect_id}/resolve", _confirmation(asked), bob)
+        assert done.status == 200 and "Effect is now COMMITTED." in done.text
+
+
+def test_an_ambiguous_prefix_page_lists_a_keyed_effect_by_its_key() -> None:
+    """The matches of an ambiguous prefix may be keyed effects (no task to link): rendered by
+    the console's own template environment (a real collision of keyed ids is out of reach)."""
+    from fencegate.gateway.console.views import template_environment
+
+    common = {"method": "POST", "path": "/pay", "state": "UNKNOWN", "downstream": "api",
+              "updatedAt": 1_800_000_000_000}  # fmt: skip
+    effects = [
+        {**common, "effectId": "ab" * 32, "kind": "leased", "taskId": "t-1", "revision": 2},
+        {
+            **common,
+            "effectId": "ab" * 31 + "cd",
+            "kind": "keyed",
+            "taskId": None,
+            "revision": None,
+            "principal": "chat-agent",
+            "idempotencyKey": "k<1>",
+        },
+    ]
+    text = (
+        template_environment()
+        .get_template("effects_ambiguous.html")
+        .render(viewer=None, csrf="", prefix="ababab", effects=effects, detail="ambiguous")
+    )
+    assert text.count("/console/tasks?id=") == 1 and "t-1" in text
+    assert "k&lt;1&gt;" in text and "client chat-agent" in text and "None" not in text
 
 
 async def test_reconcile_now_probes_the_downstream_and_shows_what_it_found(env: Env) -> None:

@@ -49,11 +49,19 @@ KEY_LINES = {
     "-> DEPENDENCIES_PENDING: report-7/load is WAITING for report-7/extract": 1,
     "-> ok: none: 204, step two is not handed out before step one commits": 1,
     "-> ok: B got report-7/load, built on report-7/extract's commit": 1,
+    # The chat agent: no task, no lease, an Idempotency-Key; a lost answer and retries.
+    "-> DOWNSTREAM_TIMEOUT: the answer is lost: the charge is UNKNOWN": 1,
+    "-> EFFECT_UNKNOWN: the shop's lookup does not show the charge yet": 1,
+    "-> REPLAYED: the gateway's probe found the charge in the shop": 1,
+    "-> ok: Idempotent-Replayed: true": 1,
+    "-> PAYLOAD_CONFLICT: the key is bound to the first order": 1,
+    "COMMITTED, kind keyed, principal anonymous, key chat-81:pay-order-17: no task": 1,
+    "-> ok: exactly 1: the customer paid once": 1,
 }
 SUMMARY_ROW = re.compile(r"^\s+(\d+)\s+[0-9a-f]{12}\.\.\.\s+(\S+)/(\S+)\s", re.MULTILINE)
 #: The narration's store line on Redis names the run's own key prefix.
 PREFIX_LINE = re.compile(r'every key under the prefix "(demo[0-9a-f]{8}):"')
-STORY_TITLES = 6
+STORY_TITLES = 7
 SHOP_SUMMARY = "== What the shop actually received =="
 MCP_SUMMARY = "== What the MCP server actually ran =="
 #: The MCP server's runs: (runs, effectId or "(none)", where, tool, arguments).
@@ -88,11 +96,13 @@ def check_narration(done: subprocess.CompletedProcess[str], tmp_path: Path) -> N
     assert out.count(SHOP_SUMMARY) == 1 and out.count(MCP_SUMMARY) == 1, out
     shop_part, mcp_part = out.split(SHOP_SUMMARY)[1].split(MCP_SUMMARY)
     rows = SUMMARY_ROW.findall(shop_part)
-    assert len(rows) == 19, out  # 2 + 1 + 1 + 3 reports x 5 pages
+    assert len(rows) == 20, out  # 2 + 1 + 1 + 3 reports x 5 pages + the chat agent's charge
     assert all(calls == "1" for calls, _, _ in rows)
     assert {task for _, task, _ in rows} == {
-        "invoice-42", "refund-7", "email-9", "report-1", "report-2", "report-3"
+        "invoice-42", "refund-7", "email-9", "report-1", "report-2", "report-3", "anonymous"
     }  # fmt: skip
+    # The keyed charge is listed by its principal and the agent's own key.
+    assert ("1", "anonymous", "chat-81:pay-order-17") in rows, out
     check_mcp_server_ran(mcp_part)
     assert not list(tmp_path.glob("fencegate-demo-*")), "the demo left its temp dir behind"
     assert not list(tmp_path.glob("*.db*")), "the demo wrote a store outside its temp dir"

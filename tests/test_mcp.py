@@ -54,8 +54,8 @@ LONG_TTL_MS = 30_000
 #: The SDK's own client timeouts (``create_mcp_http_client``): a long read for SSE streams.
 MCP_HTTP_TIMEOUT = httpx2.Timeout(30.0, read=300.0)
 
-REPLAYED = "fencegate/replayed"
-SLOT = "fencegate/slot"
+REPLAYED = "dev.fencegate/replayed"
+SLOT = "dev.fencegate/slot"
 MODERN = "2026-07-28"
 
 #: ``sleepy`` has no annotations (an effect: never re-sent after UNKNOWN); ``charge`` has
@@ -370,7 +370,7 @@ async def test_duplicate_call_runs_once_and_is_replayed_under_its_own_id(
 async def test_explicit_slot_with_other_arguments_is_a_payload_conflict(
     gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
-    """An agent that names its slot (``_meta["fencegate/slot"]``) says "this is that one
+    """An agent that names its slot (``_meta["dev.fencegate/slot"]``) says "this is that one
     effect": other arguments under the same slot are a bug in the agent, refused before the
     server sees them rather than run as a second effect or answered with the first one's
     result."""
@@ -754,10 +754,11 @@ async def test_routing_headers_that_disagree_with_the_call_are_refused_before_it
 async def test_a_stream_needs_a_lease_and_nesting_past_any_parser_is_a_parse_error(
     gateway: InProcessGateway, mcp_server: McpServerProcess, api: Coordinator
 ) -> None:
-    """A GET holds a pooled connection for as long as it is open: not without a lease. JSON
-    nested past what a parser follows is a parse error (-32700), never a 500."""
+    """A GET holds a pooled connection for as long as it is open: not without a lease (405, as
+    a server without a stream answers: an MCP client goes on without one). JSON nested past
+    what a parser follows is a parse error (-32700), never a 500."""
     status, text_ = await _raw(gateway, "GET", {"Accept": "text/event-stream"})
-    assert status == 400 and json.loads(text_)["error"]["data"]["code"] == "BAD_REQUEST"
+    assert status == 405 and json.loads(text_)["error"]["code"] == -32000, text_
     lease = await api.lease()
     deep = b"[" * 200_000 + b"]" * 200_000
     headers = {**lease.headers(), "Content-Type": "application/json",
@@ -803,5 +804,10 @@ async def test_a_failed_call_whose_answer_was_not_stored_replays_as_a_failure(
     assert first["result"]["isError"] is True
     assert again["id"] == "f-2"
     assert again["result"]["isError"] is True
-    assert again["result"]["_meta"] == {REPLAYED: True, "fencegate/replayBody": "omitted"}
+    assert again["result"]["_meta"] == {
+        REPLAYED: True,
+        "fencegate/replayed": True,
+        "dev.fencegate/replayBody": "omitted",
+        "fencegate/replayBody": "omitted",
+    }
     assert effect["state"] == "COMMITTED"

@@ -328,8 +328,9 @@ def test_the_depth_bound_and_a_shallow_identity() -> None:
     message = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                "params": {"name": "c", "arguments": {"a": deep}, "_meta": {"k": 1}}}  # fmt: skip
     out = json.loads(mcp.with_identity(message, "e1", "1.2"))
-    assert out["params"]["_meta"] == {"k": 1, mcp.META_EFFECT_ID: "e1",
-                                      mcp.META_FENCING_TOKEN: "1.2"}  # fmt: skip
+    assert out["params"]["_meta"] == {
+        "k": 1, **mcp.both_names({mcp.META_EFFECT_ID: "e1", mcp.META_FENCING_TOKEN: "1.2"})
+    }  # fmt: skip
     assert message["params"]["_meta"] == {"k": 1}  # the agent's message is not changed
 
 

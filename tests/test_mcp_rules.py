@@ -57,6 +57,7 @@ def test_an_explicit_slot_names_the_effect_and_the_payload_still_binds_the_argum
         ({"name": "t", "_meta": "x"}, "params._meta"),
         ({"name": "t", "_meta": {mcp.META_SLOT: "a b"}}, "fencegate/slot"),
         ({"name": "t", "_meta": {mcp.META_SLOT: 7}}, "fencegate/slot"),
+        ({"name": "t", "_meta": {"fencegate/slot": "a b"}}, "fencegate/slot"),  # the older name
     ],
 )
 def test_a_call_that_names_no_effect_is_refused_naming_the_field(params: Any, named: str) -> None:
@@ -77,15 +78,20 @@ def test_the_server_gets_the_identity_and_every_other_meta_key_unchanged() -> No
                 "io.modelcontextprotocol/protocolVersion": "2026-07-28",
                 mcp.META_SLOT: "s1",
                 mcp.META_EFFECT_ID: "forged-by-the-agent",
+                "fencegate/effectId": "forged-under-the-older-name",
+                "dev.fencegate/anything": "the gateway's prefix is the gateway's",
             },
         },
     }
     sent = json.loads(mcp.with_identity(message, "e" * 64, "3.7"))
+    # The identity under both spellings (the older one for at least one release).
     assert sent["params"]["_meta"] == {
         "progressToken": 9,
         "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-        mcp.META_EFFECT_ID: "e" * 64,
-        mcp.META_FENCING_TOKEN: "3.7",
+        "dev.fencegate/effectId": "e" * 64,
+        "dev.fencegate/fencingToken": "3.7",
+        "fencegate/effectId": "e" * 64,
+        "fencegate/fencingToken": "3.7",
     }
     assert {k: v for k, v in sent.items() if k != "params"} == {
         "jsonrpc": "2.0",
@@ -95,7 +101,15 @@ def test_the_server_gets_the_identity_and_every_other_meta_key_unchanged() -> No
     assert sent["params"]["name"] == "charge" and sent["params"]["arguments"] == {"amount": 5}
     assert message["params"]["_meta"][mcp.META_EFFECT_ID] == "forged-by-the-agent"  # a copy
     bare = json.loads(mcp.with_identity({"id": 1, "method": "tools/call"}, "f" * 64, "1.1"))
-    assert bare["params"]["_meta"] == {mcp.META_EFFECT_ID: "f" * 64, mcp.META_FENCING_TOKEN: "1.1"}
+    assert bare["params"]["_meta"] == mcp.both_names(
+        {mcp.META_EFFECT_ID: "f" * 64, mcp.META_FENCING_TOKEN: "1.1"}
+    )
+    # A keyed call has no lease: no fencing token under either name.
+    keyed = json.loads(mcp.with_identity(message, "k" * 64, None))
+    assert {k: v for k, v in keyed["params"]["_meta"].items() if "fencegate/" in k} == {
+        "dev.fencegate/effectId": "k" * 64,
+        "fencegate/effectId": "k" * 64,
+    }
 
 
 @pytest.mark.parametrize(
@@ -127,7 +141,10 @@ def test_a_duplicate_gets_the_stored_answer_under_its_own_id_marked_replayed() -
     assert again == {
         "jsonrpc": "2.0",
         "id": "req-9",
-        "result": {"content": [1], "_meta": {"server": "x", mcp.META_REPLAYED: True}},
+        "result": {
+            "content": [1],
+            "_meta": {"server": "x", "dev.fencegate/replayed": True, "fencegate/replayed": True},
+        },
     }
     assert stored["id"] == 3 and mcp.META_REPLAYED not in stored["result"]["_meta"]  # type: ignore[index]
 
@@ -306,5 +323,5 @@ def test_an_error_answer_has_no_summary_and_a_record_without_one_replays_as_befo
     assert mcp.answer_summary({"id": 1, "error": {"code": -32603}}) == {}
     assert mcp.omitted_answer(None)["result"] == {
         "content": [],
-        "_meta": {mcp.META_REPLAY_BODY: "omitted"},
+        "_meta": {"dev.fencegate/replayBody": "omitted", "fencegate/replayBody": "omitted"},
     }

@@ -72,14 +72,16 @@ async def test_every_forward_is_observed_with_its_outcome(api: Api) -> None:
         assert r.status == 200  # a safe method: forwarded unrecorded, observed all the same
     m = await metrics(api)
     count = "fencegate_forward_seconds_count"
-    assert value(m, count, downstream="api", outcome="committed") == 2
-    assert value(m, count, downstream="api", outcome="unknown") == 1
-    assert value(m, count, downstream="api", outcome="not_applied") == 1
-    assert value(m, count, downstream="brief", outcome="timeout") == 1
-    assert value(m, count, downstream="down", outcome="unreachable") == 1
+    assert value(m, count, downstream="api", outcome="committed", kind="leased") == 2
+    assert value(m, count, downstream="api", outcome="unknown", kind="leased") == 1
+    assert value(m, count, downstream="api", outcome="not_applied", kind="leased") == 1
+    assert value(m, count, downstream="brief", outcome="timeout", kind="leased") == 1
+    assert value(m, count, downstream="down", outcome="unreachable", kind="leased") == 1
     # The timed-out forward is observed for as long as it ran: at least the downstream's
     # timeout, at most what the agent waited for the answer (however loaded the machine).
-    timed = value(m, "fencegate_forward_seconds_sum", downstream="brief", outcome="timeout")
+    timed = value(
+        m, "fencegate_forward_seconds_sum", downstream="brief", outcome="timeout", kind="leased"
+    )
     assert 0.25 <= timed <= waited
 
 

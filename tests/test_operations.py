@@ -104,10 +104,21 @@ async def test_metric_families_move_and_validation_coverage_is_complete(
     assert value(m, "fencegate_commits_total", outcome="CANCELLED") == 1
     assert value(m, "fencegate_rejections_total", point="proxy", code="LEASE_EXPIRED") == 1
     assert value(m, "fencegate_rejections_total", point="commit", code="FENCED") == 1
-    assert value(m, "fencegate_effects_total", downstream="api", outcome="COMMITTED") == 1
-    assert value(m, "fencegate_effects_total", downstream="api", outcome="replayed") == 1
-    assert value(m, "fencegate_effects_total", downstream="api", outcome="conflict") == 1
-    assert value(m, "fencegate_effects_total", downstream="api", outcome="UNKNOWN") == 1
+    assert (
+        value(m, "fencegate_effects_total", downstream="api", outcome="COMMITTED", kind="leased")
+        == 1
+    )
+    assert (
+        value(m, "fencegate_effects_total", downstream="api", outcome="replayed", kind="leased")
+        == 1
+    )
+    assert (
+        value(m, "fencegate_effects_total", downstream="api", outcome="conflict", kind="leased")
+        == 1
+    )
+    assert (
+        value(m, "fencegate_effects_total", downstream="api", outcome="UNKNOWN", kind="leased") == 1
+    )
     assert value(m, "fencegate_unknown_effects") == 1
     assert value(m, "fencegate_prepared_effects") == 0
     assert value(m, "fencegate_active_leases") == 0  # t1 committed, t2 cancelled

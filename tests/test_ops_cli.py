@@ -131,6 +131,13 @@ async def env(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> AsyncIterat
                 "adapter": "manual",
                 "require_approval": True,
             },
+            # Lease-less calls by Idempotency-Key (without [auth] the caller is "anonymous").
+            {
+                "name": "keyed",
+                "url": downstream.url,
+                "timeout_ms": 2000,
+                "client_idempotency_keys": "optional",
+            },
         ],
     )
     app = create_app(config, store=build_test_store(config))
@@ -161,7 +168,7 @@ async def test_list_show_and_resolve_an_unknown_effect(env: Env) -> None:
     assert listed.code == 0, listed.err
     header, row = listed.out.splitlines()
     assert header.split() == [
-        "EFFECT", "STATE", "TASK", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED",
+        "EFFECT", "STATE", "TASK/KEY", "DOWNSTREAM", "REQUEST", "ATTEMPTS", "UPDATED",
     ]  # fmt: skip
     assert row.split()[:7] == [eid[:12], "UNKNOWN", "t1", "api", "POST", "/status/500", "1"]
     assert row.endswith("Z")
@@ -224,6 +231,55 @@ async def test_list_show_and_resolve_an_unknown_effect(env: Env) -> None:
     assert other.code == 1 and other.out == ""
     assert other.err.startswith("fencegate: EFFECT_SETTLED: ")
     assert "NOT_APPLIED" in other.err
+
+
+async def test_keyed_effects_are_listed_shown_found_and_resolved(env: Env) -> None:
+    """A lease-less client's effect has no task: the table names its principal and key, the
+    record shows kind, principal and idempotencyKey, and the key finds it."""
+    async with env.api.client.post(
+        "/proxy/keyed/status/500", json={"amount": 5}, headers={"Idempotency-Key": "k-cli"}
+    ) as resp:
+        assert resp.status == 500
+        eid = resp.headers["Fence-Effect-Id"]
+    leased = await unknown_effect(env)
+
+    listed = await env.cli("effects", "list")
+    assert listed.code == 0, listed.err
+    rows = {line.split()[0]: line.split() for line in listed.out.splitlines()[1:]}
+    assert rows[eid[:12]][:4] == [eid[:12], "UNKNOWN", "key:anonymous/k-cli", "keyed"]
+    assert rows[leased[:12]][2] == "t1"
+
+    shown = await env.cli("effects", "show", eid[:12])
+    assert shown.code == 0, shown.err
+    assert "kind            keyed\n" in shown.out
+    assert "principal       anonymous\n" in shown.out
+    assert "idempotencyKey  k-cli\n" in shown.out
+    assert "\ntask " not in shown.out and "None" not in shown.out
+    assert "kind            leased\n" in (await env.cli("effects", "show", leased)).out
+
+    found = await env.cli(
+        "effects", "list", "--idempotency-key", "k-cli", "--principal", "anonymous", "--json"
+    )
+    assert found.code == 0, found.err
+    (record,) = found.json()
+    assert (record["effectId"], record["kind"], record["taskId"]) == (eid, "keyed", None)
+    # Without --principal: the caller's own (anonymous, without [auth]).
+    assert len((await env.cli("effects", "list", "--idempotency-key", "k-cli", "--json")).json())
+    none = await env.cli("effects", "list", "--idempotency-key", "k-cli", "--principal", "bob")
+    assert none.code == 0 and none.out == "no effects\n"
+    for argv in (
+        ["--principal", "anonymous"],
+        ["--idempotency-key", "k-cli", "--state", "UNKNOWN"],
+        ["--idempotency-key", "k-cli", "--awaiting-approval"],
+    ):
+        refused = await env.cli("effects", "list", *argv)
+        assert refused.code == 2, (argv, refused)
+
+    resolved = await env.cli(
+        "effects", "resolve", eid[:12], "--outcome", "COMMITTED", "--note", "found it"
+    )
+    assert resolved.code == 0, resolved.err
+    assert f"effect {eid} resolved as COMMITTED" in resolved.out
 
 
 async def test_operator_name_from_the_environment(

@@ -169,6 +169,25 @@ async def test_absent_before_the_settle_time_does_not_let_the_order_go_again(
     assert late.order_creates == 1 and late.received["orders"] == 1
 
 
+async def test_a_retry_meeting_another_reconcilers_probe_is_told_unknown(
+    api: Api, late: LateServers
+) -> None:
+    """B retries while another reconciler (the background one, another gateway's) holds the
+    probe: the answer is EFFECT_UNKNOWN, retry later, never EFFECT_IN_FLIGHT (nothing is being
+    forwarded), and this retry sends no second lookup. A demo run under load met this race."""
+    late.queue = "hold"
+    a, effect_id = await lost_order(api, late, "orders")
+    b = await take_over(api, a)
+    await api.store.update_effect(
+        effect_id, lambda record, now: effects.begin_probe(record, "other", 60_000, now)
+    )
+    retry = await call(api, b, "POST", "orders/orders", body=ORDER)
+    assert (retry.status, retry.code) == (409, "EFFECT_UNKNOWN"), (retry.status, retry.body)
+    assert retry.headers["Fence-Effect-State"] == "UNKNOWN"
+    assert late.received["lookup"] == 0 and late.received["orders"] == 1
+    late.release_orders()
+
+
 async def test_absent_after_the_settle_time_lets_the_order_go_once(
     api: Api, late: LateServers
 ) -> None:

@@ -440,6 +440,14 @@ async def _no_such_effect(tmp_path: Any, downstream: Downstream) -> Provoked:
         return await env.problem("GET", f"/v1/effects/{EID}"), [f"effect {EID}"]
 
 
+@provokes("IDEMPOTENCY_KEY_REQUIRED")
+async def _key_required(tmp_path: Any, downstream: Downstream) -> Provoked:
+    keyed = {"name": "keyed", "url": downstream.url, "client_idempotency_keys": "required"}
+    async with gateway(tmp_path, downstream, extra_downstreams=[keyed]) as env:
+        problem = await env.problem("POST", "/proxy/keyed/ok/pay?token=s3cret", body={"n": 1})
+        return problem, ["POST /proxy/keyed/ok/pay", "downstreams.keyed.client_idempotency_keys"]
+
+
 @provokes("NO_SUCH_DOWNSTREAM")
 async def _no_such_downstream(tmp_path: Any, downstream: Downstream) -> Provoked:
     async with gateway(tmp_path, downstream) as env:

@@ -62,6 +62,7 @@ BASE = {
     "epoch": 2,
     "downstream": "pay",
     "method": "POST",
+    "kind": "leased",
 }
 MUTATION = {**BASE, "node": "main", "slot": "charge", "payload_digest": "d" * 64}
 EFFECT_ID = "e" * 64
@@ -201,7 +202,7 @@ def test_a_rejected_prepare_is_refused_and_counted_under_its_refusal_name(
     )
     assert decision.metrics == (
         Validation("proxy", error.code, True),
-        Count("effects", ("pay", label)),
+        Count("effects", ("pay", label, "leased")),
     )
 
 
@@ -224,7 +225,7 @@ def test_a_committed_effect_is_replayed() -> None:
     assert decision == Decision(
         Replay(prepared.effect),
         logs=(LogRecord("info", "effect.replayed", {**MUTATION, "effect_id": EFFECT_ID}),),
-        metrics=(Validation("proxy", None, True), Count("effects", ("pay", "replayed"))),
+        metrics=(Validation("proxy", None, True), Count("effects", ("pay", "replayed", "leased"))),
     )
 
 
@@ -236,7 +237,7 @@ def test_shadow_mode_forwards_a_replay_as_a_shadow_rejection_named_replay() -> N
     assert events(decision) == ["effect.replayed", "effect.shadow_rejected"]
     assert decision.metrics == (
         Validation("proxy", None, True),
-        Count("effects", ("pay", "replayed")),
+        Count("effects", ("pay", "replayed", "leased")),
         Count("shadow_rejections", ("proxy", "REPLAY")),
     )
 

@@ -409,12 +409,14 @@ async def test_unanswering_store_refuses_proxied_calls_and_forwards_nothing(
     session: aiohttp.ClientSession,
 ) -> None:
     store_url, outage = store_outage
+    # The store timeout only has to fire during the outage, and the forward start limit only
+    # bounds a hang: on a loaded machine a retry's prepare after recovery took over 500 ms.
     gateway = gateways.start(
         "gw",
         store_url,
-        timeout_ms=500,
+        timeout_ms=3_000,
         downstreams=[api_downstream(downstream, 5_000)],
-        proxy={"prepared_margin_ms": 1_000},
+        proxy={"prepared_margin_ms": 4_000, "forward_start_limit_ms": 3_000},
     )
     x = {"to": "alice", "amount": 10}
     eid = effect_id("pay-1", 1, "main", "s1")

@@ -5,7 +5,9 @@ Version 1 (before task flow) is written here as that version created it; version
 retention) by the stores' own version-2 DDL, which version 3 only adds to (``_SCHEMA`` and
 ``_FLOW_SCHEMA`` of each SQL store; ledger/sql_steps.py ``SCHEMA_VERSION`` says what each
 version added). Version 3's upgrade fills the settled index from the tasks already settled,
-so they expire like any other.
+so they expire like any other. Version 4 (keyed effects) adds the keyed index and writes the
+effect events' trigger again, so a keyed effect's event says ``taskId`` null; a version-3
+database is written here with that trigger as version 3 had it.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ async def test_a_version_1_sqlite_file_is_upgraded_in_place(tmp_path: Path) -> N
             await store.close()
     with sqlite3.connect(path) as conn:
         (version,) = conn.execute("SELECT version FROM fencegate_schema").fetchone()
-    assert version == sql_steps.SCHEMA_VERSION == 3
+    assert version == sql_steps.SCHEMA_VERSION == 4
 
 
 async def test_a_version_1_postgres_database_is_upgraded_in_place(
@@ -144,7 +146,7 @@ async def test_a_version_1_postgres_database_is_upgraded_in_place(
         await store.close()
     conn = await asyncpg.connect(url)
     try:
-        assert await conn.fetchval("SELECT version FROM fencegate_schema") == 3
+        assert await conn.fetchval("SELECT version FROM fencegate_schema") == 4
     finally:
         await conn.close()
 
@@ -291,7 +293,7 @@ async def test_a_version_2_sqlite_file_is_upgraded_and_its_settled_tasks_expire(
         for text, args in v2_rows():
             conn.execute(text, args)
         conn.commit()
-    for first in (True, False):  # the second open finds version 3 and changes nothing
+    for first in (True, False):  # the second open finds version 4 and changes nothing
         store = SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS)
         await store.open()
         try:
@@ -304,7 +306,7 @@ async def test_a_version_2_sqlite_file_is_upgraded_and_its_settled_tasks_expire(
             await store.close()
     with contextlib.closing(sqlite3.connect(path)) as conn:
         (version,) = conn.execute("SELECT version FROM fencegate_schema").fetchone()
-    assert version == sql_steps.SCHEMA_VERSION == 3
+    assert version == sql_steps.SCHEMA_VERSION == 4
 
 
 async def test_a_version_2_postgres_database_is_upgraded_and_its_settled_tasks_expire(
@@ -326,9 +328,145 @@ async def test_a_version_2_postgres_database_is_upgraded_and_its_settled_tasks_e
         try:
             settled = dict(await conn.fetch("SELECT task_id, due_at FROM settled"))
             assert settled == {"done": 2_000, "dropped": 3_000, "base": 4_000}
-            assert await conn.fetchval("SELECT version FROM fencegate_schema") == 3
+            assert await conn.fetchval("SELECT version FROM fencegate_schema") == 4
         finally:
             await conn.close()
         await exercise_upgraded_v2(store)
+    finally:
+        await store.close()
+
+
+# --- version 3 -> 4 (keyed effects) --------------------------------------------------------
+
+#: The effect events as version 3 wrote them: ``taskId`` straight from the column.
+V3_SQLITE_EFFECT_EVENT = """json_object('type', 'effect', 'effectId', NEW.effect_id,
+    'taskId', NEW.task_id, 'state', NEW.state, 'downstream', NEW.downstream,
+    'at', CAST(json_extract(NEW.fields, '$.updated_at') AS INTEGER))"""
+V3_SQLITE_EFFECT_TRIGGERS = (
+    "DROP TRIGGER effects_event_insert",
+    "DROP TRIGGER effects_event_update",
+    "CREATE TRIGGER effects_event_insert AFTER INSERT ON effects BEGIN "
+    f"INSERT INTO events (body) VALUES ({V3_SQLITE_EFFECT_EVENT}); END",
+    "CREATE TRIGGER effects_event_update AFTER UPDATE ON effects "
+    "WHEN OLD.state IS NOT NEW.state BEGIN "
+    f"INSERT INTO events (body) VALUES ({V3_SQLITE_EFFECT_EVENT}); END",
+)
+V3_POSTGRES_EFFECT_FUNCTION = """CREATE OR REPLACE FUNCTION fencegate_effect_event()
+    RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' OR OLD.state IS DISTINCT FROM NEW.state THEN
+            INSERT INTO events (body) VALUES (json_build_object('type', 'effect',
+                'effectId', NEW.effect_id, 'taskId', NEW.task_id, 'state', NEW.state,
+                'downstream', NEW.downstream,
+                'at', (NEW.fields::jsonb ->> 'updated_at')::bigint)::text);
+        END IF;
+        RETURN NULL;
+    END $$"""
+
+
+async def exercise_upgraded_v3(store: Store) -> None:
+    """The version-3 effect (leased) still reads and its events name its task; a keyed
+    effect's name none, and it expires through the keyed index."""
+    old = await store.get_effect(V2_EFFECT.effect_id)
+    assert (old.kind, old.task_id) == ("leased", "done")
+    _, start = await store.read_events(None, 10)
+    request = effects.EffectRequest(
+        None,
+        "",
+        "",
+        "api",
+        "POST",
+        "/x",
+        "d1",
+        forward_id="f1",
+        client_key=effects.ClientKey("agent", "k1"),
+    )
+    prepared = await store.prepare_effect(request, 10_000)
+    assert prepared.action is effects.Action.FORWARD
+    await store.complete_effect(
+        None, prepared.effect.effect_id, 0, "f1", EffectState.COMMITTED, "test", None
+    )
+    events, _ = await store.read_events(start, 10)
+    assert [(e.body["taskId"], e.body["state"]) for e in events] == [
+        (None, "PREPARED"),
+        (None, "COMMITTED"),
+    ]
+    report = await store.expire_settled(0, 600_000, 100)
+    # The settled tasks as in version 3 ("done" with its effect, "dropped"), and the keyed one.
+    assert (report.expired_tasks, report.expired_effects) == (2, 2)
+    with pytest.raises(EffectExpired):
+        await store.get_effect(prepared.effect.effect_id)
+
+
+async def test_a_version_3_sqlite_file_is_upgraded_and_serves_keyed_effects(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "v3.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        for statement in sqlite_store._statements(sqlite_store._SCHEMA):
+            conn.execute(statement)
+        for name, sql_type in sql_steps.TASK_FLOW_COLUMNS:
+            conn.execute(f"ALTER TABLE tasks ADD COLUMN {name} {sql_type}")
+        for statement in sqlite_store._statements(sqlite_store._FLOW_SCHEMA):
+            conn.execute(statement)
+        for statement in V3_SQLITE_EFFECT_TRIGGERS:
+            conn.execute(statement)
+        for statement in sql_steps.RETENTION_TABLES:
+            conn.execute(statement)
+        for statement in sqlite_store._statements(sqlite_store._RETENTION_SCHEMA):
+            conn.execute(statement)
+        conn.execute("INSERT INTO fencegate_schema (id, version) VALUES (1, 3)")
+        for text, args in v2_rows():
+            conn.execute(text, args)
+        conn.commit()
+    for first in (True, False):  # the second open finds version 4 and changes nothing
+        store = SQLiteStore(str(path), POLICY, timeout_ms=STORE_TIMEOUT_MS)
+        await store.open()
+        try:
+            migration = await store.migrate()
+            assert (migration.found, migration.current) == ((3, 4) if first else (4, 4))
+            if first:
+                await exercise_upgraded_v3(store)
+        finally:
+            await store.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        (version,) = conn.execute("SELECT version FROM fencegate_schema").fetchone()
+        assert conn.execute("SELECT COUNT(*) FROM keyed_settled").fetchone() == (0,)
+    assert version == sql_steps.SCHEMA_VERSION == 4
+
+
+async def test_a_version_3_postgres_database_is_upgraded_and_serves_keyed_effects(
+    postgres_server: PostgresServer, request: pytest.FixtureRequest
+) -> None:
+    url = postgres_test_url(postgres_server, request)
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            ";\n".join(
+                (
+                    *postgres_store._SCHEMA,
+                    *postgres_store._FLOW_SCHEMA,
+                    V3_POSTGRES_EFFECT_FUNCTION,
+                    *postgres_store._RETENTION_SCHEMA,
+                )
+            )
+        )
+        await conn.execute("INSERT INTO fencegate_schema (id, version) VALUES (1, 3)")
+        for text, args in v2_rows():
+            await conn.execute(numbered(text), *args)
+    finally:
+        await conn.close()
+    store = PostgresStore(url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
+    await store.open()
+    try:
+        migration = await store.migrate()
+        assert (migration.found, migration.current) == (3, 4)
+        await exercise_upgraded_v3(store)
+        conn = await asyncpg.connect(url)
+        try:
+            assert await conn.fetchval("SELECT version FROM fencegate_schema") == 4
+            assert await conn.fetchval("SELECT COUNT(*) FROM keyed_settled") == 0
+        finally:
+            await conn.close()
     finally:
         await store.close()

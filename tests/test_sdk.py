@@ -72,6 +72,7 @@ def gateway_config(store_url: str, key_prefix: str, downstream: Downstream) -> C
             {"name": "dead", "url": f"http://127.0.0.1:{refused_port()}", "timeout_ms": TIMEOUT_MS},
             {"name": "small", "url": downstream.url, "max_body_bytes": 1024},
             {"name": "bank", "url": downstream.url, "adapter": "manual", "require_approval": True},
+            {"name": "keyed", "url": downstream.url, "client_idempotency_keys": "required"},
         ],
         # A forward start limit of 1 s: a loaded CI machine answered a prepare 933 ms late.
         proxy={"prepared_margin_ms": 2_000},
@@ -292,6 +293,11 @@ async def approval_required(env: Env) -> object:
     return await lease.request("bank", "POST", "/ok/wire", slot="wire", json={"eur": 9})
 
 
+async def idempotency_key_required(env: Env) -> object:
+    # A lease-less POST without a key (Client.request refuses to send one: sent by hand).
+    return await env.client.call("POST", "/proxy/keyed/ok/pay", {"eur": 9})
+
+
 async def downstream_timeout(env: Env) -> object:
     lease = await env.client.acquire(await new_task(env), owner="w1", ttl_ms=10_000)
     return await pay(lease, path=f"/slow/{TIMEOUT_MS * 2}/pay")
@@ -326,6 +332,7 @@ SCENARIOS: dict[str, Scenario] = {
     "STORE_UNAVAILABLE": store_unavailable,
     "DOWNSTREAM_TIMEOUT": downstream_timeout,
     "APPROVAL_REQUIRED": approval_required,
+    "IDEMPOTENCY_KEY_REQUIRED": idempotency_key_required,
 }
 #: Codes the scenarios here do not produce: authentication (tests/test_auth.py), the request
 #: guard and slow clients (tests/test_request_guard.py, tests/test_slow_clients.py), a busy

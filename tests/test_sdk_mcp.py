@@ -103,7 +103,7 @@ def text(result: CallToolResult) -> str:
 
 
 def replayed(result: CallToolResult) -> bool:
-    return bool((result.meta or {}).get("fencegate/replayed"))
+    return bool((result.meta or {}).get("dev.fencegate/replayed"))
 
 
 # --- the API ------------------------------------------------------------------------------------
@@ -135,7 +135,8 @@ async def test_mcp_headers_are_the_fence_headers_and_the_clients_credential() ->
     "slot", ["charge-1", "a" * 200, "ns:step/2@v1.x_y", "0"], ids=["plain", "200", "all", "one"]
 )
 def test_mcp_meta_names_the_slot(slot: str) -> None:
-    assert fencegate.mcp_meta(slot) == {"fencegate/slot": slot}
+    # Under both names for at least one release: a gateway before the move reads the older.
+    assert fencegate.mcp_meta(slot) == {"dev.fencegate/slot": slot, "fencegate/slot": slot}
 
 
 @pytest.mark.parametrize(
@@ -227,7 +228,8 @@ async def test_an_mcp_session_under_a_lease_records_its_slot_and_replays(
         # The tool got the effect's identity, not the slot key the agent sent.
         run = mcp_server.executions()["counter"][0]
         assert run["meta"][EFFECT_ID_META_KEY] == record["effectId"]
-        assert "fencegate/slot" not in run["meta"]
+        assert "fencegate/slot" not in run["meta"] and "dev.fencegate/slot" not in run["meta"]
+        assert run["meta"]["dev.fencegate/effectId"] == record["effectId"]
 
 
 async def test_the_credential_and_the_node_of_mcp_headers_count(

@@ -148,8 +148,9 @@ class LeaseMachine(RuleBasedStateMachine):
         self.offset = 0
         self.handles: list[Handle] = []
         self.model_effects: dict[str, Effect] = {}
-        #: Forwards that were prepared and not yet completed: (effectId, seq, handle).
-        self.pending: list[tuple[str, int, Handle]] = []
+        #: Forwards that were prepared and not yet completed: (effectId, seq, handle; None
+        #: for a keyed forward).
+        self.pending: list[tuple[str, int, Handle | None]] = []
         #: The test's own account of every forward, independent of the model: per effect,
         #: each attempt's [deadline, outcome or None], and how many an operator settled.
         self.history: dict[str, list[list[Any]]] = {}
@@ -630,7 +631,8 @@ class LeaseMachine(RuleBasedStateMachine):
             if name == "attempts":
                 assert len(m) == len(s)
                 for ma, sa in zip(m, s, strict=True):
-                    assert attempts_by_store[sa.attempt_id] == ma.attempt_id
+                    # A keyed forward's attempt id is its forward id, the same on both sides.
+                    assert attempts_by_store.get(sa.attempt_id, sa.attempt_id) == ma.attempt_id
                     assert (ma.claim_generation, ma.outcome, ma.reason, ma.approved_by) == (
                         sa.claim_generation,
                         sa.outcome,
@@ -746,6 +748,75 @@ class LeaseMachine(RuleBasedStateMachine):
             assert len(self.history[model.effect.effect_id]) == model.seq + 1
         self.forwards += 1
 
+    @rule(
+        principal=st.sampled_from(["alice", "bob"]),
+        key=st.sampled_from(["k1", "k2"]),
+        payload=st.sampled_from(["p1", "p2"]),
+        deadline=st.sampled_from([STEP_MS, 3 * STEP_MS]),
+        resend=st.sampled_from([None, 2 * STEP_MS]),
+        approval=st.sampled_from([False, False, True]),
+    )
+    def prepare_keyed(
+        self,
+        principal: str,
+        key: str,
+        payload: str,
+        deadline: int,
+        resend: int | None,
+        approval: bool,
+    ) -> None:
+        """A lease-less client's call by idempotency key: no task, no fence; the same
+        ledger rules. Two principals' equal keys are two effects."""
+        request = EffectRequest(
+            None,
+            "main",
+            "",
+            "api",
+            "POST",
+            "/pay",
+            payload,
+            f"fwd-{self.forwards}",
+            client_key=effects.ClientKey(principal, key),
+        )
+        assert request.effect_id is not None
+        existing = self.model_effects.get(request.effect_id)
+        code, model, stored = self.both(
+            lambda: effects.prepare(
+                None,
+                self.scheduler,
+                existing,
+                request,
+                self.now,
+                deadline,
+                resend_window_ms=resend,
+                require_approval=approval,
+            ),
+            self.store.prepare_effect(
+                request, deadline, resend_window_ms=resend, require_approval=approval
+            ),
+        )
+        event(
+            f"prepare_keyed {code}"
+            if code != "ok"
+            else f"prepare_keyed {model.action.value} {model.error.code if model.error else ''}"
+        )
+        if code != "ok":
+            return
+        assert model.action == stored.action
+        assert model.effect.kind == stored.effect.kind == "keyed"
+        if model.error is not None or stored.error is not None:
+            assert model.error is not None and stored.error is not None
+            assert model.error.code == stored.error.code
+            assert model.error.extra == stored.error.extra
+            assert _masked(model.error.detail) == _masked(stored.error.detail)
+        self.model_effects[model.effect.effect_id] = model.effect
+        self.same_effect(model.effect, stored.effect)
+        if model.action is effects.Action.FORWARD:
+            self.pending.append((model.effect.effect_id, model.seq, None))
+            self.history.setdefault(model.effect.effect_id, []).append([self.now + deadline, None])
+            assert len(self.history[model.effect.effect_id]) == model.seq + 1
+        self.forwards += 1
+
     @precondition(lambda self: self.pending)
     @rule(
         data=st.data(),
@@ -761,13 +832,18 @@ class LeaseMachine(RuleBasedStateMachine):
     ) -> None:
         index = data.draw(st.integers(0, len(self.pending) - 1))
         eid, seq, handle = self.pending.pop(index)
+        if handle is None:  # a keyed forward: its attempt id is its forward id
+            forward_id = self.model_effects[eid].attempts[seq].forward_id
+            assert forward_id is not None
+            task_id, model_attempt, store_attempt = None, forward_id, forward_id
+        else:
+            task_id = self.ids[handle.task]
+            model_attempt, store_attempt = handle.model_attempt, handle.store_attempt
         model, applied = effects.complete(
-            self.model_effects[eid], seq, handle.model_attempt, outcome, reason, response, self.now
+            self.model_effects[eid], seq, model_attempt, outcome, reason, response, self.now
         )
         stored, stored_applied = self.run(
-            self.store.complete_effect(
-                self.ids[handle.task], eid, seq, handle.store_attempt, outcome, reason, response
-            )
+            self.store.complete_effect(task_id, eid, seq, store_attempt, outcome, reason, response)
         )
         assert applied == stored_applied
         event(f"complete {outcome.value} applied={applied}")

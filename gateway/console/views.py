@@ -519,6 +519,14 @@ def _body_text(response: dict[str, Any] | None) -> str | None:
         return f"(binary, {len(raw)} bytes)"
 
 
+def _whose(effect: Effect) -> str:
+    """Whose call an effect is, for a confirmation: a worker's task, or a lease-less client's
+    key (a keyed effect has no task)."""
+    if effect.task_id is None:
+        return f"client {effect.principal!r}, Idempotency-Key {effect.idempotency_key!r}"
+    return f"task {effect.task_id}"
+
+
 async def _effect_context(request: web.Request, viewer: Viewer, effect: Effect) -> dict[str, Any]:
     record = shown_record(viewer.principal, effect, request.app)
     adapter = request.app[ADAPTERS].get(effect.downstream)
@@ -686,7 +694,7 @@ async def resolve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
         if body.force and body.outcome == "NOT_APPLIED":
             meaning += (" (forced: even if an earlier forward may still land at the "
                         "downstream, which would then run it twice; recorded)")  # fmt: skip
-        what = (f"Resolve effect {effect_id[:12]}... (task {effect.task_id}, "
+        what = (f"Resolve effect {effect_id[:12]}... ({_whose(effect)}, "
                 f"{effect.downstream} {effect.method} {effect.path}) as {body.outcome}: "
                 f"{meaning}.")  # fmt: skip
         if decided.unchanged:
@@ -724,7 +732,7 @@ async def approve(request: web.Request, viewer: Viewer, form: dict[str, str]) ->
         ttl = adapter.approval_ttl(effect.path) if adapter is not None else None
         named = body.approvalDigest or body.payloadDigest
         what = (f"Approve request {named} (payload {body.payloadDigest or 'as it waits'}) of "
-                f"effect {effect_id[:12]}... (task {effect.task_id}, {effect.downstream} "
+                f"effect {effect_id[:12]}... ({_whose(effect)}, {effect.downstream} "
                 f"{effect.method} {effect.path}). The agent's next call with exactly this "
                 f"payload and these headers is sent once; the approval expires "
                 f"{_duration(ttl)} after you confirm.")  # fmt: skip

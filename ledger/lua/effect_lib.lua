@@ -1,5 +1,6 @@
 -- Helpers for the effect scripts (prepended after common.lua). An effect record is a flat
--- map of strings, stored cjson-encoded as one field of the task's effects hash; attempt i
+-- map of strings, stored cjson-encoded as one field of the task's effects hash (a keyed
+-- effect's: of its own one-field hash, ledger.keys.Keys.keyed_effect); attempt i
 -- lives in fields a<i>_attempt_id, a<i>_claim_generation, a<i>_started_at, a<i>_ended_at,
 -- a<i>_outcome, a<i>_reason (ledger.effects.effect_to_fields).
 
@@ -65,12 +66,21 @@ local function state_after(e, seq, outcome)
 end
 
 -- The effect indexes, from the keys a script received (in the order redis_store.py passes
--- them: prepared zset, unknown set, awaiting set, probe-due zset, then the event stream).
--- Each effect script builds this once from its own KEYS and hands it to index_effect /
--- save_effect.
-local function effect_indexes(prepared, unknown, awaiting, probe_due, events)
+-- them: prepared zset, unknown set, awaiting set, probe-due zset, the event stream, then the
+-- keyed-settled zset, which only a step that may write a keyed record receives: nil for the
+-- leased hot path, whose records never enter it). Each effect script builds this once from
+-- its own KEYS and hands it to index_effect / save_effect.
+local function effect_indexes(prepared, unknown, awaiting, probe_due, events, keyed_settled)
   return {prepared = prepared, unknown = unknown, awaiting = awaiting, probe_due = probe_due,
-          events = events}
+          events = events, keyed_settled = keyed_settled}
+end
+
+-- Mirror of ledger.effects.keyed_settled: a keyed effect retention may count down
+-- (COMMITTED, or NOT_APPLIED and not awaiting an approval).
+local function keyed_settled(e)
+  if e.idempotency_key == nil then return false end
+  if e.state == 'COMMITTED' then return true end
+  return e.state == 'NOT_APPLIED' and not is_awaiting_approval(e)
 end
 
 -- One event (ledger.events.effect_event) for a record whose state a step changed (or that it
@@ -124,6 +134,16 @@ local function index_effect(index, e, prior)
     if any or not prior.awaiting then redis.call('SADD', index.awaiting, id) end
   elseif any or prior.awaiting then
     redis.call('SREM', index.awaiting, id)
+  end
+  -- A keyed record (never a leased one) is in the keyed-settled zset exactly while
+  -- keyed_settled holds, due from the updated_at at which it entered: NX keeps the score of
+  -- one already there, a write that leaves the set takes it out.
+  if e.idempotency_key ~= nil then
+    if keyed_settled(e) then
+      redis.call('ZADD', index.keyed_settled, 'NX', tonumber(e.updated_at), id)
+    else
+      redis.call('ZREM', index.keyed_settled, id)
+    end
   end
 end
 

@@ -1,5 +1,6 @@
--- Step one of a proxied mutation (mirror of ledger.effects.prepare): validate the claim, then
--- read the effect record and decide, in one atomic step.
+-- Step one of a proxied mutation under a lease (mirror of ledger.effects.prepare): validate
+-- the claim, then read the effect record and decide (prepare_lib.lua), in one atomic step.
+-- A keyed effect's prepare is prepare_keyed.lua.
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
 -- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
@@ -40,13 +41,6 @@ local forward_id = ARGV[15]
 local principal = ARGV[16]
 local requester = nil
 if principal ~= '' then requester = principal end
--- What an approval must name (ledger.effects.prepare: wanted, requested_digest).
-local wanted = digest
-local requested = nil
-if ARGV[19] ~= nil and ARGV[19] ~= '' and ARGV[19] ~= digest then
-  wanted = ARGV[19]
-  requested = ARGV[19]
-end
 
 local epoch = scheduler(scheduler_key)
 -- Only the fields this step reads: prepare never writes the task.
@@ -96,70 +90,9 @@ else
   changed = expire_effect(e, now)
 end
 
-local same = e.payload_digest == digest
-local in_window = resend_window ~= ''
-  and now < tonumber(e.created_at) + tonumber(resend_window)
-if e.state == 'NOT_APPLIED' or (e.state == 'UNKNOWN' and same and in_window) then
-  local moved = changed or not same or requester ~= e.requested_by
-    or requested ~= e.requested_digest
-  if moved then e.updated_at = s(now) end
-  e.downstream = downstream
-  e.method = method
-  e.path = path
-  e.payload_digest = digest
-  e.requested_by = requester
-  e.requested_digest = requested
-  local approver = nil
-  if require_approval then
-    local approved = e.approval_digest == wanted and e.approval_expires_at ~= nil
-      and now < tonumber(e.approval_expires_at)
-      and not (requester ~= nil and e.approval_by == requester)
-    if not approved then
-      local stored = raw
-      if moved then
-        -- What the approver decides on (ledger.effects.prepare: the rebound request_json).
-        if ARGV[20] ~= nil and ARGV[20] ~= '' then e.request = ARGV[20] else e.request = nil end
-        stored = save_effect(index, effects_key, e, prior)
-      end
-      if not stored then stored = cjson.encode(e) end
-      -- ledger.effects._naming
-      local naming = 'payloadDigest ' .. digest
-      if requested then
-        naming = 'approvalDigest ' .. wanted .. ' (payloadDigest ' .. digest
-          .. ' and its effect-changing headers)'
-      end
-      return {'REJECT', 'APPROVAL_REQUIRED', 'an operator must approve ' .. naming
-        .. ': POST /v1/effects/' .. eid .. '/approve', '', stored}
-    end
-    approver = e.approval_by
-  else
-    approval_after(e, 'PREPARED', nil)
-  end
-  -- An approval stays on the record while its forward runs (complete.lua: approval_after).
-  e.probe_holder = nil
-  e.probe_until = nil
-  -- The forward's own request, or none (ledger.effects.prepare: request_json).
-  if ARGV[20] ~= nil and ARGV[20] ~= '' then e.request = ARGV[20] else e.request = nil end
-  local i = tonumber(e.attempt_count)
-  add_attempt(e, now, attempt_id, generation, deadline_ms, forward_id)
-  if approver then e['a' .. s(i) .. '_approved_by'] = approver end
-  return {'FORWARD', save_effect(index, effects_key, e, prior)}
-end
-
-local code, detail, retry = nil, nil, ''
-if not same then
-  code = 'PAYLOAD_CONFLICT'
-  detail = 'effect ' .. eid .. ' is bound to payloadDigest ' .. e.payload_digest
-elseif e.state == 'COMMITTED' then
-  if changed then raw = save_effect(index, effects_key, e, prior) end
-  return {'REPLAY', raw}
-elseif e.state == 'PREPARED' then
-  code = 'EFFECT_IN_FLIGHT'
-  detail = 'the same effect is being forwarded right now'
-  retry = s(math.max(tonumber(e.deadline_at) - now, 0))
-else
-  code = 'EFFECT_UNKNOWN'
-  detail = 'an earlier forward of this effect has an unknown outcome'
-end
-if changed then raw = save_effect(index, effects_key, e, prior) end
-return {'REJECT', code, detail, retry, raw}
+-- The decision (prepare_lib.lua), as for a keyed effect.
+return decide({now = now, key = effects_key, index = index, attempt_id = attempt_id,
+  generation = generation, downstream = downstream, method = method, path = path,
+  digest = digest, deadline_ms = deadline_ms, resend_window = resend_window,
+  require_approval = require_approval, forward_id = forward_id, requester = requester,
+  approval = ARGV[19], request = ARGV[20]}, e, raw, prior, changed)

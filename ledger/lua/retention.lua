@@ -7,20 +7,28 @@
 --      (due_at = now, looked at again settled_ms later), so a held task never stops the
 --      sweep; one that may go is deleted with its effects and every index entry naming them,
 --      and leaves tombstones (live until now + tombstone_ms);
---   3. up to `limit` task tombstones and `limit` effect tombstones past forget_at forgotten.
+--   3. up to `limit` keyed effects due (their keyed_settled score <= now - settled_ms) from
+--      the keyed-settled index (effect_lib.lua's index_effect keeps it): expire_keyed
+--      (why_kept_keyed): one still needed moves to the back (score = now), one that may go
+--      is deleted with every index entry naming it and leaves an effect tombstone with no
+--      task (an empty task_id, which an older gateway still reads);
+--   4. up to `limit` task tombstones and `limit` effect tombstones past forget_at forgotten.
 -- The events already in the feed stay (events_trim.lua trims it by count).
 -- KEYS[1] settled index, KEYS[2] leases index, KEYS[3] tasks index, KEYS[4] effects index
 -- (creation order), KEYS[5] effectId -> taskId hash, KEYS[6] prepared index, KEYS[7] unknown
 -- index, KEYS[8] awaiting-approval index, KEYS[9] probe-due index, KEYS[10] task tombstones
--- index, KEYS[11] effect tombstones index
+-- index, KEYS[11] effect tombstones index, KEYS[12] keyed-settled index, KEYS[13] effect ids
+-- index
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] settled_ms,
 -- ARGV[4] tombstone_ms, ARGV[5] limit
--- Returns {examined, expired tasks, expired effects, forgotten tombstones,
---          reason, count, reason, count, ...} (the tasks kept, by why_kept's reason)
+-- Returns {examined (tasks and keyed effects), expired tasks, expired effects (with their
+--          tasks and keyed), forgotten tombstones, reason, count, reason, count, ...} (the
+--          tasks and keyed effects kept, by why_kept's and why_kept_keyed's reason)
 local settled, leases, tasks_index = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
 local prepared, unknown, awaiting, probe_due = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local task_stones, effect_stones = KEYS[10], KEYS[11]
+local keyed_index, effect_ids = KEYS[12], KEYS[13]
 local now = now_ms(ARGV[1])
 local settled_ms, tombstone_ms, limit = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local forget_at = now + tombstone_ms
@@ -108,7 +116,7 @@ local function expire_task(t, list)
     redis.call('ZREM', effects_order, string.format('%015d', tonumber(e.created_at)) .. ':'
       .. eid .. ':' .. id)
     redis.call('HDEL', effect_tasks, eid)
-    redis.call('ZREM', K.effect_ids, eid)
+    redis.call('ZREM', effect_ids, eid)
     -- The state indexes hold a record exactly as its state implies (index_effect keeps
     -- them), and why_kept let only COMMITTED and NOT_APPLIED-after-a-forward records through:
     -- those are in none, so there is nothing to remove per effect (the per-effect cost is
@@ -151,6 +159,40 @@ local function expire_one(id)
   return nil, expire_task(t, list)
 end
 
+-- Mirror of ledger.retention.why_kept_keyed: nil when a keyed effect may go, else why not.
+-- As in why_kept, the stored state decides as the effective one would.
+local function why_kept_keyed(e)
+  if e.state == 'PREPARED' or e.state == 'UNKNOWN' then return 'unsettled_effect' end
+  if is_awaiting_approval(e) then return 'awaiting_approval' end
+  return nil
+end
+
+-- One keyed effect of its index: nil when it expired, else the reason it stays ('gone' for an
+-- entry whose record is missing: the entry goes, nothing is kept).
+local function expire_keyed(id)
+  local key = K.keyed_effect(id)
+  local raw = redis.call('HGET', key, id)
+  if not raw then
+    redis.call('ZREM', keyed_index, id)
+    return 'gone'
+  end
+  local e = cjson.decode(raw)
+  local reason = why_kept_keyed(e)
+  if reason then
+    redis.call('ZADD', keyed_index, 'XX', now, id)
+    return reason
+  end
+  redis.call('DEL', key)
+  redis.call('ZREM', keyed_index, id)
+  redis.call('ZREM', effects_order, string.format('%015d', tonumber(e.created_at)) .. ':'
+    .. id .. ':')
+  redis.call('ZREM', effect_ids, id)
+  -- A record why_kept_keyed let through is in no state index (as in expire_task).
+  write_tombstone(effect_tombstone_key(id), {effect_id = id, task_id = '', state = e.state,
+    expired_at = s(now), forget_at = s(forget_at)}, effect_stones, id)
+  return nil
+end
+
 -- Forget up to `limit` tombstones of one kind past forget_at (the index's score): the key
 -- (if Redis has not expired it yet) and its index entry. A tombstone written again since has
 -- its new forget_at as score, so a live one is never taken.
@@ -179,9 +221,23 @@ for _, id in ipairs(due) do
     kept[reason] = kept[reason] + 1
   end
 end
+local keyed_due = redis.call('ZRANGEBYSCORE', keyed_index, '-inf', now - settled_ms, 'LIMIT', 0,
+  limit)
+for _, id in ipairs(keyed_due) do
+  local reason = expire_keyed(id)
+  if reason == nil then
+    expired_effects = expired_effects + 1
+  elseif reason ~= 'gone' then
+    if not kept[reason] then
+      kept[reason] = 0
+      reasons[#reasons + 1] = reason
+    end
+    kept[reason] = kept[reason] + 1
+  end
+end
 local forgotten = forget(task_stones, tombstone_key) + forget(effect_stones, effect_tombstone_key)
 
-local out = {#due, expired_tasks, expired_effects, forgotten}
+local out = {#due + #keyed_due, expired_tasks, expired_effects, forgotten}
 for _, reason in ipairs(reasons) do
   out[#out + 1] = reason
   out[#out + 1] = kept[reason]
