@@ -88,6 +88,13 @@ _ALWAYS_DROPPED = HOP_BY_HOP | CLIENT_CLAIMS | {"host", "content-length", "expec
                                                "x-forwarded-for"}  # fmt: skip
 
 
+def _same_for_cgi(name: str) -> str:
+    """A field name as a CGI, WSGI, PHP or Rack server reads it (``HTTP_FENCING_TOKEN``):
+    case and ``_`` versus ``-`` do not count, so ``Fencing_Token`` or ``Fence_Task`` is the
+    gateway's own field to such a downstream and is dropped like it."""
+    return name.lower().replace("_", "-")
+
+
 def downstream_request_headers(
     agent_headers: Iterable[tuple[str, str]],
     identity: dict[str, str],
@@ -108,9 +115,9 @@ def downstream_request_headers(
     values (joined) with ``peer`` appended (``unknown`` when the peer has no address).
     """
     pairs = list(agent_headers)
-    listed = _connection_listed(pairs)
+    listed = {_same_for_cgi(name) for name in _connection_listed(pairs)}
     drop = listed | _ALWAYS_DROPPED
-    drop |= {name.lower() for name in identity} | {name.lower() for name in reserved}
+    drop |= {_same_for_cgi(name) for name in identity} | {_same_for_cgi(n) for n in reserved}
     if not forward_authorization:
         drop.add("authorization")
     # One pass: filter (as ``_without``) and collect the agent's X-Forwarded-For hops.
@@ -118,7 +125,7 @@ def downstream_request_headers(
     chain: list[str] = []
     keep_chain = "x-forwarded-for" not in listed
     for name, value in pairs:
-        lower = name.lower()
+        lower = _same_for_cgi(name)
         if lower == "x-forwarded-for":
             if keep_chain:
                 chain.extend(hop.strip() for hop in value.split(",") if hop.strip())

@@ -169,12 +169,13 @@ class Metrics:
             ["point", "code"],
             registry=r,
         )
-        # Not split by kind: the stores count UNKNOWN effects from one index for both kinds
-        # (a split needs an index per kind in every store); fencegate_effects_total
-        # {outcome="UNKNOWN",kind} says which kind they came from.
+        # By kind (Gauges.unknown_keyed_effects, which every store counts from its own
+        # indexes): both series are always set, so a sum over kind is the store-wide total.
         self.unknown_effects = Gauge(
             "fencegate_unknown_effects",
-            "UNKNOWN effects (store-wide, leased and keyed together)",
+            "UNKNOWN effects (store-wide, PREPARED past its deadline included) by kind (leased: "
+            "under a lease; keyed: a client's, by its idempotency key)",
+            ["kind"],
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -316,7 +317,9 @@ class Metrics:
                 self.reported_cost.labels(unit).inc(amount)
 
     def set_gauges(self, gauges: Gauges) -> None:
-        self.unknown_effects.set(gauges.unknown_effects)
+        keyed = gauges.unknown_keyed_effects
+        self.unknown_effects.labels("leased").set(gauges.unknown_effects - keyed)
+        self.unknown_effects.labels("keyed").set(keyed)
         self.prepared_effects.set(gauges.prepared_effects)
         self.active_leases.set(gauges.active_leases)
         self.awaiting_approval.set(gauges.awaiting_approval)

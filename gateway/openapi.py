@@ -538,14 +538,31 @@ def _ledger_paths() -> dict[str, Any]:
             "one page from the store's index (only limit may go with it)",
             "schema": {"type": "boolean", "default": False},
         },
-    ]
+        {
+            "name": "idempotencyKey",
+            "in": "query",
+            "description": "a keyed effect by its client's Idempotency-Key (decoded): one "
+            "record per downstream that has one, from their ids, no cursor; only principal "
+            "and downstream may go with it. The one form a client may use, for its own keys",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 255,
+                       "pattern": "^[\\x20-\\x7e]+$"},
+        },
+        {
+            "name": "principal",
+            "in": "query",
+            "description": "with idempotencyKey: whose key (default: the caller's own "
+            "principal, anonymous without [auth])",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 200},
+        },
+    ]  # fmt: skip
     one = {"parameters": [_EFFECT_ID]}
     acting = [_OPERATOR_HEADER]
     return {
         "/v1/effects": {
             "get": _op(
                 "listEffects",
-                "Page through effect records, oldest first",
+                "Page through effect records, oldest first; or look up keyed effects by "
+                "idempotencyKey",
                 "ledger",
                 {"200": _json("EffectPage", "one page")},
                 params=query,

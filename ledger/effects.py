@@ -473,6 +473,35 @@ def _rejection(error: FencegateError, effect: Effect) -> FencegateError:
     return error
 
 
+def _new_record(task: Task | None, request: EffectRequest, now: int) -> Effect:
+    """The record a first prepare opens (NOT_APPLIED, no forward yet): a leased effect is
+    named by its task's revision, node and slot, a keyed one by its principal and key."""
+    key = request.client_key
+    if key is None:
+        assert task is not None
+        eid = effect_id(task.task_id, task.revision, request.node, request.slot)
+        task_id, revision, node, slot = task.task_id, task.revision, request.node, request.slot
+    else:
+        assert request.effect_id is not None
+        eid, task_id, revision, node, slot = request.effect_id, None, None, None, None
+    return Effect(
+        effect_id=eid,
+        task_id=task_id,
+        revision=revision,
+        node=node,
+        slot=slot,
+        downstream=request.downstream,
+        method=request.method,
+        path=request.path,
+        payload_digest=request.payload_digest,
+        state=EffectState.NOT_APPLIED,
+        created_at=now,
+        updated_at=now,
+        principal=None if key is None else key.principal,
+        idempotency_key=None if key is None else key.key,
+    )
+
+
 def prepare(
     task: Task | None,
     scheduler: Scheduler,
@@ -509,40 +538,7 @@ def prepare(
         attempt = EffectAttempt(request.forward_id, 0, now, forward_id=request.forward_id)
         requester = key.principal
     if effect is None:
-        if fence is not None:
-            assert task is not None
-            effect = Effect(
-                effect_id=effect_id(task.task_id, task.revision, request.node, request.slot),
-                task_id=task.task_id,
-                revision=task.revision,
-                node=request.node,
-                slot=request.slot,
-                downstream=request.downstream,
-                method=request.method,
-                path=request.path,
-                payload_digest=request.payload_digest,
-                state=EffectState.NOT_APPLIED,
-                created_at=now,
-                updated_at=now,
-            )
-        else:
-            assert key is not None and request.effect_id is not None
-            effect = Effect(
-                effect_id=request.effect_id,
-                task_id=None,
-                revision=None,
-                node=None,
-                slot=None,
-                downstream=request.downstream,
-                method=request.method,
-                path=request.path,
-                payload_digest=request.payload_digest,
-                state=EffectState.NOT_APPLIED,
-                created_at=now,
-                updated_at=now,
-                principal=key.principal,
-                idempotency_key=key.key,
-            )
+        effect = _new_record(task, request, now)
         current, changed = effect, True
     else:
         current = effective(effect, now)

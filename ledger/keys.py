@@ -82,6 +82,19 @@ class Keys:
         return f"{self.prefix}:effects:keyed-settled"
 
     @property
+    def keyed_prepared(self) -> str:
+        """Sorted set: the keyed effects of ``prepared`` (the same members' subset, scored by
+        the deadline too), so ``gauges.lua`` counts the keyed UNKNOWN ones (an overdue
+        PREPARED reads UNKNOWN) without reading a record. ``index_effect`` keeps it, and only
+        for keyed records: the leased scripts never receive it."""
+        return f"{self.prefix}:effects:keyed-prepared"
+
+    @property
+    def keyed_unknown(self) -> str:
+        """Set: the keyed effects of ``unknown`` (as ``keyed_prepared``)."""
+        return f"{self.prefix}:effects:keyed-unknown"
+
+    @property
     def tasks_index(self) -> str:
         """Sorted set (all scores 0) of every task id: lexical order is task id order, so
         ``GET /v1/tasks`` pages with ZRANGEBYLEX. ``put.lua`` adds a task as it creates it."""

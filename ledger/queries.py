@@ -51,8 +51,14 @@ class Gauges:
 
     active_leases: int
     prepared_effects: int
+    #: Every UNKNOWN effect, leased and keyed: the rollback checklist's gauge.
     unknown_effects: int
     awaiting_approval: int
+    #: The keyed ones among ``unknown_effects`` (a lease-less client's, ``Effect.kind``
+    #: ``keyed``), so the metric can say whose calls wait for an operator or a probe; the
+    #: leased ones are the difference. Last, with a default, so that every existing
+    #: positional construction keeps its meaning.
+    unknown_keyed_effects: int = 0
 
     @property
     def settled(self) -> bool:
@@ -115,15 +121,17 @@ def is_lease_expired(task: Task, now: int) -> bool:
 def gauges(tasks: Iterable[Task], effects: Iterable[Effect], now: int) -> Gauges:
     """The gauges' definitions: active leases; PREPARED effects still running; UNKNOWN
     effects, counting a PREPARED past its deadline (it reads UNKNOWN); effects awaiting an
-    operator's approval.
+    operator's approval; and of the UNKNOWN ones (by the same rule), the keyed ones.
 
-    Mirrors: ``lua/gauges.lua`` (Redis) and ``SQLiteStore.gauges``."""
+    Mirrors: ``lua/gauges.lua`` (Redis) and ``sql_steps.gauges`` (SQLite, PostgreSQL)."""
     views = [effective(e, now) for e in effects]
+    unknown = [e for e in views if e.state is EffectState.UNKNOWN]
     return Gauges(
         active_leases=sum(1 for t in tasks if is_lease_active(t, now)),
         prepared_effects=sum(1 for e in views if e.state is EffectState.PREPARED),
-        unknown_effects=sum(1 for e in views if e.state is EffectState.UNKNOWN),
+        unknown_effects=len(unknown),
         awaiting_approval=sum(1 for e in views if is_awaiting_approval(e)),
+        unknown_keyed_effects=sum(1 for e in unknown if e.kind == "keyed"),
     )
 
 

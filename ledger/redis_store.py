@@ -38,11 +38,15 @@ creation-order member ends in an empty task id. ``prepare_keyed.lua`` reads no t
 scheduler (the decision is ``prepare_lib.lua``'s, shared with the leased ``prepare.lua``, which
 does no keyed work); ``effect_lib.lua`` keeps ``{prefix}:effects:keyed-settled``
 (``effects.keyed_settled``) wherever a keyed record is written, and ``retention.lua`` expires
-from it. The format stays 2: no leased record or key changed, and a gateway of the previous
-version sharing the store finds no keyed record (an id lookup answers NO_SUCH_EFFECT, a list
-skips the entry, a keyed tombstone reads with an empty task id) and never writes one; its
-reconciler parks a due keyed UNKNOWN effect's probe for a minute at a time, so such probes may
-wait until the last such gateway stopped.
+from it; it keeps ``{prefix}:effects:keyed-prepared`` and ``{prefix}:effects:keyed-unknown``
+too (the keyed members of the prepared and unknown indexes), which ``gauges.lua`` counts for
+``Gauges.unknown_keyed_effects``. No leased step touches the three, and none needs a backfill:
+no store holds a keyed record written before they existed (keyed effects and these indexes
+come in the same release). The format stays 2: no leased record or key changed, and a gateway
+of the previous version sharing the store finds no keyed record (an id lookup answers
+NO_SUCH_EFFECT, a list skips the entry, a keyed tombstone reads with an empty task id) and
+never writes one; its reconciler parks a due keyed UNKNOWN effect's probe for a minute at a
+time, so such probes may wait until the last such gateway stopped.
 
 At open, the store reads ``appendonly``, ``appendfsync`` and ``maxmemory-policy`` and logs
 ``store.durability_warning`` for each setting under which an answered transition can be lost.
@@ -783,6 +787,14 @@ class RedisStore(Store):
             self._keys.awaiting,
             self._keys.probe_due,
             self._keys.events,
+        ]
+        #: The keyed indexes (effect_lib.lua's effect_indexes, after ``_effect_indexes``):
+        #: only the steps that may write a keyed record get them; the leased hot path
+        #: (prepare.lua, complete.lua on a task's effects) never touches their keys.
+        self._keyed_indexes = [
+            self._keys.keyed_settled,
+            self._keys.keyed_prepared,
+            self._keys.keyed_unknown,
         ]
         if not 0 <= min_replicas <= MAX_MIN_REPLICAS:
             raise ValueError(f"min_replicas is 0..{MAX_MIN_REPLICAS}, not {min_replicas}")
@@ -1590,7 +1602,7 @@ class RedisStore(Store):
                 self._keys.effects_index,
                 self._keys.effect_ids,
                 *self._effect_indexes,
-                self._keys.keyed_settled,
+                *self._keyed_indexes,
                 self._keys.effect_tombstone(eid),
             ],
             [
@@ -1624,12 +1636,12 @@ class RedisStore(Store):
         response_json: str | None,
     ) -> tuple[Effect, bool]:
         """complete.lua on the record's hash: the task's effects hash, or (``task_id`` None)
-        the keyed effect's own, whose step also keeps the keyed-settled index."""
+        the keyed effect's own, whose step also keeps the keyed indexes."""
         if task_id is None:
             keys_ = [
                 self._keys.keyed_effect(effect_id),
                 *self._effect_indexes,
-                self._keys.keyed_settled,
+                *self._keyed_indexes,
             ]
         else:
             keys_ = [self._keys.effects(task_id), *self._effect_indexes]
@@ -1877,10 +1889,19 @@ class RedisStore(Store):
         return queries.find_forward(records, forward_id)
 
     async def gauges(self) -> Gauges:
-        # gauges.lua mirrors ledger.queries.gauges.
-        keys_ = [self._keys.leases, self._keys.prepared, self._keys.unknown, self._keys.awaiting]
-        active, prepared, unknown, awaiting = await self._script("gauges", keys_, [])
-        return Gauges(int(active), int(prepared), int(unknown), int(awaiting))
+        # gauges.lua mirrors ledger.queries.gauges. The keyed companions of the prepared and
+        # unknown indexes hold exactly the keyed records since keyed effects exist (this
+        # release): a store has no keyed record from before them, so nothing to backfill.
+        keys_ = [
+            self._keys.leases,
+            self._keys.prepared,
+            self._keys.unknown,
+            self._keys.awaiting,
+            self._keys.keyed_prepared,
+            self._keys.keyed_unknown,
+        ]
+        active, prepared, unknown, awaiting, keyed = await self._script("gauges", keys_, [])
+        return Gauges(int(active), int(prepared), int(unknown), int(awaiting), int(keyed))
 
     # --- retention (ledger.retention) --------------------------------------------------------
 
@@ -2031,7 +2052,7 @@ class RedisStore(Store):
                 raise await self._refusal(exc, effect_id=effect_id) from None
             new_raw = json.dumps(effects.effect_to_fields(updated), separators=(",", ":"))
             args = [effect_id, raw or "", new_raw]
-            cas_keys = [key, *self._effect_indexes, self._keys.keyed_settled]
+            cas_keys = [key, *self._effect_indexes, *self._keyed_indexes]
             written = await self._call(functools.partial(self._eval, "cas_effect", cas_keys, args))
             if written:
                 return updated

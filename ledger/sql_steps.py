@@ -986,18 +986,31 @@ def find_forward(d: Dialect, task_id: str, forward_id: str) -> Step[str | None]:
 
 
 def gauges(d: Dialect) -> Step[Gauges]:
-    """Mirrors ``ledger.queries.gauges``."""
+    """Mirrors ``ledger.queries.gauges``. Each count reads only the rows of one state through
+    the ``effects_state`` index (PREPARED and UNKNOWN rows are the few in flight), and the
+    keyed subset of UNKNOWN (incl. overdue PREPARED) is a condition on those same rows: a
+    keyed effect's row holds ``NO_TASK`` as its task."""
     now = yield NOW
     (active,) = yield Sql(f"SELECT COUNT(*) FROM tasks WHERE {d.active_lease()}", (now,), "one")
-    prepared, overdue = yield Sql(
-        f"SELECT COUNT(*) FILTER (WHERE {d.running()}), COUNT(*) FILTER (WHERE {d.overdue()}) "
+    prepared, overdue, overdue_keyed = yield Sql(
+        f"SELECT COUNT(*) FILTER (WHERE {d.running()}), COUNT(*) FILTER (WHERE {d.overdue()}), "
+        f"COUNT(*) FILTER (WHERE {d.overdue()} AND task_id = ?) "
         "FROM effects WHERE state = 'PREPARED'",
-        (now, now),
+        (now, now, now, NO_TASK),
         "one",
     )
-    (unknown,) = yield Sql("SELECT COUNT(*) FROM effects WHERE state = 'UNKNOWN'", (), "one")
+    keyed = "COUNT(*) FILTER (WHERE task_id = ?)"
+    unknown, unknown_keyed = yield Sql(
+        f"SELECT COUNT(*), {keyed} FROM effects WHERE state = 'UNKNOWN'", (NO_TASK,), "one"
+    )
     (awaiting,) = yield Sql(f"SELECT COUNT(*) FROM effects WHERE {d.awaiting()}", (), "one")
-    return Gauges(int(active), int(prepared), int(unknown) + int(overdue), int(awaiting))
+    return Gauges(
+        active_leases=int(active),
+        prepared_effects=int(prepared),
+        unknown_effects=int(unknown) + int(overdue),
+        awaiting_approval=int(awaiting),
+        unknown_keyed_effects=int(unknown_keyed) + int(overdue_keyed),
+    )
 
 
 # --- retention (ledger.retention) ------------------------------------------------------------

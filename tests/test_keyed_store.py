@@ -1,7 +1,8 @@
 """Keyed effects on every store (issue 28): a lease-less client's effect, identified by its
 principal, downstream and idempotency key (``effects.keyed_effect_id``), has the ledger
 states, replays and UNKNOWN rules of a leased one, no task fields, and its own retention
-(``effects.keyed_settled``, ``retention.why_kept_keyed``).
+(``effects.keyed_settled``, ``retention.why_kept_keyed``); its UNKNOWN ones are counted apart
+in the gauges (``Gauges.unknown_keyed_effects``).
 
 Each test drives a real store (SQLite file, our own redis-server, our own PostgreSQL) through
 ``Store``; time moves with the stores' test clock (``clock_offset_ms``), never by sleeping.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -22,11 +24,17 @@ from fencegate.ledger.effects import (
     Effect,
     EffectRequest,
     EffectState,
+    Fence,
     PrepareOutcome,
 )
 from fencegate.ledger.errors import EffectExpired, NoSuchEffect
+from fencegate.ledger.keys import Keys
+from fencegate.ledger.queries import Gauges
+from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.store import Store
-from fencegate.ledger.tasks import ClaimRequest, CommitRequest
+from fencegate.ledger.tasks import ClaimRequest, CommitRequest, LeasePolicy
+from tests.conftest import STORE_TIMEOUT_MS
+from tests.servers import RedisServer
 
 SETTLED_MS = 60_000
 TOMBSTONE_MS = 600_000
@@ -271,3 +279,97 @@ async def test_retention_keeps_unknown_awaiting_and_in_flight_keyed_effects(
     assert await sweep(store) == (1, 1, {})
     with pytest.raises(EffectExpired):
         await prepare(store, keyed("again"))
+
+
+async def leased_unknown(store: Store, task_id: str) -> Effect:
+    """A worker's effect on a new task, forwarded once, its outcome UNKNOWN."""
+    await store.put_task(task_id, "in", None)
+    task = await store.claim(task_id, ClaimRequest("w", 10_000, 1))
+    assert task.attempt_id is not None
+    fence = Fence(task_id, task.attempt_id, task.claim_generation, 1, task.cancel_generation)
+    request = EffectRequest(fence, "node", "s", "pay", "POST", "/pay", "d1")
+    prepared = await store.prepare_effect(request, DEADLINE)
+    assert prepared.action is Action.FORWARD
+    done, applied = await store.complete_effect(
+        task_id, prepared.effect.effect_id, 0, task.attempt_id, EffectState.UNKNOWN, "test", None
+    )
+    assert applied and done.state is EffectState.UNKNOWN
+    return done
+
+
+def unknown_gauges(gauges: Gauges) -> tuple[int, int, int]:
+    """(PREPARED still running, UNKNOWN, of which keyed)."""
+    return gauges.prepared_effects, gauges.unknown_effects, gauges.unknown_keyed_effects
+
+
+async def test_the_gauges_count_the_keyed_unknown_effects_apart(store: Store) -> None:
+    """``Gauges.unknown_keyed_effects`` (``fencegate_unknown_effects{kind="keyed"}``): the
+    keyed ones of ``unknown_effects`` by the same rule, a keyed PREPARED past its deadline
+    included; a leased UNKNOWN counts in the total only."""
+    assert unknown_gauges(await store.gauges()) == (0, 0, 0)
+    lost = await settled(store, "lost", EffectState.UNKNOWN)
+    await settled(store, "done", EffectState.COMMITTED)
+    brief = await store.prepare_effect(keyed("brief"), 1_000)
+    assert brief.action is Action.FORWARD
+    await leased_unknown(store, "t1")
+    assert unknown_gauges(await store.gauges()) == (1, 2, 1)
+
+    store.clock_offset_ms += 1_000  # the brief forward's deadline: it reads UNKNOWN
+    assert unknown_gauges(await store.gauges()) == (0, 3, 2)
+
+    await store.update_effect(
+        lost.effect_id,
+        lambda record, now: effects.resolve(
+            record, EffectState.NOT_APPLIED, "never arrived", "ops", None, now
+        ),
+    )
+    assert unknown_gauges(await store.gauges()) == (0, 2, 1)
+    # The late answer of the overdue forward still settles it.
+    await complete(store, brief, EffectState.COMMITTED, RESPONSE)
+    assert unknown_gauges(await store.gauges()) == (0, 1, 0)
+
+
+async def test_redis_keeps_the_keyed_gauge_indexes_for_keyed_records_only(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    """The keyed companions of the prepared and unknown indexes hold exactly the keyed
+    members, and no leased step (prepare, complete, an operator's write) creates them."""
+    server = make_redis_server()
+    store = RedisStore(
+        server.url,
+        LeasePolicy(max_ttl_ms=600_000, default_max_runtime_ms=6_000_000),
+        timeout_ms=STORE_TIMEOUT_MS,
+    )
+    await store.open()
+    admin = server.client()
+    keys = Keys()
+    try:
+        leased = await leased_unknown(store, "t1")
+        await store.update_effect(
+            leased.effect_id,
+            lambda record, now: effects.resolve(
+                record, EffectState.COMMITTED, "checked", "ops", None, now
+            ),
+        )
+        await leased_unknown(store, "t2")
+        assert not admin.exists(keys.keyed_prepared, keys.keyed_unknown)
+
+        brief = await store.prepare_effect(keyed("brief"), 1_000)
+        eid = brief.effect.effect_id
+        assert admin.zscore(keys.keyed_prepared, eid) == admin.zscore(keys.prepared, eid)
+        assert not admin.exists(keys.keyed_unknown)
+        await complete(store, brief, EffectState.UNKNOWN)
+        assert not admin.exists(keys.keyed_prepared)
+        assert admin.smembers(keys.keyed_unknown) == {eid}
+        assert admin.scard(keys.unknown) == 2
+        await store.update_effect(
+            eid,
+            lambda record, now: effects.resolve(
+                record, EffectState.NOT_APPLIED, "never arrived", "ops", None, now
+            ),
+        )
+        assert not admin.exists(keys.keyed_prepared, keys.keyed_unknown)
+        assert unknown_gauges(await store.gauges()) == (0, 1, 0)
+    finally:
+        admin.close()
+        await store.close()

@@ -1,7 +1,7 @@
 """``/metrics`` of a real gateway after real forwards: every forward is in
 ``fencegate_forward_seconds`` with its outcome (the slow ones that timed out and the ones
-that never connected included), no ``*_created`` series, and commits counted for what
-happened (``committed``, ``replayed``, the code)."""
+that never connected included), no ``*_created`` series, commits counted for what
+happened (``committed``, ``replayed``, the code), and the store-wide UNKNOWN effects by kind."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ async def api(store_url: str, key_prefix: str, downstream: Downstream) -> AsyncI
         key_prefix,
         downstreams=[
             # The default timeout_ms: the answered calls do not race a timer.
-            {"name": "api", "url": downstream.url},
+            # Keyed calls too (no [auth]: the anonymous caller may send both kinds).
+            {"name": "api", "url": downstream.url, "client_idempotency_keys": "optional"},
             # The timed-out call's downstream: its answer is due 100 ms after the 300 ms timer
             # (both on the loop's clock, the answer's set later), so the timer always fires
             # first; the connect bound is far off, so a slow connect under load is still a
@@ -83,6 +84,34 @@ async def test_every_forward_is_observed_with_its_outcome(api: Api) -> None:
         m, "fencegate_forward_seconds_sum", downstream="brief", outcome="timeout", kind="leased"
     )
     assert 0.25 <= timed <= waited
+
+
+async def keyed_post(api: Api, target: str, key: str) -> Sent:
+    """A lease-less call under an idempotency key (a keyed effect)."""
+    async with api.client.post(
+        f"/proxy/{target}", json={"n": 1}, headers={"Idempotency-Key": key}
+    ) as resp:
+        return Sent(resp.status, resp.headers, await resp.read())
+
+
+async def test_unknown_effects_are_counted_by_kind(api: Api, downstream: Downstream) -> None:
+    """``fencegate_unknown_effects{kind}``: both series from the first scrape (so a sum over
+    kind is the total), each counting its own kind's UNKNOWN effects store-wide."""
+    m = await metrics(api)
+    assert value(m, "fencegate_unknown_effects", kind="leased") == 0
+    assert ("fencegate_unknown_effects", (("kind", "keyed"),)) in m
+    lease = await task_with_lease(api)
+    assert (await post(api, lease, "api/status/500", "a")).status == 500
+    for key in ("k1", "k2"):
+        lost = await keyed_post(api, "api/status/500", key)
+        assert lost.status == 500 and lost.headers["Fence-Effect-State"] == "UNKNOWN"
+    assert len(downstream.calls("/status/500")) == 3
+    m = await metrics(api)
+    assert value(m, "fencegate_unknown_effects", kind="leased") == 1
+    assert value(m, "fencegate_unknown_effects", kind="keyed") == 2
+    assert value(
+        m, "fencegate_effects_total", downstream="api", outcome="UNKNOWN", kind="keyed"
+    ) == 2  # fmt: skip
 
 
 async def test_no_created_series_and_commits_are_named_for_what_happened(api: Api) -> None:

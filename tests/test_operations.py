@@ -119,7 +119,8 @@ async def test_metric_families_move_and_validation_coverage_is_complete(
     assert (
         value(m, "fencegate_effects_total", downstream="api", outcome="UNKNOWN", kind="leased") == 1
     )
-    assert value(m, "fencegate_unknown_effects") == 1
+    assert value(m, "fencegate_unknown_effects", kind="leased") == 1
+    assert value(m, "fencegate_unknown_effects", kind="keyed") == 0
     assert value(m, "fencegate_prepared_effects") == 0
     assert value(m, "fencegate_active_leases") == 0  # t1 committed, t2 cancelled
     assert value(m, "fencegate_reclaim_latency_seconds_count") == 1

@@ -67,12 +67,15 @@ end
 
 -- The effect indexes, from the keys a script received (in the order redis_store.py passes
 -- them: prepared zset, unknown set, awaiting set, probe-due zset, the event stream, then the
--- keyed-settled zset, which only a step that may write a keyed record receives: nil for the
--- leased hot path, whose records never enter it). Each effect script builds this once from
--- its own KEYS and hands it to index_effect / save_effect.
-local function effect_indexes(prepared, unknown, awaiting, probe_due, events, keyed_settled)
+-- keyed indexes (RedisStore._keyed_indexes): the keyed-settled zset, the keyed-prepared zset
+-- and the keyed-unknown set, which only a step that may write a keyed record receives: nil
+-- for the leased hot path, whose records never enter them). Each effect script builds this
+-- once from its own KEYS and hands it to index_effect / save_effect.
+local function effect_indexes(prepared, unknown, awaiting, probe_due, events, keyed_settled,
+                              keyed_prepared, keyed_unknown)
   return {prepared = prepared, unknown = unknown, awaiting = awaiting, probe_due = probe_due,
-          events = events, keyed_settled = keyed_settled}
+          events = events, keyed_settled = keyed_settled, keyed_prepared = keyed_prepared,
+          keyed_unknown = keyed_unknown}
 end
 
 -- Mirror of ledger.effects.keyed_settled: a keyed effect retention may count down
@@ -109,17 +112,24 @@ end
 -- and a removal of a non-member changes nothing. (Each skipped call is ~2-3 us of Redis
 -- CPU: a fenced call's two steps used to make eight index calls, now two.) prior = nil (the
 -- compare-and-set path, off the hot path) writes every membership, which also repairs any
--- drift.
+-- drift. A keyed record (never a leased one) is also in the keyed-prepared zset and the
+-- keyed-unknown set exactly while it is in prepared and unknown, so lua/gauges.lua counts
+-- the keyed UNKNOWN effects (ledger.queries.Gauges.unknown_keyed_effects) from the indexes
+-- alone, and a leased step touches none of the keyed keys.
 local function index_effect(index, e, prior)
   local id = e.effect_id
   local any = prior == nil
+  local keyed = e.idempotency_key ~= nil
   if e.state == 'PREPARED' then
     redis.call('ZADD', index.prepared, tonumber(e.deadline_at), id)
+    if keyed then redis.call('ZADD', index.keyed_prepared, tonumber(e.deadline_at), id) end
   elseif any or prior.state == 'PREPARED' then
     redis.call('ZREM', index.prepared, id)
+    if keyed then redis.call('ZREM', index.keyed_prepared, id) end
   end
   if e.state == 'UNKNOWN' then
     redis.call('SADD', index.unknown, id)
+    if keyed then redis.call('SADD', index.keyed_unknown, id) end
     if e.next_probe_at then
       redis.call('ZADD', index.probe_due, tonumber(e.next_probe_at), id)
     else
@@ -128,6 +138,7 @@ local function index_effect(index, e, prior)
     end
   elseif any or prior.state == 'UNKNOWN' then
     redis.call('SREM', index.unknown, id)
+    if keyed then redis.call('SREM', index.keyed_unknown, id) end
     redis.call('ZREM', index.probe_due, id)
   end
   if is_awaiting_approval(e) then
@@ -138,7 +149,7 @@ local function index_effect(index, e, prior)
   -- A keyed record (never a leased one) is in the keyed-settled zset exactly while
   -- keyed_settled holds, due from the updated_at at which it entered: NX keeps the score of
   -- one already there, a write that leaves the set takes it out.
-  if e.idempotency_key ~= nil then
+  if keyed then
     if keyed_settled(e) then
       redis.call('ZADD', index.keyed_settled, 'NX', tonumber(e.updated_at), id)
     else

@@ -5,7 +5,8 @@
 -- KEYS[1] the effect's own hash (ledger.keys.Keys.keyed_effect), KEYS[2] effects index
 -- (zset, by creation), KEYS[3] effect ids index (zset, by id), KEYS[4] prepared index,
 -- KEYS[5] unknown index, KEYS[6] awaiting-approval index, KEYS[7] probe-due index,
--- KEYS[8] event stream, KEYS[9] keyed-settled index, KEYS[10] the effect's tombstone hash
+-- KEYS[8] event stream, KEYS[9] keyed-settled index, KEYS[10] keyed-prepared index,
+-- KEYS[11] keyed-unknown index, KEYS[12] the effect's tombstone hash
 -- ARGV[1] test clock (see now_ms), ARGV[2] effectId (ledger.effects.keyed_effect_id, computed
 -- by the gateway), ARGV[3] the key's principal (requested_by; never the consumer of its own
 -- approval), ARGV[4] the idempotency key, ARGV[5] downstream, ARGV[6] method, ARGV[7] path,
@@ -18,8 +19,9 @@
 -- fields) while the id's effect tombstone is not forgotten (ledger.retention.expired_effect):
 -- after its forget_at the key is new.
 local effect_key, effects_order, effect_ids = KEYS[1], KEYS[2], KEYS[3]
-local index = effect_indexes(KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
-local stone_key = KEYS[10]
+local index = effect_indexes(KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10],
+                             KEYS[11])
+local stone_key = KEYS[12]
 local now = now_ms(ARGV[1])
 local eid, principal, idempotency_key = ARGV[2], ARGV[3], ARGV[4]
 local downstream, method, path, digest = ARGV[5], ARGV[6], ARGV[7], ARGV[8]

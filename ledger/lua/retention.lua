@@ -208,17 +208,21 @@ end
 local due = redis.call('ZRANGEBYSCORE', settled, '-inf', now - settled_ms, 'LIMIT', 0, limit)
 local expired_tasks, expired_effects = 0, 0
 local kept, reasons = {}, {}
+-- Count one record kept, by why (ExpiryReport.kept, in the order reasons first appear).
+local function keep(reason)
+  if not kept[reason] then
+    kept[reason] = 0
+    reasons[#reasons + 1] = reason
+  end
+  kept[reason] = kept[reason] + 1
+end
 for _, id in ipairs(due) do
   local reason, effects = expire_one(id)
   if reason == nil then
     expired_tasks = expired_tasks + 1
     expired_effects = expired_effects + effects
   elseif reason ~= 'open' then
-    if not kept[reason] then
-      kept[reason] = 0
-      reasons[#reasons + 1] = reason
-    end
-    kept[reason] = kept[reason] + 1
+    keep(reason)
   end
 end
 local keyed_due = redis.call('ZRANGEBYSCORE', keyed_index, '-inf', now - settled_ms, 'LIMIT', 0,
@@ -228,11 +232,7 @@ for _, id in ipairs(keyed_due) do
   if reason == nil then
     expired_effects = expired_effects + 1
   elseif reason ~= 'gone' then
-    if not kept[reason] then
-      kept[reason] = 0
-      reasons[#reasons + 1] = reason
-    end
-    kept[reason] = kept[reason] + 1
+    keep(reason)
   end
 end
 local forgotten = forget(task_stones, tombstone_key) + forget(effect_stones, effect_tombstone_key)
