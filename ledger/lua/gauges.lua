@@ -19,4 +19,4 @@ local running = redis.call('ZCOUNT', prepared, '(' .. s(now), '+inf')
 local overdue = redis.call('ZCOUNT', prepared, '-inf', s(now))
 local keyed_overdue = redis.call('ZCOUNT', keyed_prepared, '-inf', s(now))
 return {active, running, redis.call('SCARD', unknown) + overdue, redis.call('SCARD', awaiting),
-        keyed_overdue}
+        redis.call('SCARD', keyed_unknown) + keyed_overdue}
