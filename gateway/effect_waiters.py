@@ -62,7 +62,10 @@ log = structlog.get_logger("fencegate.effect_waiters")
 
 #: Where a request that waited keeps its ``Preference-Applied`` value, for ``applied_header``
 #: (an answer streamed from the downstream has its headers sent before the handler returns).
-PREFERENCE_APPLIED = web.RequestKey("preference_applied", str)
+_REQUEST_KEY: Any = getattr(web, "RequestKey", None)  # aiohttp 3.14 on; a string before
+PREFERENCE_APPLIED: Any = (
+    _REQUEST_KEY("preference_applied", str) if _REQUEST_KEY else "fencegate.preference_applied"
+)
 
 #: One element of a ``Prefer`` list: up to the next comma that is not inside a quoted string.
 _ELEMENT = re.compile(r'(?:[^,"]|"(?:[^"\\]|\\.)*")+')
