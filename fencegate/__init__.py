@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fencegate.errors import (
         AlreadyCommitted,
         ApprovalRequired,
+        AuthUnavailable,
         BadRequest,
         Cancelled,
         Claimed,
@@ -97,6 +98,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AlreadyCommitted",
     "ApprovalRequired",
+    "AuthUnavailable",
     "BadRequest",
     "Cancelled",
     "ClaimRefused",

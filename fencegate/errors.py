@@ -37,7 +37,7 @@ The tree::
         ├── InternalError                500 INTERNAL
         ├── DownstreamUnreachable        502: certainly not delivered, nothing happened
         ├── Unavailable                  503
-        │   └── ClaimsPaused, StoreUnavailable
+        │   └── ClaimsPaused, StoreUnavailable, AuthUnavailable (``retry_after``)
         └── DownstreamTimeout            504: the effect is now UNKNOWN
 
 The table is the SDK's own copy of the server's (``fencegate.ledger.errors``: the SDK a
@@ -62,6 +62,7 @@ __all__ = [
     "LEASE_ENDING_CODES",
     "AlreadyCommitted",
     "ApprovalRequired",
+    "AuthUnavailable",
     "BadRequest",
     "Cancelled",
     "ClaimRefused",
@@ -450,6 +451,13 @@ class TooManyConnections(_AskLater, Unavailable):
     (its own or this principal's); nothing was done. Ask again after ``retry_after`` s."""
 
     code = "TOO_MANY_CONNECTIONS"
+
+
+class AuthUnavailable(_AskLater, Unavailable):
+    """The gateway cannot fetch the OAuth issuer's signing keys now to check this token
+    ([auth.oauth]); nothing was done. Ask again after ``retry_after`` seconds."""
+
+    code = "AUTH_UNAVAILABLE"
 
 
 class RateLimited(_AskLater):

@@ -15,8 +15,16 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from fencegate.adapters.mcp import McpToolCache
-from fencegate.gateway import coordination, events, ledger_api, openapi, operations, retention
-from fencegate.gateway.auth import auth_middleware
+from fencegate.gateway import (
+    coordination,
+    events,
+    ledger_api,
+    openapi,
+    operations,
+    retention,
+    tracing,
+)
+from fencegate.gateway.auth import auth_middleware, resource_metadata
 from fencegate.gateway.config import Config
 from fencegate.gateway.console import CONSOLE, new_console, sampling
 from fencegate.gateway.console import views as console_views
@@ -111,6 +119,8 @@ def create_app(
     that stands still lets a loaded machine's slow prepare start its forward all the same,
     where the start limit is not what a test is about."""
     middlewares: list[Middleware] = [error_middleware]
+    if config.tracing is not None:  # outermost: the request's span sees its final answer
+        middlewares.insert(0, tracing.server_spans)
     middlewares.append(request_guard)  # Host, Origin, media type, body bounds
     the_console = new_console(config)
     if config.auth is not None:
@@ -125,6 +135,8 @@ def create_app(
     app[METRICS] = Metrics()
     store_seconds = app[METRICS].store_seconds
     app[STORE].observe = lambda op, seconds: store_seconds.labels(op).observe(seconds)
+    if config.tracing is not None:  # a span per answered store step, besides the metric
+        app[STORE].observe = tracing.store_observer(app, app[STORE].kind, app[STORE].observe)
 
     async def store_ctx(app: web.Application) -> AsyncIterator[None]:
         the_store = app[STORE]
@@ -168,6 +180,8 @@ def create_app(
 
     app.on_shutdown.append(close_events)
     app[ADAPTERS] = {d.name: build_adapter(d) for d in config.downstreams}
+    if config.tracing is not None:  # first in, last out: flushed after everything stopped
+        tracing.install(app, config.tracing, gateway_version())
     app.cleanup_ctx.append(store_ctx)
     # After the store: they start once it is open and stop before it closes.
     app.cleanup_ctx.append(events.trim_loop)
@@ -179,6 +193,9 @@ def create_app(
     app.cleanup_ctx.append(aborts_ctx)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    # RFC 9728 metadata for OAuth clients ([auth.oauth]; 404 without it)
+    app.router.add_get("/.well-known/oauth-protected-resource", resource_metadata)
+    app.router.add_get("/.well-known/oauth-protected-resource/mcp/{downstream}", resource_metadata)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi.serve)
     app.add_routes(coordination.routes)

@@ -4,9 +4,20 @@ On only when the config has ``[auth]``. Every request then carries a credential,
 routes the role matrix opens to anyone (``/healthz``, ``/readyz``):
 
 - ``Fence-Authorization: Bearer <token>`` on every path (the proxy never forwards ``Fence-*``);
-- ``Authorization: Bearer <token>`` also on the gateway's own API (``/v1/*``, ``/metrics``),
-  never on ``/proxy/*`` (or a later ``/mcp``): there ``Authorization`` is the downstream's.
+- ``Authorization: Bearer <token>`` also on the gateway's own API (``/v1/*``, ``/metrics``)
+  and on ``/mcp/*`` (an MCP client sends its OAuth token there; the MCP gateway forwards no
+  ``Authorization``), never on ``/proxy/*``: there ``Authorization`` is the downstream's.
   ``Fence-Authorization`` wins when both are sent.
+
+A token is a static principal's (``[[auth.principals]]``) or, with ``[auth.oauth]``, a JWT
+access token of the configured issuer (``gateway/oauth.py``): its principal is
+``oauth:<iss>#<sub>`` with the roles and scope of the profile it matches. With
+``[auth.oauth]`` a 401 carries ``WWW-Authenticate: Bearer resource_metadata="..."`` (the
+RFC 9728 document of the route's resource, served on the open ``/.well-known`` routes), a
+token whose profile grants no role on the route is 403 with ``error="insufficient_scope"``,
+and a token whose signing key cannot be fetched is 503 ``AUTH_UNAVAILABLE``. On ``/proxy``
+an ``Authorization`` that would authenticate to the gateway is never forwarded, whatever the
+downstream's ``forward_authorization`` (``STRIP_AUTHORIZATION``).
 
 With ``server.tls_client_ca_file`` (mTLS) a request without a bearer credential may be
 identified by its client certificate, already verified by the TLS handshake: the principal
@@ -37,6 +48,7 @@ import hmac
 import math
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Final, Protocol
@@ -48,9 +60,23 @@ from aiohttp.typedefs import Handler, Middleware
 from fencegate.gateway.config import ROLES, AuthConfig, PrincipalConfig
 from fencegate.gateway.http_rules import split_proxy_path
 from fencegate.gateway.limits import Clock, Limits, OpenRequests, TokenBucket, retry_after_seconds
-from fencegate.gateway.principals import PRINCIPAL_KEY, Principal, Scope, scope_refusal
+from fencegate.gateway.oauth import (
+    OAuthVerifier,
+    metadata_document,
+    metadata_path,
+    profiles_granting,
+    resource_of,
+)
+from fencegate.gateway.principals import (
+    PRINCIPAL_KEY,
+    STRIP_AUTHORIZATION,
+    Principal,
+    Scope,
+    scope_refusal,
+)
 from fencegate.gateway.problems import problem_response, requested
 from fencegate.ledger.errors import (
+    AuthUnavailable,
     BadRequest,
     FencegateError,
     Forbidden,
@@ -70,6 +96,7 @@ __all__ = [
     "matrix_markdown",
     "new_token",
     "principal_from_config",
+    "resource_metadata",
     "role_warnings",
     "route_key",
     "sees_stored_bodies",
@@ -102,6 +129,11 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
         # operations
         ("GET", "/healthz"): _only(ANYONE),
         ("GET", "/readyz"): _only(ANYONE),
+        # RFC 9728 protected resource metadata ([auth.oauth]; 404 without): where an OAuth
+        # client learns which authorization server issues tokens for the gateway and for
+        # each MCP downstream (/mcp/{name} is its own resource)
+        ("GET", "/.well-known/oauth-protected-resource"): _only(ANYONE),
+        ("GET", "/.well-known/oauth-protected-resource/mcp/{downstream}"): _only(ANYONE),
         ("GET", "/metrics"): _READERS,
         ("GET", "/openapi.json"): _EVERY_ROLE,  # the API description; no secrets in it
         ("GET", "/v1/rollout"): _READERS,
@@ -167,11 +199,11 @@ ROLE_MATRIX: Final[Mapping[tuple[str, str], frozenset[str]]] = MappingProxyType(
 
 #: Where ``Authorization: Bearer`` is taken as the gateway's credential (everywhere else it
 #: belongs to the downstream and only ``Fence-Authorization`` counts).
-_OWN_PREFIXES = ("/v1/",)
+_OWN_PREFIXES = ("/v1/", "/mcp/")
 _OWN_PATHS = frozenset({"/metrics"})
 _PROXY_ROUTE = "/proxy/{tail}"
 _MCP_ROUTE = "/mcp/{downstream}"
-_MAX_TOKEN = 4096
+_MAX_TOKEN = 8192
 
 
 def token_sha256(token: str) -> str:
@@ -260,9 +292,11 @@ def principal_from_config(config: PrincipalConfig) -> Principal:
 
 
 class Authenticator:
-    """The configured principals, each by the SHA-256 of its token."""
+    """The configured principals, each by the SHA-256 of its token, and ``[auth.oauth]``'s
+    token check (``oauth``, None without it)."""
 
-    def __init__(self, auth: AuthConfig) -> None:
+    def __init__(self, auth: AuthConfig, *, now: Clock = time.time) -> None:
+        self.oauth = OAuthVerifier(auth.oauth, now=now) if auth.oauth is not None else None
         everyone = [(p, principal_from_config(p)) for p in auth.principals]
         self._all = tuple(principal for _, principal in everyone)
         self._principals = tuple(
@@ -316,25 +350,55 @@ class AuthState:
     """What the middleware checks against: the principals (swapped whole by ``reload``) and
     each principal's meter (kept across a reload while its limits stay the same)."""
 
-    def __init__(self, auth: AuthConfig, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, auth: AuthConfig, clock: Clock = time.monotonic, now: Clock = time.time
+    ) -> None:
         self._clock = clock
-        self.authenticator = Authenticator(auth)
+        self._now = now
+        self.authenticator = Authenticator(auth, now=now)
         self._meters: dict[str, _Meter] = {}
+        #: OAuth principals' meters, least recently used first: anyone the issuer names may
+        #: show up, so they are bounded (``max_principals``); a dropped one starts afresh.
+        self._oauth_meters: OrderedDict[str, _Meter] = OrderedDict()
+        self.oauth_changed = False
         _warn_roles(self.authenticator)
 
     def reload(self, auth: AuthConfig) -> None:
         """Use ``auth``'s principals from the next request on. One assignment: a request sees
-        the old set or the new one, never a mix. Requests already let in finish as they are."""
-        authenticator = Authenticator(auth)
+        the old set or the new one, never a mix. Requests already let in finish as they are.
+        ``[auth.oauth]`` reloads with it: the fetched keys are kept while the issuer and
+        ``jwks_url`` stay the same; ``oauth_changed`` says whether the section changed (then
+        streams opened with OAuth tokens end: their roles may have)."""
+        old = self.authenticator
+        authenticator = Authenticator(auth, now=self._now)
+        if authenticator.oauth is not None and old.oauth is not None:
+            authenticator.oauth.adopt_cache(old.oauth)
+        self.oauth_changed = (old.oauth.config if old.oauth else None) != auth.oauth
         self.authenticator = authenticator
         _warn_roles(authenticator)
         kept = set(authenticator.names)
         self._meters = {name: m for name, m in self._meters.items() if name in kept}
+        if self.oauth_changed:
+            self._oauth_meters.clear()
 
     def meter(self, principal: Principal) -> _Meter:
+        if principal.is_oauth:
+            return self._oauth_meter(principal)
         meter = self._meters.get(principal.name)
         if meter is None or meter.limits != principal.limits:
             meter = self._meters[principal.name] = _Meter(principal.limits, self._clock)
+        return meter
+
+    def _oauth_meter(self, principal: Principal) -> _Meter:
+        meters = self._oauth_meters
+        meter = meters.get(principal.name)
+        if meter is None or meter.limits != principal.limits:
+            meter = meters[principal.name] = _Meter(principal.limits, self._clock)
+        meters.move_to_end(principal.name)
+        oauth = self.authenticator.oauth
+        bound = oauth.config.max_principals if oauth is not None else 1
+        while len(meters) > bound:
+            meters.popitem(last=False)
         return meter
 
 
@@ -384,15 +448,35 @@ def _certificate_cn(request: web.Request) -> str | None:
     return cn
 
 
-def _authenticate(authenticator: Authenticator, request: web.Request, path: str) -> Principal:
+class _NoRole(Exception):
+    """A valid OAuth token whose claims match no ``[auth.oauth]`` profile: no role at all."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+async def _by_token(authenticator: Authenticator, token: str, request: web.Request) -> Principal:
+    """The principal of a bearer token: a static principal's, else (``[auth.oauth]``) the
+    token's own; raise ``Unauthenticated``, ``AuthUnavailable`` or ``_NoRole``."""
+    principal = authenticator.principal(token)
+    if principal is not None:
+        return principal
+    oauth = authenticator.oauth
+    if oauth is None or not oauth.looks_like_jwt(token):
+        raise Unauthenticated("the token matches no principal")
+    verified = await oauth.verify(token, request.path)
+    if verified.principal is None:
+        raise _NoRole(verified.name)
+    return verified.principal
+
+
+async def _authenticate(authenticator: Authenticator, request: web.Request, path: str) -> Principal:
     """The principal of a bearer credential if one is sent, else of the client certificate;
-    raise ``Unauthenticated``."""
+    raise ``Unauthenticated`` (or, for an OAuth token, ``AuthUnavailable`` / ``_NoRole``)."""
     token = _credential(request, path)
     if token is not None:
-        principal = authenticator.principal(token)
-        if principal is None:
-            raise Unauthenticated("the token matches no principal")
-        return principal
+        return await _by_token(authenticator, token, request)
     cn = _certificate_cn(request)
     if cn is None:
         raise Unauthenticated("no credential: send Fence-Authorization: Bearer <token>")
@@ -402,12 +486,51 @@ def _authenticate(authenticator: Authenticator, request: web.Request, path: str)
     return principal
 
 
-def _refusal(error: FencegateError, path: str, retry_after: int | None = None) -> web.Response:
+def _challenge(
+    authenticator: Authenticator, request: web.Request, error: FencegateError
+) -> str | None:
+    """The ``WWW-Authenticate`` of a refusal: on every 401; with ``[auth.oauth]`` it points to
+    the RFC 9728 metadata of the route's resource (the path-suffixed document on
+    ``/mcp/{name}``), says ``invalid_token`` when a token was sent, and on an OAuth token's
+    403 says ``insufficient_scope`` with the scopes a profile allowed there needs."""
+    oauth = authenticator.oauth
+    if oauth is None:
+        return 'Bearer realm="fencegate"' if isinstance(error, Unauthenticated) else None
+    metadata = oauth.config.resource_base_url + metadata_path(request.path)
+    if isinstance(error, Unauthenticated):
+        sent = "Fence-Authorization" in request.headers or hdrs.AUTHORIZATION in request.headers
+        invalid = ', error="invalid_token"' if sent else ""
+        return f'Bearer realm="fencegate"{invalid}, resource_metadata="{metadata}"'
+    if isinstance(error, _InsufficientScope):
+        scope = profiles_granting(oauth.config.profiles, error.allowed)
+        scope_part = f', scope="{scope}"' if scope else ""
+        return (
+            f'Bearer realm="fencegate", error="insufficient_scope"{scope_part}, '
+            f'resource_metadata="{metadata}"'
+        )
+    return None
+
+
+class _InsufficientScope(Forbidden):
+    """403 ``FORBIDDEN`` for an OAuth token: its profile grants no role the route allows (or
+    it matches no profile); the challenge says ``insufficient_scope`` (RFC 6750 §3.1)."""
+
+    def __init__(self, detail: str, allowed: frozenset[str]) -> None:
+        super().__init__(detail)
+        self.allowed = allowed
+
+
+def _refusal(
+    error: FencegateError,
+    path: str,
+    retry_after: int | None = None,
+    challenge: str | None = None,
+) -> web.Response:
     headers: dict[str, str] = {}
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
-    if isinstance(error, Unauthenticated):
-        headers["WWW-Authenticate"] = 'Bearer realm="fencegate"'
+    if challenge is not None:
+        headers["WWW-Authenticate"] = challenge
     if path.startswith("/proxy/"):
         # Like every proxied answer: nothing was recorded, nothing was forwarded.
         headers.update({"Fence-Effect-State": "NONE", "Fence-Replayed": "false"})
@@ -453,12 +576,18 @@ def _refused(
     sessions: SessionAuth | None,
     error: FencegateError,
     retry_after: int | None = None,
+    authenticator: Authenticator | None = None,
 ) -> web.StreamResponse:
     """A refusal as problem+json, or as the session's page on the routes it covers; its
     detail names the request (method and path, never the query string)."""
     error.about(requested(request))
     if sessions is None:
-        return _refusal(error, path, retry_after)
+        challenge = (
+            _challenge(authenticator, request, error)
+            if authenticator is not None
+            else ('Bearer realm="fencegate"' if isinstance(error, Unauthenticated) else None)
+        )
+        return _refusal(error, path, retry_after, challenge)
     response = sessions.refusal(request, error)
     if retry_after is not None:
         response.headers["Retry-After"] = str(retry_after)
@@ -484,14 +613,27 @@ class _AuthMiddleware:
         if sessions is not None and not sessions.covers(request.path):
             sessions = None
 
+        authenticator = self.state.authenticator
         try:
             if sessions is not None and "Fence-Authorization" not in request.headers:
-                principal = sessions.principal(request, self.state.authenticator)
+                principal = sessions.principal(request, authenticator)
             else:
-                principal = _authenticate(self.state.authenticator, request, path)
+                principal = await _authenticate(authenticator, request, path)
         except Unauthenticated as exc:
             log.info("auth.unauthenticated", method=request.method, path=path, reason=exc.detail)
-            return _refused(request, path, sessions, exc)
+            return _refused(request, path, sessions, exc, authenticator=authenticator)
+        except AuthUnavailable as exc:
+            log.warning("auth.unavailable", method=request.method, path=path, reason=exc.detail)
+            return _refused(request, path, sessions, exc, authenticator=authenticator)
+        except _NoRole as exc:
+            log.info("auth.insufficient_scope", principal=exc.name, method=request.method,
+                     path=path)  # fmt: skip
+            return _refused(
+                request, path, sessions,
+                _InsufficientScope(f"{exc.name!r}: the token matches no [auth.oauth] profile",
+                                   allowed),
+                authenticator=authenticator,
+            )  # fmt: skip
         if not principal.roles & allowed:
             log.info(
                 "auth.forbidden",
@@ -501,11 +643,19 @@ class _AuthMiddleware:
                 path=path,
             )
             need = ", ".join(sorted(allowed)) or "no role (not in the role matrix)"
-            return _refused(
-                request, path, sessions,
-                Forbidden(f"the route {path} needs one of: {need}; "
-                          f"{principal.name!r} has {', '.join(sorted(principal.roles))}")
-            )  # fmt: skip
+            detail = (
+                f"the route {path} needs one of: {need}; "
+                f"{principal.name!r} has {', '.join(sorted(principal.roles))}"
+            )
+            refusal = (
+                _InsufficientScope(detail, allowed) if principal.is_oauth else Forbidden(detail)
+            )
+            return _refused(request, path, sessions, refusal, authenticator=authenticator)
+        if key is not None and key[1] == _PROXY_ROUTE and sessions is None:
+            try:
+                await self._strip_gateway_authorization(request, authenticator)
+            except AuthUnavailable as exc:
+                return _refused(request, path, sessions, exc, authenticator=authenticator)
         if key is not None:
             downstream, task_id = _scope_target(request, key)
             reason = scope_refusal(principal.scope, downstream=downstream, task_id=task_id)
@@ -554,14 +704,65 @@ class _AuthMiddleware:
         finally:
             meter.open.leave()
 
+    @staticmethod
+    async def _strip_gateway_authorization(
+        request: web.Request, authenticator: Authenticator
+    ) -> None:
+        """On ``/proxy``: mark an ``Authorization`` that authenticates to the gateway (a static
+        token, or an OAuth token of the issuer it would accept here) so the proxy drops it.
+        A token of the issuer whose key cannot be fetched now may be a gateway token: refused
+        (503) rather than forwarded."""
+        for value in request.headers.getall(hdrs.AUTHORIZATION, []):
+            scheme, _, token = value.strip().partition(" ")
+            token = token.strip()
+            if scheme.lower() != "bearer" or not token:
+                continue
+            if authenticator.principal(token) is None:
+                oauth = authenticator.oauth
+                if oauth is None or not oauth.looks_like_jwt(token):
+                    continue
+                try:
+                    await oauth.verify(token, request.path, any_resource=True)
+                except Unauthenticated:
+                    continue  # not a token the gateway takes: the downstream's own
+            request[STRIP_AUTHORIZATION] = True
+            log.info("auth.gateway_token_withheld", method=request.method, path=_PROXY_ROUTE)
+            return
+
 
 def auth_middleware(
-    auth: AuthConfig, clock: Clock = time.monotonic, sessions: SessionAuth | None = None
+    auth: AuthConfig,
+    clock: Clock = time.monotonic,
+    sessions: SessionAuth | None = None,
+    now: Clock = time.time,
 ) -> Middleware:
     """The middleware for ``[auth]``: authenticate, check the role matrix and the principal's
     scope, apply its limits, set the principal. ``auth_state(app)`` finds its state.
-    ``sessions``: where a browser session stands in for the bearer credential (the console)."""
-    return _AuthMiddleware(AuthState(auth, clock), sessions)
+    ``sessions``: where a browser session stands in for the bearer credential (the console).
+    ``now``: the wall clock an OAuth token's ``exp`` and ``nbf`` are read against."""
+    return _AuthMiddleware(AuthState(auth, clock, now), sessions)
+
+
+async def resource_metadata(request: web.Request) -> web.Response:
+    """RFC 9728 protected resource metadata (open routes): the root document's resource is
+    ``resource_base_url``; ``/mcp/{downstream}``'s is ``<resource_base_url>/mcp/{downstream}``
+    for each MCP downstream. 404 without ``[auth.oauth]`` in force (or no such MCP server)."""
+    from fencegate.gateway.state import CONFIG
+    from fencegate.ledger.errors import NoSuchDownstream
+
+    state = auth_state(request.app)
+    oauth = state.authenticator.oauth if state is not None else None
+    if oauth is None:
+        raise web.HTTPNotFound()  # no [auth.oauth]: this gateway takes no OAuth tokens
+    name = request.match_info.get("downstream")
+    path = "/"
+    if name is not None:
+        mcp = {d.name for d in request.app[CONFIG].downstreams if d.adapter == "mcp"}
+        if name not in mcp:
+            raise NoSuchDownstream(f"no MCP downstream {name!r}")
+        path = f"/mcp/{name}"
+    document = metadata_document(oauth.config, resource_of(oauth.config, path))
+    return web.json_response(document, headers={"Cache-Control": "max-age=300"})
 
 
 def auth_state(app: web.Application) -> AuthState | None:

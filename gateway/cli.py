@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     from fencegate.gateway.console.session import secret_problem
     from fencegate.gateway.logs import configure_logging
     from fencegate.gateway.mcp_sessions import secret_problem as session_secret_problem
+    from fencegate.gateway.tracing import missing_extra
     from fencegate.gateway.workers import check_platform
 
     configure_logging("error" if args.check else "info")
@@ -117,6 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
         session_secret = session_secret_problem(os.environ)
         if session_secret is not None:
             raise ConfigError(session_secret)
+        if config.tracing is not None and (missing := missing_extra()) is not None:
+            raise ConfigError(missing)  # names the extra: pip install 'fencegate[otel]'
         loop_name, loop_factory = _event_loop(config.server.event_loop)
         ssl_context = server_ssl_context(config.server)
     except (ConfigError, ValueError) as exc:
@@ -279,6 +282,7 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
         "auth: "
         + (
             f"{len(config.auth.principals)} principal(s)"
+            + (f", OAuth tokens of {config.auth.oauth.issuer}" if config.auth.oauth else "")
             if config.auth is not None
             else "none: any client that reaches the address may use every endpoint"
         ),
@@ -348,11 +352,14 @@ def reload_auth(app: web.Application, config_path: str | None) -> bool:
         log.error("auth.reload_failed", key=exc.key, error=str(exc))
         return False
     state.reload(auth)
-    # Open event streams, long-polls and MCP streams are judged again under the new principals.
+    # Open event streams, long-polls and MCP streams are judged again under the new principals;
+    # those of OAuth tokens are kept unless [auth.oauth] changed.
     principals = [principal_from_config(p) for p in auth.principals]
-    app[EVENTS].reload(principals)
-    app[STREAMS].reload(principals)
-    log.info("auth.reloaded", principals=[p.name for p in auth.principals])
+    keep_oauth = not state.oauth_changed
+    app[EVENTS].reload(principals, keep_oauth=keep_oauth)
+    app[STREAMS].reload(principals, keep_oauth=keep_oauth)
+    log.info("auth.reloaded", principals=[p.name for p in auth.principals],
+             oauth=auth.oauth is not None, oauth_changed=state.oauth_changed)  # fmt: skip
     return True
 
 

@@ -21,6 +21,7 @@ from fencegate.ledger.effects import DEFAULT_SETTLE_MS
 from fencegate.ledger.requests import MAX_KEEP_BYTES, Pointer, parse_pointer
 
 __all__ = [
+    "OAUTH_PREFIX",
     "ROLES",
     "AuthConfig",
     "AuthReloadError",
@@ -31,6 +32,8 @@ __all__ = [
     "EventsConfig",
     "LeasesConfig",
     "LoggingConfig",
+    "OAuthConfig",
+    "OAuthProfileConfig",
     "OutcomesConfig",
     "PrincipalConfig",
     "ProbeConfig",
@@ -890,15 +893,130 @@ class PrincipalConfig(_Section):
         return value
 
 
-class AuthConfig(_Section):
-    """``[auth]``: when present, every request but /healthz and /readyz needs a credential."""
+#: The prefix of every OAuth principal's name (``oauth:<iss>#<sub>``, ``gateway/oauth.py``).
+OAUTH_PREFIX = "oauth:"
 
-    principals: Annotated[tuple[PrincipalConfig, ...], Field(strict=False)]
+
+def _https_url(value: str, *, path_ok: bool = True) -> str:
+    """An ``https://`` URL without query or fragment; ``http://`` only to a loopback host
+    (a local authorization server in a test or on the same machine)."""
+    scheme, sep, rest = value.partition("://")
+    host = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    host = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if not sep or scheme not in ("https", "http") or not host or any(c in value for c in "?# "):
+        raise ValueError("expected an https:// URL without query or fragment")
+    if scheme == "http" and not is_loopback(host.strip("[]")):
+        raise ValueError("expected https:// (http:// only to a loopback host)")
+    if not path_ok and "/" in rest.rstrip("/"):
+        raise ValueError("expected a base URL without a path")
+    return value
+
+
+class OAuthProfileConfig(_Section):
+    """``[auth.oauth.profiles.NAME]``: which tokens get which roles and scope. A token
+    matches when it carries every one of ``scopes`` (its ``scope`` claim) and every claim of
+    ``claims`` (equal, or contained in a list claim); the first profile in file order that
+    it matches is its own. The scope keys are a static principal's (``[[auth.principals]]``)."""
+
+    scopes: Annotated[tuple[str, ...], Field(strict=False)] = ()
+    claims: dict[str, str] = {}
+    roles: Annotated[tuple[Role, ...], Field(min_length=1, strict=False)]
+    downstreams: Annotated[tuple[str, ...], Field(min_length=1, strict=False)] | None = None
+    task_prefixes: Annotated[tuple[str, ...], Field(min_length=1, strict=False)] | None = None
+    rate_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    burst: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    max_open_requests: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+
+    @field_validator("downstreams")
+    @classmethod
+    def _downstreams(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return PrincipalConfig._downstreams(value)  # the same names as a static principal's
+
+    @field_validator("task_prefixes")
+    @classmethod
+    def _prefixes(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return PrincipalConfig._prefixes(value)
+
+    @model_validator(mode="after")
+    def _burst_needs_rate(self) -> OAuthProfileConfig:
+        if self.burst is not None and self.rate_per_second is None:
+            raise ValueError("burst: only with rate_per_second")
+        return self
+
+    @field_validator("scopes")
+    @classmethod
+    def _scopes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for scope in value:
+            if not re.fullmatch(r"[\x21\x23-\x5b\x5d-\x7e]{1,200}", scope):
+                raise ValueError(f"{scope!r}: a scope token (RFC 6749: no spaces, quotes or \\)")
+        return value
+
+    @field_validator("claims")
+    @classmethod
+    def _claims(cls, value: dict[str, str]) -> dict[str, str]:
+        for claim in value:
+            if claim in ("iss", "sub", "aud", "exp", "nbf", "iat", "scope"):
+                raise ValueError(
+                    f"{claim!r}: checked by the gateway itself (match scopes with `scopes`)"
+                )
+        return value
+
+
+class OAuthConfig(_Section):
+    """``[auth.oauth]``: the gateway as an OAuth 2.1 resource server (docs/security.md,
+    "OAuth"). JWT access tokens of ``issuer``, signed with a key of its JWKS."""
+
+    issuer: str
+    #: Default: the ``jwks_uri`` of the issuer's RFC 8414 metadata.
+    jwks_url: str | None = None
+    #: The gateway's public URL: the resource of every route but ``/mcp/{name}``.
+    resource_base_url: str
+    #: Also accepted as ``aud`` (besides the route's resource).
+    audience: str | None = None
+    leeway_ms: Annotated[int, Field(ge=0, le=300_000)] = 60_000
+    #: An unknown ``kid`` fetches the JWKS again at most this often.
+    jwks_refresh_ms: Annotated[int, Field(ge=1_000, le=3_600_000)] = 30_000
+    #: How long one fetch of the metadata or the JWKS may take.
+    jwks_timeout_ms: Annotated[int, Field(ge=100, le=60_000)] = 5_000
+    #: Rate buckets of OAuth principals kept (least recently used dropped first).
+    max_principals: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+    profiles: dict[str, OAuthProfileConfig]
+
+    @field_validator("issuer", "jwks_url")
+    @classmethod
+    def _urls(cls, value: str | None) -> str | None:
+        return None if value is None else _https_url(value)
+
+    @field_validator("resource_base_url")
+    @classmethod
+    def _base(cls, value: str) -> str:
+        return _https_url(value).rstrip("/")
+
+    @field_validator("profiles")
+    @classmethod
+    def _profiles(cls, value: dict[str, OAuthProfileConfig]) -> dict[str, OAuthProfileConfig]:
+        if not value:
+            raise ValueError("at least one [auth.oauth.profiles.NAME] is needed")
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ValueError(f"{name!r}: a profile name (1 to 64 of A-Z a-z 0-9 _ . -)")
+        return value
+
+
+class AuthConfig(_Section):
+    """``[auth]``: when present, every request but /healthz and /readyz needs a credential:
+    a static principal's (``[[auth.principals]]``), an OAuth token (``[auth.oauth]``), or
+    either when both are configured."""
+
+    principals: Annotated[tuple[PrincipalConfig, ...], Field(strict=False)] = ()
+    oauth: OAuthConfig | None = None
 
     @model_validator(mode="after")
     def _unique(self) -> AuthConfig:
-        if not self.principals:
-            raise ValueError("principals: at least one [[auth.principals]] is needed")
+        if not self.principals and self.oauth is None:
+            raise ValueError(
+                "principals: at least one [[auth.principals]] (or [auth.oauth]) is needed"
+            )
         names: set[str] = set()
         digests: set[str] = set()
         cns: set[str] = set()
@@ -915,6 +1033,13 @@ class AuthConfig(_Section):
                     f"principals[{i}] ({principal.name!r}).certificate_cn "
                     f"{principal.certificate_cn!r} is another principal's"
                 )
+            if principal.name.startswith(OAUTH_PREFIX) or "#" in principal.name:
+                # Never the name of an OAuth principal (oauth:<iss>#<sub>): a token cannot
+                # become a static principal, nor hold its leases.
+                raise ValueError(
+                    f"principals[{i}].name {principal.name!r}: {OAUTH_PREFIX!r} names OAuth "
+                    "principals only"
+                )
             names.add(principal.name)
             if principal.token_sha256 is not None:
                 digests.add(principal.token_sha256)
@@ -925,6 +1050,36 @@ class AuthConfig(_Section):
 
 #: Store URL schemes whose store belongs to one process (``server.workers`` must be 1).
 _ONE_PROCESS_SCHEMES = ("sqlite:",)
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry traces (gateway/tracing.py, docs/operations.md "Tracing"): spans go by
+    OTLP over HTTP to ``otlp_endpoint``/v1/traces. The section's presence turns tracing on;
+    it needs the optional extra (``pip install fencegate[otel]``). The collector's credential
+    is never here: ``headers_from_env`` names the environment variable of each header."""
+
+    #: The collector's base URL (http:// or https://), e.g. http://127.0.0.1:4318.
+    otlp_endpoint: str
+    #: ``service.name`` of the gateway's spans.
+    service_name: Annotated[str, Field(min_length=1, max_length=200)] = "fencegate"
+    #: Share of new traces recorded (0 to 1); a request that comes with a trace context
+    #: follows its caller's sampling decision (parent-based).
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    #: Headers sent to the collector: header -> name of the environment variable holding
+    #: its value (e.g. Authorization = "OTLP_AUTHORIZATION").
+    headers_from_env: dict[HeaderName, EnvName] = Field(default_factory=dict)
+    #: Longest wait before a batch of finished spans is exported (spans are also exported
+    #: when a batch fills, and all of them at shutdown).
+    export_delay_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] = 5_000
+    #: Bound of one export to the collector.
+    export_timeout_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] = 10_000
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")) or len(value) > 2000:
+            raise ValueError("expected an http:// or https:// base URL (OTLP over HTTP)")
+        return value.rstrip("/")
 
 
 class Config(_Section):
@@ -941,6 +1096,8 @@ class Config(_Section):
     downstreams: Annotated[tuple[DownstreamConfig, ...], Field(strict=False)] = ()
     #: None: no authentication (docs/security.md).
     auth: AuthConfig | None = None
+    #: None: no traces (docs/operations.md, "Tracing").
+    tracing: TracingConfig | None = None
 
     @field_validator("downstreams", mode="before")
     @classmethod
@@ -1140,4 +1297,10 @@ def load_config(path: str | Path | None) -> Config:
                     f"{path}: downstreams[{i}] ({downstream.name!r}).headers_from_env.{header}: "
                     f"environment variable {variable!r} is not set"
                 )
+    for header, variable in (config.tracing.headers_from_env if config.tracing else {}).items():
+        if variable not in os.environ:
+            raise ConfigError(
+                f"{path}: tracing.headers_from_env.{header}: "
+                f"environment variable {variable!r} is not set"
+            )
     return config

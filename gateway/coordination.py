@@ -296,7 +296,8 @@ async def claim_next(request: web.Request) -> web.Response:
         # Past tasks.max_waiters(_per_principal): 503 (logged wait.refused), never an early
         # 204 that a client would take for an empty queue and ask again at once.
         name = req.principal
-        with request.app[EVENTS].waiting(principal=name, queue=queue) as waiter:
+        holder = principal_of(request)
+        with request.app[EVENTS].waiting(principal=name, queue=queue, holder=holder) as waiter:
             started = loop.time()
             # Again, now that an event can wake it: a task put meanwhile is not missed.
             task = await attempt() if not waiter.closed else None
@@ -611,7 +612,8 @@ async def get_task(request: web.Request) -> web.Response:
     # Past tasks.max_waiters(_per_principal): 503 (logged wait.refused), never a record at
     # once that a client would take as "not yet" and ask again at once.
     name = _principal(request)
-    with request.app[EVENTS].waiting(principal=name, task_id=task_id) as waiter:
+    holder = principal_of(request)
+    with request.app[EVENTS].waiting(principal=name, task_id=task_id, holder=holder) as waiter:
         task = await store.get_task(task_id)  # it may have changed before the waiter was set
         # Closed: the gateway is shutting down; the record as it is now.
         while task.state is not wanted and not waiter.closed:

@@ -42,7 +42,13 @@ from aiohttp import web
 
 from fencegate.gateway.auth import allowed_roles
 from fencegate.gateway.config import EventsConfig, TasksConfig
-from fencegate.gateway.principals import Principal, principal_of, scope_refusal
+from fencegate.gateway.principals import (
+    Principal,
+    at_expiry,
+    is_oauth_name,
+    principal_of,
+    scope_refusal,
+)
 from fencegate.gateway.state import CONFIG, EVENTS, STORE
 from fencegate.ledger.errors import (
     BadRequest,
@@ -267,13 +273,15 @@ class EventHub:
         task_id: str | None = None,
         queue: str | None = None,
         effect_id: str | None = None,
+        holder: Principal | None = None,
     ) -> Iterator[Waiter]:
         """A ``Waiter`` for the duration of the block: a ``waitFor`` of ``task_id``, a
         claim from ``queue`` or a duplicate waiting for ``effect_id``'s outcome
         (``gateway.effect_waiters``), by ``principal`` (None: anonymous). ``TooManyConnections``
         (logged ``wait.refused``) past ``tasks.max_waiters`` or
         ``tasks.max_waiters_per_principal``. Once the hub is closed the waiter is too: the
-        long-poll answers at once."""
+        long-poll answers at once. ``holder``: the principal, whose OAuth token's ``exp``
+        refuses the long-poll (401) if it comes first."""
         assert [task_id, queue, effect_id].count(None) == 2
         limit = self._tasks.max_waiters
         target = (
@@ -308,9 +316,14 @@ class EventHub:
             waiter.close()
         else:
             self._listen()
+        expiry = at_expiry(
+            holder, lambda: waiter.refuse(Unauthenticated("the token expired while waiting"))
+        )
         try:
             yield waiter
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._waiters -= 1
             _leave(self._waiting, principal)
             group.discard(waiter)
@@ -404,16 +417,20 @@ class EventHub:
             for waiter in self._by_queue.get(queue, ()) if isinstance(queue, str) else ():
                 waiter.wake()
 
-    def reload(self, principals: Iterable[Principal]) -> None:
+    def reload(self, principals: Iterable[Principal], *, keep_oauth: bool = False) -> None:
         """The ``[auth]`` principals changed (SIGHUP, ``cli.reload_auth``): every stream and
         long-poll is judged again as a new request would be (``after_reload``). A stream of
         a principal that is gone (or may no longer read events) ends; the others show what
         the new ``task_prefixes`` allow from the next event on. A long-poll that would now be
-        refused answers that refusal at once (401 for a principal that is gone)."""
+        refused answers that refusal at once (401 for a principal that is gone). OAuth
+        principals are in no list: ``keep_oauth`` (``[auth.oauth]`` unchanged) keeps theirs,
+        else they end as a removed principal's (the client comes back with its token)."""
         by_name = {principal.name: principal for principal in principals}
         ended = refused = 0
         for subscription in self._subscriptions:
             if subscription.principal is None:
+                continue
+            if keep_oauth and is_oauth_name(subscription.principal):
                 continue
             verdict = after_reload(by_name, subscription.principal, route=_EVENTS_ROUTE)
             if isinstance(verdict, FencegateError):
@@ -424,6 +441,8 @@ class EventHub:
         for group in (*self._by_task.values(), *self._by_queue.values()):
             for waiter in group:
                 if waiter.principal is None or waiter.closed:
+                    continue
+                if keep_oauth and is_oauth_name(waiter.principal):
                     continue
                 route = _WAIT_ROUTE if waiter.task_id is not None else _QUEUE_ROUTE
                 verdict = after_reload(by_name, waiter.principal, route=route,
@@ -682,6 +701,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
             detail = f"{source}: not an event position this store gave out (out of its range)"
             raise BadRequest(detail, fields=[source]) from exc
     subscription = hub.subscribe(name, prefixes)
+    expiry = at_expiry(principal, subscription.close)  # an OAuth token's exp ends the stream
     try:
         response = web.StreamResponse(
             headers={
@@ -712,6 +732,8 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
                 request.transport.abort()
         return response
     finally:
+        if expiry is not None:
+            expiry.cancel()
         hub.unsubscribe(subscription)
 
 

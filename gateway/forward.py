@@ -41,6 +41,7 @@ from aiohttp import web
 from aiohttp.typedefs import LooseHeaders
 from yarl import URL
 
+from fencegate.gateway import tracing
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.http_client import PoolWait, ResendRefused, send_once
 from fencegate.gateway.state import CONFIG, FORWARD_CLOCK, HTTP_CLIENT, PENDING_ABORTS, STORE
@@ -410,15 +411,36 @@ async def send(
     *,
     headers: LooseHeaders | None = None,
     data: bytes | None = None,
+    purpose: str = "forward",
+    effect_id: str | None = None,
+    mcp_meta: bool = False,
 ) -> AsyncIterator[aiohttp.ClientResponse]:
     """Send one request to ``downstream`` and yield its response (read it inside the block):
     once (``send_once``), with the pool wait traced, no redirect followed, within
     ``limits``. A client failure, also while the block reads the body, raises
     ``ForwardFailed`` (``failure_of``) and is logged as ``forward.failed`` with the
-    client's own words (the address included: the operator's detail, never the agent's)."""
+    client's own words (the address included: the operator's detail, never the agent's).
+
+    With ``[tracing]`` the send is a CLIENT span (``purpose``: forward, relay, probe,
+    tools_list; ``effect_id`` when it has one) whose context goes out in the headers and,
+    for an MCP message (``mcp_meta``), in its ``params._meta``: added here, to what is sent
+    only, long after any digest was computed."""
     target = URL(url) if isinstance(url, str) else url
     pool = PoolWait()
     status: int | None = None
+    span = None
+    if tracing.enabled(app):  # else nothing of the span is computed
+        span = tracing.start_client(
+            app,
+            downstream,
+            method,
+            _shown(target),
+            purpose=purpose,
+            effect_id=effect_id,
+            address=(target.host, target.port),
+        )
+    if span is not None:
+        headers, data = span.inject(headers, data, mcp_meta=mcp_meta)
     try:
         async with app[HTTP_CLIENT].request(
             method,
@@ -431,9 +453,13 @@ async def send(
             trace_request_ctx=pool,
         ) as resp:
             status = resp.status
+            if span is not None:
+                span.answered(status)
             yield resp
     except (TimeoutError, aiohttp.ClientError, ResendRefused) as exc:
         failure = failure_of(exc, status=status, waiting=pool.waiting, limits=limits)
+        if span is not None:
+            span.failed(failure.kind.value, failure.outcome.value)
         detail = str(exc).replace(str(target), _shown(target)) or type(exc).__name__
         log.warning(
             "forward.failed",
@@ -446,6 +472,9 @@ async def send(
             error=detail,
         )
         raise ForwardFailed(failure, exc) from exc
+    finally:
+        if span is not None:
+            span.end()
 
 
 async def read_up_to(stream: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:

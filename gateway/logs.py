@@ -26,6 +26,8 @@ import structlog
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
+from fencegate.gateway import tracing
+
 __all__ = ["AccessLog", "configure_logging"]
 
 _LEVELS = {
@@ -91,6 +93,7 @@ def configure_logging(level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.log_ids,  # trace_id / span_id while a span is active ([tracing])
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,

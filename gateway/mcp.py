@@ -36,7 +36,7 @@ from multidict import CIMultiDict
 from fencegate.adapters import mcp
 from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.mcp import McpAdapter, ToolKind, ToolPolicy
-from fencegate.gateway import effect_waiters, mcp_sessions, mcp_streams
+from fencegate.gateway import effect_waiters, mcp_sessions, mcp_streams, tracing
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.forward import (
     ForwardFailed,
@@ -145,6 +145,7 @@ def _refuse(
     """A refusal: a JSON-RPC error answer to that request (HTTP 200); a message without an id
     (a notification, a response) cannot be answered in JSON-RPC, so its HTTP status says it.
     ``code``: the JSON-RPC code when the refusal has its own (``mcp.error_message``)."""
+    tracing.refused(error)  # the problem code on the request's span
     message = mcp.error_message(request_id if has_id else None, error, code)
     if has_id:
         return _jsonrpc(message)
@@ -411,6 +412,9 @@ async def _post(
         return _jsonrpc(
             {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": "Invalid Request"}}
         )
+    params = message.get("params")
+    if isinstance(params, dict):  # MCP's trace context: the request span's parent
+        tracing.mcp_context(params.get("_meta"))
     if refused is None:  # read as UTF-8 JSON: a charset would make it another message
         bad_type = mcp.content_type_refusal(request.headers.getall("Content-Type", []))
         refused = None if bad_type is None else (-32600, f"Invalid Request: {bad_type}")
@@ -511,6 +515,8 @@ async def _list_tools(
                 downstream_limits(downstream),
                 headers=headers,
                 data=json.dumps(message).encode(),
+                purpose="tools_list",
+                mcp_meta=True,
             ) as resp:
                 answer = await _one_answer(resp, message["id"])
         except ForwardFailed as failed:
@@ -904,6 +910,8 @@ async def _forward_call(
             limits,
             headers=headers,
             data=data,
+            effect_id=effect.effect_id,
+            mcp_meta=True,  # the trace context in params._meta, as the MCP spec reserves
         ) as resp:
             live = _answer_headers(resp)
             if resp.status != 200:
@@ -1075,6 +1083,8 @@ async def _relay(
             limits,
             headers=headers,
             data=body,
+            purpose="relay",
+            mcp_meta=True,
         ) as resp:
             # Passed through as it comes, whatever its type: nothing here is kept.
             answer = web.StreamResponse(status=resp.status, headers=_answer_headers(resp))

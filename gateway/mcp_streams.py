@@ -34,7 +34,7 @@ from aiohttp import web
 
 from fencegate.adapters import mcp
 from fencegate.gateway.events import after_reload
-from fencegate.gateway.principals import Principal, principal_of
+from fencegate.gateway.principals import Principal, at_expiry, is_oauth_name, principal_of
 from fencegate.gateway.state import STORE
 from fencegate.ledger.effects import Fence
 from fencegate.ledger.errors import ClaimRefused, DownstreamBusy, FencegateError
@@ -112,13 +112,16 @@ class StreamRegistry:
     def close(self, stream: OpenStream) -> None:
         self._open.discard(stream)
 
-    def reload(self, principals: Iterable[Principal]) -> int:
+    def reload(self, principals: Iterable[Principal], *, keep_oauth: bool = False) -> int:
         """End the streams a reload of ``principals`` would refuse now (``after_reload``);
-        how many."""
+        how many. OAuth principals' streams are kept when ``keep_oauth`` (``[auth.oauth]``
+        unchanged), else ended."""
         by_name = {principal.name: principal for principal in principals}
         ended = 0
         for stream in self._open:
             if stream.principal is None:
+                continue
+            if keep_oauth and is_oauth_name(stream.principal):
                 continue
             verdict = after_reload(by_name, stream.principal, route=_MCP_ROUTE,
                                    task_id=stream.fence.task_id,
@@ -164,9 +167,12 @@ async def hold(
                  limit=registry.limit, per_principal=registry.per_principal)  # fmt: skip
         return _busy(why, downstream)
     request[_STREAM_KEY] = stream
+    expiry = at_expiry(principal, lambda: stream.end("token_expired"))  # an OAuth token's exp
     try:
         return await relay()
     finally:
+        if expiry is not None:
+            expiry.cancel()
         registry.close(stream)
 
 

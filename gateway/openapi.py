@@ -621,6 +621,10 @@ def _ledger_paths() -> dict[str, Any]:
 
 def _operation_paths() -> dict[str, Any]:
     text = {"text/plain": {"schema": {"type": "string"}}}
+    metadata = {
+        "description": "the metadata document",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
     return {
         "/healthz": {
             "get": _op(
@@ -630,6 +634,36 @@ def _operation_paths() -> dict[str, Any]:
                 {"200": _json("Health", "up")},
                 open_route=True,
             )
+        },
+        "/.well-known/oauth-protected-resource": {
+            "get": _op(
+                "oauthProtectedResource",
+                "RFC 9728 protected resource metadata of the gateway ([auth.oauth]; 404 "
+                "without): its authorization server and scopes",
+                "operations",
+                {"200": metadata},
+                open_route=True,
+            )
+        },
+        "/.well-known/oauth-protected-resource/mcp/{downstream}": {
+            "parameters": [
+                {
+                    "name": "downstream",
+                    "in": "path",
+                    "required": True,
+                    "description": 'a downstream with adapter = "mcp"',
+                    "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                }
+            ],
+            "get": _op(
+                "oauthProtectedResourceMcp",
+                "RFC 9728 metadata of an MCP downstream's resource (<resource_base_url>/mcp/"
+                "{downstream}) ([auth.oauth]; 404 without)",
+                "mcp",
+                {"200": metadata},
+                extra={404: ("NO_SUCH_DOWNSTREAM",)},
+                open_route=True,
+            ),
         },
         "/readyz": {
             "get": _op(

@@ -1,5 +1,9 @@
 """Who is calling: the authenticated principal of a request, when ``[auth]`` is on.
 
+A principal is a configured one (``[[auth.principals]]``, by token or certificate) or the
+principal of an OAuth access token (``[auth.oauth]``, ``gateway/oauth.py``): ``oauth:<iss>#<sub>``
+with the roles and scope of the profile the token matches.
+
 The authentication middleware (``gateway/auth.py``) sets it on every request it lets through;
 handlers and the proxy read it with ``principal_of``. Without ``[auth]`` there is none, and
 every rule that binds an action to a principal is off (docs/security.md).
@@ -7,24 +11,33 @@ every rule that binds an action to a principal is off (docs/security.md).
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from fencegate.gateway.config import OAUTH_PREFIX
 from fencegate.gateway.limits import NO_LIMITS, Limits
 from fencegate.ledger.errors import BadRequest
 
 __all__ = [
     "ANONYMOUS",
+    "OAUTH_PREFIX",
     "PRINCIPAL_KEY",
+    "STRIP_AUTHORIZATION",
     "Principal",
     "Scope",
     "acting_operator",
+    "at_expiry",
     "caller_name",
+    "is_oauth_name",
     "may_key",
     "may_lease",
+    "oauth_name",
     "operator_label",
     "principal_of",
     "scope_refusal",
@@ -35,6 +48,15 @@ __all__ = [
 _REQUEST_KEY: Any = getattr(web, "RequestKey", None)
 PRINCIPAL_KEY: Any = (
     _REQUEST_KEY("fencegate.principal", object) if _REQUEST_KEY else "fencegate.principal"
+)
+
+#: Set on a ``/proxy`` request whose ``Authorization`` authenticates to the gateway (a static
+#: principal's token, or an OAuth token it would accept): the proxy drops that header even
+#: when the downstream has ``forward_authorization``: no gateway token reaches a downstream.
+STRIP_AUTHORIZATION: Any = (
+    _REQUEST_KEY("fencegate.strip_authorization", bool)
+    if _REQUEST_KEY
+    else "fencegate.strip_authorization"
 )
 
 
@@ -76,9 +98,41 @@ class Principal:
     scope: Scope = UNSCOPED
     #: Rate and requests in flight (``gateway/limits.py``); the default is unlimited.
     limits: Limits = NO_LIMITS
+    #: When its credential stops being accepted (Unix seconds): an OAuth token's ``exp`` plus
+    #: ``leeway_ms``. None: a static principal, good until a reload removes it. A stream or
+    #: long-poll opened with it ends then, as a console session does.
+    expires_at: float | None = None
 
     def has(self, role: str) -> bool:
         return role in self.roles
+
+    @property
+    def is_oauth(self) -> bool:
+        """An OAuth token's principal (``oauth:<iss>#<sub>``), not a configured one."""
+        return is_oauth_name(self.name)
+
+
+# An OAuth principal's name is ``oauth:<iss>#<sub>`` (OAUTH_PREFIX). A static principal's
+# name holds no ``#`` and may not start with ``oauth:`` (``config.AuthConfig``): never equal.
+
+
+def oauth_name(issuer: str, subject: str) -> str:
+    """The principal name of the token ``issuer`` issued for ``subject``."""
+    return f"{OAUTH_PREFIX}{issuer}#{subject}"
+
+
+def is_oauth_name(name: str) -> bool:
+    return name.startswith(OAUTH_PREFIX) and "#" in name
+
+
+def at_expiry(principal: Principal | None, then: Callable[[], None]) -> asyncio.TimerHandle | None:
+    """Call ``then`` when ``principal``'s credential stops being accepted (an OAuth token's
+    ``exp`` plus leeway): a stream or long-poll opened with it ends then. None (nothing
+    scheduled) for a principal whose credential does not expire. Cancel it when done."""
+    if principal is None or principal.expires_at is None:
+        return None
+    delay = max(0.0, principal.expires_at - time.time())
+    return asyncio.get_running_loop().call_later(delay, then)
 
 
 def principal_of(request: web.Request) -> Principal | None:

@@ -47,7 +47,7 @@ from yarl import URL
 from fencegate.adapters import Adapter, ProbeAdapter
 from fencegate.adapters.base import Answer, Outgoing
 from fencegate.adapters.http import NOT_APPLIED_STATUSES, UNKNOWN_STATUSES, HttpAdapter
-from fencegate.gateway import effect_waiters, failpoints
+from fencegate.gateway import effect_waiters, failpoints, tracing
 from fencegate.gateway.config import DownstreamConfig
 from fencegate.gateway.forward import (
     ForwardFailed,
@@ -73,7 +73,13 @@ from fencegate.gateway.http_rules import (
     upstream_response_headers,
     without_secret_values,
 )
-from fencegate.gateway.principals import caller_name, may_key, may_lease, principal_of
+from fencegate.gateway.principals import (
+    STRIP_AUTHORIZATION,
+    caller_name,
+    may_key,
+    may_lease,
+    principal_of,
+)
 from fencegate.gateway.problems import http_detail, problem_body, problem_response, requested
 from fencegate.gateway.proxy_decisions import (
     Decision,
@@ -392,6 +398,7 @@ def _fence_headers(effect: Effect | None, state: str | None, replayed: bool) -> 
 
 
 def _refusal(error: FencegateError) -> web.Response:
+    tracing.refused(error)  # the problem code on the request's span
     headers = {
         "Fence-Effect-State": str(error.extra.get("effectState", "NONE")),
         "Fence-Replayed": "false",
@@ -675,6 +682,8 @@ async def _carry_out(
 
 def account(request: web.Request, decision: Decision) -> None:
     """A decision's log lines and metrics (``/proxy`` and ``/mcp`` alike)."""
+    # What was decided, about which call, on the request's span.
+    tracing.noted_decision(decision.act, decision.logs[0].fields if decision.logs else {})
     metrics = request.app[METRICS]
     counters = {"effects": metrics.effects, "shadow_rejections": metrics.shadow_rejections}
     for metric in decision.metrics:
@@ -791,6 +800,7 @@ async def _forward(
     limits: Limits,
     on_answer: _OnAnswer,
     outcome_of: Callable[[int], EffectState],
+    effect_id: str | None = None,
 ) -> web.StreamResponse:
     """Send the call (``forward.send``: once, nothing below the ledger re-sends), read its
     answer up to ``replay_max_bytes``, let ``on_answer`` act on it, and pass it to the agent,
@@ -807,7 +817,14 @@ async def _forward(
     name = call.downstream.name
     try:
         async with send(
-            request.app, name, call.method, _target(call), limits, headers=headers, data=data
+            request.app,
+            name,
+            call.method,
+            _target(call),
+            limits,
+            headers=headers,
+            data=data,
+            effect_id=effect_id,
         ) as resp:
             body, whole = await read_up_to(resp.content, call.downstream.replay_max_bytes)
             progress.forward = time.perf_counter() - began
@@ -841,14 +858,16 @@ def _forward_headers(
 ) -> CIMultiDict[str]:
     """The headers a forward of ``call`` sends, with the adapter's ``identity``. A lease-less
     client's own ``Idempotency-Key`` never goes on as it was sent: the downstream's key is
-    the effectId (in the adapter's header), whatever that header's name."""
+    the effectId (in the adapter's header), whatever that header's name. An ``Authorization``
+    the auth middleware found to be a gateway credential never goes on either."""
     reserved = [call.downstream.idempotency_key_header, call.downstream.fencing_token_header]
     if call.fence is None:
         reserved.append(CLIENT_KEY_HEADER)
+    gateway_token = bool(request.get(STRIP_AUTHORIZATION, False))
     return downstream_request_headers(
         request.headers.items(),
         identity,
-        forward_authorization=call.downstream.forward_authorization,
+        forward_authorization=call.downstream.forward_authorization and not gateway_token,
         reserved=reserved,
         peer=request.remote,
     )
@@ -936,6 +955,7 @@ async def _forward_effect(
             window.limits(call.downstream),
             record,
             lambda status: call.adapter.classify(status, effect)[0],
+            effect.effect_id,
         )
     except ForwardFailed as failed:
         failure = failed.failure
@@ -1037,6 +1057,7 @@ async def record_outcome(
                     reason=reason, **fields)  # fmt: skip
         return recorded
     request.app[METRICS].effects.labels(downstream, outcome.value, effect.kind).inc()
+    tracing.note(**{"fencegate.outcome": outcome.value.lower()})
     event = {
         EffectState.COMMITTED: "effect.committed",
         EffectState.NOT_APPLIED: "effect.not_applied",

@@ -26,6 +26,7 @@ from yarl import URL
 
 from fencegate.adapters import ProbeAdapter
 from fencegate.adapters.kinds import UnsafeProbePath
+from fencegate.gateway import tracing
 from fencegate.gateway.forward import Bound, ForwardFailed, Limits, read_up_to, send
 from fencegate.gateway.http_rules import stored_response_headers
 from fencegate.gateway.proxy_decisions import next_step
@@ -68,6 +69,8 @@ async def _probe(app: web.Application, adapter: ProbeAdapter, effect: Effect
             url,
             limits,
             headers=adapter.outbound_headers(effect.effect_id, None),
+            purpose="probe",
+            effect_id=effect.effect_id,
         ) as resp:
             # Read to the end (an answer may come in many pieces), up to the bound.
             raw, whole = await read_up_to(resp.content, _PROBE_BODY_LIMIT)
@@ -101,7 +104,18 @@ async def reconcile(
 ) -> Effect:
     """Probe one effect if it is UNKNOWN and its downstream can be asked; returns the record.
     ``only_if_due`` (an agent's retry) leaves an effect alone until its next probe is due, so
-    a retrying agent cannot make the gateway hammer the downstream or grow the record."""
+    a retrying agent cannot make the gateway hammer the downstream or grow the record.
+
+    With ``[tracing]`` one span (``fencegate.reconcile``) holds its store steps and its
+    probe's CLIENT span: the request's child inline, a trace of its own in the background."""
+    with tracing.step(app, "fencegate.reconcile", **{"fencegate.effect_id": effect_id,
+                                                     "fencegate.actor": actor}):  # fmt: skip
+        return await _reconcile(app, effect_id, actor, only_if_due=only_if_due)
+
+
+async def _reconcile(
+    app: web.Application, effect_id: str, actor: str, *, only_if_due: bool
+) -> Effect:
     store = app[STORE]
     effect = await store.get_effect(effect_id)
     if effect.state is not EffectState.UNKNOWN:
@@ -149,6 +163,8 @@ async def reconcile(
             asked_at,
         ),
     )
+    tracing.note(**{"fencegate.outcome": effect.state.value.lower(),
+                    "fencegate.probe_verdict": verdict.value})  # fmt: skip
     log.info(
         "effect.reconciled",
         effect_id=effect_id,

@@ -29,6 +29,7 @@ The tree::
     ├── HttpVersionNotSupported    505 HTTP_VERSION_NOT_SUPPORTED
     ├── TooManyConnections         503 TOO_MANY_CONNECTIONS
     ├── DownstreamBusy             503 DOWNSTREAM_BUSY (no pooled connection in time)
+    ├── AuthUnavailable            503 AUTH_UNAVAILABLE ([auth.oauth]: the JWKS is unreachable)
     └── RateLimited                429 RATE_LIMITED (a principal over its [auth] limits)
 
 The pure models raise these, the stores translate their own failures into them with
@@ -48,6 +49,7 @@ __all__ = [
     "ERRORS_BY_CODE",
     "AlreadyCommitted",
     "ApprovalRequired",
+    "AuthUnavailable",
     "BadRequest",
     "Cancelled",
     "ClaimRefused",
@@ -390,6 +392,17 @@ class DownstreamBusy(FencegateError):
     code = "DOWNSTREAM_BUSY"
     status = 503
     title = "No free connection to the downstream; nothing was sent"
+
+
+class AuthUnavailable(FencegateError):
+    """``[auth.oauth]``: a token names a signing key (``kid``) the gateway does not hold and
+    the issuer's JWKS cannot be fetched now, so the token can be neither accepted nor refused.
+    Nothing was done; retry after ``Retry-After`` (the token may well be good)."""
+
+    code = "AUTH_UNAVAILABLE"
+    status = 503
+    title = "The token's signing keys cannot be fetched now"
+    about_request = True
 
 
 class RateLimited(FencegateError):

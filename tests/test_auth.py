@@ -47,6 +47,8 @@ PRINCIPALS: dict[str, tuple[tuple[str, ...], str]] = {
 SCH, WRK, OPS, OBS, CLI = "scheduler", "worker", "operator", "observer", "client"
 EXPECTED: dict[tuple[str, str], set[str]] = {
     ("GET", "/healthz"): {"anyone"},
+    ("GET", "/.well-known/oauth-protected-resource"): {"anyone"},
+    ("GET", "/.well-known/oauth-protected-resource/mcp/{downstream}"): {"anyone"},
     ("GET", "/readyz"): {"anyone"},
     ("GET", "/metrics"): {OPS, OBS},
     ("GET", "/openapi.json"): {SCH, WRK, OPS, OBS, CLI},
@@ -113,6 +115,12 @@ NO_LEASE = {
 #: One concrete request per row of the matrix: (method, path, JSON body, extra headers).
 SAMPLES: dict[tuple[str, str], tuple[str, str, Any, dict[str, str]]] = {
     ("GET", "/healthz"): ("GET", "/healthz", None, {}),
+    ("GET", "/.well-known/oauth-protected-resource"): (
+        "GET", "/.well-known/oauth-protected-resource", None, {}
+    ),
+    ("GET", "/.well-known/oauth-protected-resource/mcp/{downstream}"): (
+        "GET", "/.well-known/oauth-protected-resource/mcp/x", None, {}
+    ),
     ("GET", "/readyz"): ("GET", "/readyz", None, {}),
     ("GET", "/metrics"): ("GET", "/metrics", None, {}),
     ("GET", "/openapi.json"): ("GET", "/openapi.json", None, {}),
@@ -439,7 +447,9 @@ async def test_without_a_credential_only_healthz_and_readyz_answer(env: Env) -> 
                 assert answer.status == 401 and b"UNAUTHENTICATED" in answer.body, key
             continue
         if "anyone" in ROLE_MATRIX[key]:
-            assert answer.status == 200, (key, answer.body)
+            # the OAuth metadata exists with [auth.oauth] only (tests/test_oauth.py)
+            wanted = 404 if path.startswith("/.well-known/") else 200
+            assert answer.status == wanted, (key, answer.body)
             continue
         assert answer.status == 401, (key, answer.status)
         assert answer.code == "UNAUTHENTICATED"

@@ -334,12 +334,14 @@ SCENARIOS: dict[str, Scenario] = {
     "APPROVAL_REQUIRED": approval_required,
     "IDEMPOTENCY_KEY_REQUIRED": idempotency_key_required,
 }
-#: Codes the scenarios here do not produce: authentication (tests/test_auth.py), the request
+#: Codes the scenarios here do not produce: authentication (tests/test_auth.py; an OAuth
+#: key set that cannot be fetched, tests/test_oauth.py), the request
 #: guard and slow clients (tests/test_request_guard.py, tests/test_slow_clients.py), a busy
 #: connection pool (tests/test_proxy_hardening.py), and no on-purpose 500. Their SDK classes
 #: are still checked by error_from_problem below.
 NOT_PRODUCIBLE = {
     "UNAUTHENTICATED",
+    "AUTH_UNAVAILABLE",
     "FORBIDDEN",
     "INTERNAL",
     "DOWNSTREAM_BUSY",

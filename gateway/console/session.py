@@ -5,7 +5,9 @@ already holds, never the token), an expiry and a per-session CSRF token, signed 
 HMAC-SHA256. Signed, not encrypted: nothing in it is a secret the config does not show.
 Every request re-checks it against the principals in force (``Authenticator.by_digest``):
 a revoked token, a renamed principal or changed roles end the session at once, however long
-the cookie has left.
+the cookie has left. A session logged in with an OAuth token (``[auth.oauth]``) carries no
+digest but its profile (name and digest of its configuration): it ends at the token's
+``exp`` (plus leeway) at the latest, and at once when a reload changes that profile.
 
 The key comes from ``FENCEGATE_CONSOLE_SECRET`` (never the config file); unset, a random key
 per process, so sessions do not survive a restart nor span ``serve --workers`` processes.
@@ -51,6 +53,9 @@ COOKIE: Final = "fencegate_console"
 PREFIX: Final = "/console"
 _MAX_COOKIE = 4096
 _NAME = re.compile(r"[A-Za-z0-9._:@/ -]{1,200}")
+#: An OAuth principal's name: ``oauth:<iss>#<sub>`` (gateway/oauth.py bounds both parts).
+_OAUTH_NAME = re.compile(r"oauth:[\x21-\x7e]{1,800}")
+_PROFILE = re.compile(r"[A-Za-z0-9_.-]{1,64}:[0-9a-f]{16}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _REQUEST_KEY: Any = getattr(web, "RequestKey", None)
 #: Where a checked session is left on the request (a ``web.RequestKey`` where aiohttp has it).
@@ -95,6 +100,8 @@ class Session:
     expires_at: int
     #: Compared with every form's hidden ``csrf`` field.
     csrf: str
+    #: An OAuth login's ``<profile>:<digest>`` (``oauth.profile_digest``); None otherwise.
+    profile: str | None = None
 
 
 class SessionCodec:
@@ -112,14 +119,27 @@ class SessionCodec:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
 
     def issue(
-        self, name: str, token_sha256: str | None, roles: tuple[str, ...]
+        self,
+        name: str,
+        token_sha256: str | None,
+        roles: tuple[str, ...],
+        *,
+        profile: str | None = None,
+        until_ms: int | None = None,
     ) -> tuple[str, Session]:
+        """A session cookie; ``until_ms``: it ends then if that comes before the console's
+        own ``ttl_ms`` (an OAuth token's expiry)."""
+        expires_at = self.now_ms() + self.ttl_ms
+        if until_ms is not None:
+            expires_at = min(expires_at, until_ms)
         session = Session(
-            name, token_sha256, tuple(sorted(roles)), self.now_ms() + self.ttl_ms,
-            secrets.token_urlsafe(24),
+            name, token_sha256, tuple(sorted(roles)), expires_at, secrets.token_urlsafe(24),
+            profile,
         )  # fmt: skip
         body = {"n": session.name, "d": session.token_sha256, "r": list(session.roles),
                 "e": session.expires_at, "c": session.csrf}  # fmt: skip
+        if profile is not None:
+            body["o"] = profile
         payload = _b64(json.dumps(body, separators=(",", ":")).encode())
         return f"{payload}.{self._mac(payload)}", session
 
@@ -138,10 +158,13 @@ class SessionCodec:
         if not isinstance(body, dict):
             return None
         name, digest, roles = body.get("n"), body.get("d"), body.get("r")
-        expires_at, csrf = body.get("e"), body.get("c")
+        expires_at, csrf, profile = body.get("e"), body.get("c"), body.get("o")
         if not (
             isinstance(name, str)
-            and _NAME.fullmatch(name)
+            and (
+                _NAME.fullmatch(name) or (isinstance(profile, str) and _OAUTH_NAME.fullmatch(name))
+            )
+            and (profile is None or (isinstance(profile, str) and _PROFILE.fullmatch(profile)))
             and (digest is None or (isinstance(digest, str) and _HEX64.fullmatch(digest)))
             and isinstance(roles, list)
             and all(isinstance(r, str) for r in roles)
@@ -152,7 +175,7 @@ class SessionCodec:
             return None
         if expires_at <= self.now_ms():
             return None
-        return Session(name, digest, tuple(roles), expires_at, csrf)
+        return Session(name, digest, tuple(roles), expires_at, csrf, profile)
 
 
 class ConsoleSessions:
@@ -174,9 +197,19 @@ class ConsoleSessions:
         session = self.codec.read(request.cookies.get(COOKIE))
         if session is None:
             raise Unauthenticated("no console session, or it expired: log in")
-        if session.token_sha256 is None:
+        if session.profile is not None:
+            oauth = authenticator.oauth
+            principal = (
+                oauth.session_principal(session.name, session.profile, session.expires_at / 1000)
+                if oauth is not None
+                else None
+            )
+            if principal is None:
+                raise Unauthenticated("the OAuth profile of the session changed: log in")
+        elif session.token_sha256 is None:
             raise Unauthenticated("the console session was made without [auth]: log in")
-        principal = authenticator.by_digest(bytes.fromhex(session.token_sha256))
+        else:
+            principal = authenticator.by_digest(bytes.fromhex(session.token_sha256))
         if principal is None:
             raise Unauthenticated("the session's token was revoked: log in")
         if principal.name != session.name or tuple(sorted(principal.roles)) != session.roles:

@@ -54,6 +54,7 @@ from fencegate.gateway.ledger_api import (
     settle_ms_of,
     shown_record,
 )
+from fencegate.gateway.oauth import profile_digest
 from fencegate.gateway.operations import rollout_json
 from fencegate.gateway.principals import (
     Principal,
@@ -71,6 +72,7 @@ from fencegate.ledger.effects import (
     landing_until,
 )
 from fencegate.ledger.errors import (
+    AuthUnavailable,
     BadRequest,
     FencegateError,
     Forbidden,
@@ -372,10 +374,31 @@ async def login(request: web.Request) -> web.StreamResponse:
     state = auth_state(request.app)
     if with_auth and state is not None:
         token = form.get("token", "").strip()
+        profile: str | None = None
         if not token or len(token) > _MAX_TOKEN or any(c.isspace() for c in token):
             principal = None
         else:
             principal = state.authenticator.principal(token)
+        oauth = state.authenticator.oauth
+        if principal is None and oauth is not None and oauth.looks_like_jwt(token):
+            # An OAuth access token for the gateway (aud: resource_base_url or audience).
+            try:
+                verified = await oauth.verify(token, request.path)
+            except AuthUnavailable as exc:
+                log.warning("auth.unavailable", method=request.method, path=request.path,
+                            reason=exc.detail)  # fmt: skip
+                return again(503, "The token's signing keys cannot be fetched now.", target)
+            except Unauthenticated as exc:
+                log.info("auth.unauthenticated", method=request.method, path=request.path,
+                         reason=f"console login: {exc.detail}")  # fmt: skip
+                return again(401, "That token is not accepted here.", target)
+            principal = verified.principal
+            if principal is None or verified.profile is None:
+                log.info("auth.insufficient_scope", principal=verified.name,
+                         method=request.method, path=request.path)  # fmt: skip
+                return again(403, "The console is for operators and observers.", target)
+            digest = profile_digest(oauth.config.profiles[verified.profile])
+            profile = f"{verified.profile}:{digest}"
         if principal is None:
             log.info("auth.unauthenticated", method=request.method, path=request.path,
                      reason="console login: the token matches no principal")  # fmt: skip
@@ -384,8 +407,15 @@ async def login(request: web.Request) -> web.StreamResponse:
             log.info("auth.forbidden", principal=principal.name, roles=sorted(principal.roles),
                      method=request.method, path=request.path)  # fmt: skip
             return again(403, "The console is for operators and observers.", target)
-        digest = hashlib.sha256(token.encode()).hexdigest()
-        value, session = codec.issue(principal.name, digest, tuple(principal.roles))
+        if profile is not None and principal.expires_at is not None:
+            # an OAuth login: the session ends with the token
+            value, session = codec.issue(
+                principal.name, None, tuple(principal.roles), profile=profile,
+                until_ms=int(principal.expires_at * 1000),
+            )  # fmt: skip
+        else:
+            digest = hashlib.sha256(token.encode()).hexdigest()
+            value, session = codec.issue(principal.name, digest, tuple(principal.roles))
     else:
         try:
             name = operator_label(form.get("name", "") or "anonymous", "name")
