@@ -57,7 +57,7 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 
-from fencegate.gateway.config import ROLES, AuthConfig, PrincipalConfig
+from fencegate.gateway.config import ROLES, AuthConfig, OAuthConfig, PrincipalConfig
 from fencegate.gateway.http_rules import split_proxy_path
 from fencegate.gateway.limits import Clock, Limits, OpenRequests, TokenBucket, retry_after_seconds
 from fencegate.gateway.oauth import (
@@ -254,22 +254,42 @@ def _worker_and_client(principal: Principal) -> bool:
     return principal.has(_WORKER) and principal.has(_CLIENT)
 
 
-def role_warnings(principals: Iterable[Principal]) -> list[str]:
+def _profiles_with_worker_and_client(oauth: OAuthConfig | None) -> list[str]:
+    """The ``[auth.oauth.profiles.NAME]`` names that grant both ``worker`` and ``client``:
+    every token such a profile matches is a principal with both (issue 28's escape)."""
+    if oauth is None:
+        return []
+    return [
+        name
+        for name, profile in oauth.profiles.items()
+        if _WORKER in profile.roles and _CLIENT in profile.roles
+    ]
+
+
+def role_warnings(principals: Iterable[Principal], oauth: OAuthConfig | None = None) -> list[str]:
     """Why a principal's roles defeat a rule, one line each: a principal with both ``worker``
     and ``client`` may drop its lease and send a keyed call instead, so its fenced work is no
     longer held to its fence. Allowed (a migration may need it), but warned about at start-up
-    and on a reload (``auth.worker_and_client``) and by ``serve --check``."""
+    and on a reload (``auth.worker_and_client``) and by ``serve --check``. An
+    ``[auth.oauth]`` profile granting both is warned about the same way: each token it
+    matches is such a principal."""
     return [
         f"principal {principal.name!r} has both roles worker and client: its calls without a "
         "lease are keyed effects, so its fenced work can escape its fence; give workers and "
         "clients separate principals"
         for principal in principals
         if _worker_and_client(principal)
+    ] + [
+        f"[auth.oauth.profiles.{name}] grants both roles worker and client: a token it matches "
+        "may send its calls without a lease as keyed effects, so its fenced work can escape its "
+        "fence; give workers and clients separate profiles"
+        for name in _profiles_with_worker_and_client(oauth)
     ]
 
 
 def _warn_roles(authenticator: Authenticator) -> None:
-    """The start-up (and reload) form of ``role_warnings``: one warning event per principal."""
+    """The start-up (and reload) form of ``role_warnings``: one warning event per principal
+    and per OAuth profile."""
     for principal in authenticator.principals:
         if _worker_and_client(principal):
             log.warning(
@@ -278,6 +298,15 @@ def _warn_roles(authenticator: Authenticator) -> None:
                 detail="a principal with both roles worker and client may send a keyed call "
                 "instead of a fenced one; give workers and clients separate principals",
             )
+    oauth = authenticator.oauth.config if authenticator.oauth is not None else None
+    for name in _profiles_with_worker_and_client(oauth):
+        log.warning(
+            "auth.worker_and_client",
+            profile=name,
+            detail="an [auth.oauth] profile granting both roles worker and client lets its "
+            "tokens send a keyed call instead of a fenced one; give workers and clients "
+            "separate profiles",
+        )
 
 
 def principal_from_config(config: PrincipalConfig) -> Principal:
@@ -701,6 +730,11 @@ class _AuthMiddleware:
         request[PRINCIPAL_KEY] = principal
         try:
             return await handler(request)
+        except Unauthenticated as exc:
+            # A 401 the handler raised after letting the request in: a long-poll whose OAuth
+            # token expired, or whose principal a reload removed (``events.EventHub``). The
+            # same challenge as the 401s above (``_challenge``), judged by the ``[auth]`` of now.
+            return _refused(request, path, sessions, exc, authenticator=self.state.authenticator)
         finally:
             meter.open.leave()
 

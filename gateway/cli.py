@@ -300,14 +300,15 @@ def _check(config: Config, config_path: str | None, tls: bool) -> int:
 
 
 def _role_warnings(config: Config) -> list[str]:
-    """``serve --check``'s lines for principals whose roles defeat a rule (``auth.role_warnings``:
-    worker and client together); start-up logs the same as ``auth.worker_and_client``."""
+    """``serve --check``'s lines for principals and ``[auth.oauth]`` profiles whose roles
+    defeat a rule (``auth.role_warnings``: worker and client together); start-up logs the
+    same as ``auth.worker_and_client``."""
     from fencegate.gateway.auth import principal_from_config, role_warnings
 
     if config.auth is None:
         return []
     principals = [principal_from_config(p) for p in config.auth.principals]
-    return [f"warning: auth: {line}" for line in role_warnings(principals)]
+    return [f"warning: auth: {line}" for line in role_warnings(principals, config.auth.oauth)]
 
 
 def _session_warning(config: Config) -> list[str]:

@@ -683,3 +683,41 @@ async def test_depends_on_outside_the_scope_is_403_before_the_store_is_asked(
         admin = {"Authorization": f"Bearer {SCOPED['admin'][1]}"}
         async with client.get("/v1/tasks/b/after", headers=admin) as resp:
             assert (await resp.json())["state"] == "CANCELLED"
+
+
+# --- role warnings ---------------------------------------------------------------------------
+
+
+def test_an_oauth_profile_granting_worker_and_client_is_warned_about() -> None:
+    """Every token such a profile matches is a principal with both roles (the keyed-call
+    escape of issue 28): ``serve --check`` says so and start-up and a reload log
+    ``auth.worker_and_client`` with the profile, as for a static principal; a profile with
+    one of the two is not warned about."""
+    from structlog.testing import capture_logs
+
+    from fencegate.gateway.auth import auth_state, role_warnings
+    from fencegate.gateway.cli import _role_warnings
+    from fencegate.gateway.config import AuthConfig
+
+    profiles = {
+        "mixed": {"scopes": ["a"], "roles": ["worker", "client"]},
+        "workers": {"scopes": ["w"], "roles": ["worker"]},
+        "agents": {"scopes": ["c"], "roles": ["client"]},
+    }
+    section = {"oauth": {"issuer": "https://as.example", "resource_base_url": "https://gw.example",
+                         "profiles": profiles}}  # fmt: skip
+    auth = AuthConfig.model_validate(section)
+    lines = role_warnings([], auth.oauth)
+    assert len(lines) == 1 and "[auth.oauth.profiles.mixed]" in lines[0], lines
+    assert role_warnings([]) == []
+    config = make_config("sqlite:///unused.db", auth=section)
+    assert _role_warnings(config) == [f"warning: auth: {lines[0]}"]
+    with capture_logs() as logs:
+        app = create_app(config, store=build_test_store(config))
+    warned = [e for e in logs if e["event"] == "auth.worker_and_client"]
+    assert [e.get("profile") for e in warned] == ["mixed"], warned
+    state = auth_state(app)
+    assert state is not None
+    with capture_logs() as logs:
+        state.reload(auth)
+    assert [e.get("profile") for e in logs if e["event"] == "auth.worker_and_client"] == ["mixed"]

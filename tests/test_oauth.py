@@ -22,6 +22,7 @@ import pytest
 from aiohttp import encode_basic_auth, web
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDictProxy
+from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import auth_state, token_sha256
@@ -552,16 +553,40 @@ async def strict(
 
 def soon() -> int:
     """An ``exp`` a few seconds ahead: a stream opened now outlives it. Nothing asserts how
-    soon the stream ends, only that it does (within the suite's hang bound)."""
-    return int(time.time()) + 3
+    soon the stream ends, only that it does (within the suite's hang bound). The token must
+    still be valid when its request reaches the gateway: 4 to 5 s leaves room for a loaded
+    machine (PyJWT reads the wall clock; there is no clock to stand still)."""
+    return int(time.time()) + 5
 
 
 async def test_a_long_poll_answers_401_at_the_tokens_exp(strict: Env) -> None:
     sched = {"Fence-Authorization": f"Bearer {STATIC['scheduler']}"}
     await strict.call("PUT", "/v1/tasks/w1", sched, {"inputDigest": "in-1"})
     token = strict.issuer.mint(aud=BASE, scope="fence:read", exp=soon())
-    answer = await strict.call("GET", "/v1/tasks/w1?waitFor=COMMITTED&waitMs=60000", bearer(token))
+    path = "/v1/tasks/w1?waitFor=COMMITTED&waitMs=60000"
+    answer = await strict.call("GET", path, bearer(token))
     assert answer.status == 401 and answer.code == "UNAUTHENTICATED", answer.body
+    # the challenge of the middleware's own 401s: the same token, refused at the door now
+    challenge = answer.headers["WWW-Authenticate"]
+    assert challenge == (
+        f'Bearer realm="fencegate", error="invalid_token", '
+        f'resource_metadata="{BASE}/.well-known/oauth-protected-resource"'
+    )
+    again = await strict.call("GET", path, bearer(token))
+    assert again.status == 401 and again.headers["WWW-Authenticate"] == challenge
+
+
+async def test_a_claim_long_poll_answers_401_with_the_challenge_at_the_tokens_exp(
+    strict: Env,
+) -> None:
+    token = strict.issuer.mint(aud=BASE, scope="fence:worker", exp=soon())
+    credential = bearer(token)
+    epoch = (await strict.call("GET", "/v1/epoch", credential)).json()["schedulerEpoch"]
+    answer = await strict.call("POST", "/v1/queues/empty/claim", credential,
+                               {"owner": "w", "ttlMs": 30_000, "schedulerEpoch": epoch,
+                                "waitMs": 60_000})  # fmt: skip
+    assert answer.status == 401 and answer.code == "UNAUTHENTICATED", answer.body
+    assert 'resource_metadata="' in answer.headers["WWW-Authenticate"]
 
 
 async def test_an_event_stream_closes_at_the_tokens_exp(strict: Env) -> None:
@@ -575,6 +600,57 @@ async def test_an_event_stream_closes_at_the_tokens_exp(strict: Env) -> None:
     state = auth_state(strict.client.app)
     assert state is not None
     assert state.authenticator.principal(STATIC["ops"]).expires_at is None  # type: ignore[union-attr]
+
+
+async def test_an_mcp_get_stream_ends_at_the_tokens_exp_plus_leeway(
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+) -> None:
+    """A leased session's server stream (``GET /mcp/tools``) opened with an OAuth token ends
+    at its ``exp`` plus ``leeway_ms`` (``mcp_streams.hold``), logged ``token_expired``. The
+    session and the lease come from long-lived tokens of the same subject; only the ``GET``
+    carries the short one, minted just before it. Nothing asserts how soon the stream ends,
+    only that it does within the suite's hang bound."""
+    from tests.mcp_server import McpServerProcess
+    from tests.test_mcp_sessions import ACCEPT, VERSION
+
+    with McpServerProcess() as server:
+        config = make_config(
+            store_url, key_prefix, auth=auth_section(issuer.issuer, leeway_ms=500),
+            reconciler={"enabled": False},
+            downstreams=[{"name": "tools", "url": server.url, "adapter": "mcp",  # type: ignore[list-item]
+                          "timeout_ms": 10_000}],
+        )  # fmt: skip
+        app = create_app(config, store=build_test_store(config))
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            env = Env(client, issuer, downstream)
+            on_api = bearer(issuer.mint(aud=BASE, scope="fence:worker", sub="streamer"))
+            sched = {"Fence-Authorization": f"Bearer {STATIC['scheduler']}"}
+            put = await env.call("PUT", "/v1/tasks/st1", sched, {"inputDigest": "in-1"})
+            assert put.status in (200, 201), put.body
+            fence = await env.claim("st1", on_api)
+            on_mcp = bearer(issuer.mint(aud=MCP_RESOURCE, scope="fence:worker", sub="streamer"))
+            init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": VERSION, "capabilities": {},
+                "clientInfo": {"name": "streamer", "version": "0"}}}  # fmt: skip
+            opened = await env.call("POST", "/mcp/tools", {**ACCEPT, **on_mcp}, init)
+            assert opened.status == 200, opened.body
+            session = {"Mcp-Session-Id": opened.headers["Mcp-Session-Id"],
+                       "MCP-Protocol-Version": VERSION}  # fmt: skip
+            note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            noted = await env.call("POST", "/mcp/tools", {**ACCEPT, **on_mcp, **session}, note)
+            assert noted.status == 202, noted.body
+            short = bearer(issuer.mint(aud=MCP_RESOURCE, scope="fence:worker", sub="streamer",
+                                       exp=soon()))  # fmt: skip
+            with capture_logs() as logs:
+                async with client.get(
+                    "/mcp/tools", headers={**ACCEPT, **short, **session, **fence}
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    async with asyncio.timeout(HANG_S):
+                        await resp.content.read()  # until the gateway ends the stream
+                    assert resp.content.at_eof()
+    ended = [(e["principal"], e["reason"]) for e in logs if e["event"] == "mcp.stream_ended"]
+    assert ended == [(f"oauth:{issuer.issuer}#streamer", "token_expired")]
 
 
 # --- SIGHUP ----------------------------------------------------------------------------------
