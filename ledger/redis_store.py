@@ -741,6 +741,14 @@ class _AutoPipeline:
 _AWAITING_READ = 5_000
 
 
+def _closed_transport(exc: RuntimeError) -> bool:
+    """Is this uvloop saying the connection's transport closed under a write ("unable to
+    perform operation on <TCPTransport closed=True ...>; the handler is closed")? redis-py
+    lets it through while it reconnects to a Sentinel's new primary as the old one dies (seen
+    in a failover test); it means the store did not answer, like a ConnectionError."""
+    return str(exc).startswith("unable to perform operation on")
+
+
 class RedisStore(Store):
     #: Tests only: when set, store time stands at this instant (plus ``clock_offset_ms``)
     #: instead of following Redis's ``TIME``, in the scripts and in Python alike, so a test
@@ -880,7 +888,9 @@ class RedisStore(Store):
             raise
         except ResponseError as exc:
             raise StoreUnavailable(f"Redis refused the operation: {exc}") from exc
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, OSError, TimeoutError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and not _closed_transport(exc):
+                raise  # a bug, not the store: the 500 with its traceback says so
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 # The driver turned our cancellation into an error: give it back.

@@ -249,3 +249,30 @@ async def test_a_flag_gone_without_an_acknowledgement_stops_nobody_from_refusing
     await until(lambda: _ready(a))
     await until(lambda: _ready(b))
     assert (await b.put("t5")).status == 201
+
+
+async def test_a_transport_closed_under_a_write_is_store_unavailable_not_a_500() -> None:
+    """uvloop's "unable to perform operation on <TCPTransport closed=True ...>" came through
+    redis-py while it reconnected to a Sentinel's new primary (a failover test answered 500
+    INTERNAL): it means the store did not answer. Any other RuntimeError is a bug and stays
+    one. No server is needed: the store maps what its driver raised."""
+    from fencegate.ledger.errors import StoreUnavailable
+    from fencegate.ledger.redis_store import RedisStore
+    from fencegate.ledger.tasks import LeasePolicy
+
+    policy = LeasePolicy(max_ttl_ms=60_000, default_max_runtime_ms=600_000)
+    store = RedisStore("redis://127.0.0.1:1/0", policy, timeout_ms=1000)
+
+    async def closed() -> None:
+        raise RuntimeError(
+            "unable to perform operation on <TCPTransport closed=True reading=False "
+            "0x5581f34dfd40>; the handler is closed"
+        )
+
+    async def bug() -> None:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    with pytest.raises(StoreUnavailable, match="may or may not have been applied"):
+        await store._call(closed)
+    with pytest.raises(RuntimeError, match="dictionary changed size"):
+        await store._call(bug)
