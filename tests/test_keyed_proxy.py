@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from tests.api import until
 from tests.clocks import freeze_store_clock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
+from tests.test_proxy import Sent
 
 TIMEOUT_MS = 400
 #: Outlives "brief"'s read timeout (as tests/test_proxy.py's TIMED_OUT): the call arrives,
@@ -54,24 +54,6 @@ def _downstreams(url: str) -> list[dict[str, Any]]:
         {"name": "brief", "url": url, "client_idempotency_keys": "optional",
          "read_timeout_ms": TIMEOUT_MS, "connect_timeout_ms": 10_000},
     ]  # fmt: skip
-
-
-@dataclass
-class Sent:
-    status: int
-    headers: Any
-    body: bytes
-
-    @property
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    @property
-    def code(self) -> str | None:
-        try:
-            return self.json.get("code")  # type: ignore[no-any-return]
-        except ValueError:
-            return None
 
 
 class Gateway:

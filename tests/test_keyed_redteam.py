@@ -31,6 +31,7 @@ from tests.api import HANG_S, serve_app, until
 from tests.clocks import freeze_store_clock, still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
+from tests.test_proxy import Sent
 
 #: name -> (token, roles, scope and limits).
 PRINCIPALS: dict[str, tuple[str, list[str], dict[str, Any]]] = {
@@ -101,25 +102,6 @@ class CountingMcp:
         self.runner, self.base = await serve_app(app)
         self.url = f"{self.base}/mcp"
         return self
-
-
-@dataclass
-class Sent:
-    status: int
-    headers: Any
-    body: bytes
-
-    @property
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-    @property
-    def code(self) -> str | None:
-        try:
-            found = self.json.get("code")
-        except (ValueError, AttributeError):
-            return None
-        return found if isinstance(found, str) else None
 
 
 class Gateway:

@@ -21,7 +21,6 @@ import httpx2
 import pytest
 from aiohttp import encode_basic_auth, web
 from aiohttp.test_utils import TestClient, TestServer
-from multidict import CIMultiDictProxy
 from structlog.testing import capture_logs
 
 from fencegate.gateway.app import create_app
@@ -36,6 +35,7 @@ from tests.clocks import ManualClock
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.oauth_server import AuthServer
+from tests.test_auth import Answer
 
 BASE = "https://gw.example"
 MCP_RESOURCE = f"{BASE}/mcp/tools"
@@ -67,22 +67,6 @@ def auth_section(issuer: str, **extra: Any) -> dict[str, Any]:
         ],
         "oauth": oauth_section(issuer, **extra),
     }
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: CIMultiDictProxy[str]
-    body: bytes
-
-    @property
-    def code(self) -> str | None:
-        if not self.headers.get("Content-Type", "").startswith("application/problem+json"):
-            return None
-        return str(json.loads(self.body)["code"])
-
-    def json(self) -> Any:
-        return json.loads(self.body)
 
 
 @dataclass

@@ -92,6 +92,8 @@ def fence_headers(lease: Lease, slot: str | None = "s1", **override: str) -> dic
 
 
 class Sent:
+    """One answer as a test reads it (also tests/test_keyed_proxy.py, test_keyed_redteam.py)."""
+
     def __init__(self, status: int, headers: Any, body: bytes) -> None:
         self.status, self.headers, self.body = status, headers, body
 
@@ -101,10 +103,12 @@ class Sent:
 
     @property
     def code(self) -> str | None:
+        """The problem code, None for an answer that is not a problem object."""
         try:
-            return self.json.get("code")  # type: ignore[no-any-return]
-        except ValueError:
+            found = self.json.get("code")
+        except (ValueError, AttributeError):
             return None
+        return found if isinstance(found, str) else None
 
 
 async def send(
