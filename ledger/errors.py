@@ -336,8 +336,9 @@ class StoreRegressed(StoreUnavailable):
 
 
 class StoreIncompatible(StoreUnavailable):
-    """The store answered, but its schema is newer than this gateway's: waiting will not
-    help, so the gateway refuses to start (every store) instead of waiting for the store."""
+    """The store answered, but its schema is newer than this gateway's, or it is not what the
+    URL says (a Redis Cluster node behind ``redis://``): waiting will not help, so the gateway
+    refuses to start (every store) instead of waiting for the store."""
 
 
 # --- refused before any handler runs (gateway/request_guard.py, docs/security.md) ------------

@@ -4,7 +4,9 @@
 ``dependency_revised``, ``cancel_dependent``). What a step does with the graph around it is
 here, as pure functions over a mapping task id -> record:
 
-- a put refuses new dependencies that would close a cycle (``check_no_cycle``);
+- a put refuses new dependencies that would close a cycle (``check_no_cycle``) and, on a
+  store with buckets (Redis Cluster), a dependency of another task group
+  (``check_same_group``);
 - a first commit is offered to every dependent, the last one makes it READY
   (``release_dependents``); a committed task's new revision sends them back to WAITING
   (``revise_dependents``);
@@ -25,24 +27,70 @@ them on random histories (``tests/test_task_graph.py`` pins the walks' order and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from fencegate.ledger import tasks
+from fencegate.ledger.buckets import GROUP_SEPARATOR, task_group
+from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.tasks import Task
 
 __all__ = [
     "Cascade",
     "Graph",
+    "GroupOf",
     "cancel_cascade",
     "check_no_cycle",
+    "check_same_group",
+    "cross_group",
     "dependents",
+    "one_group",
     "release_dependents",
     "revise_dependents",
 ]
 
 #: The records a walk may read, by task id; a missing id (or None) is no such task.
 Graph = Mapping[str, Task | None]
+
+#: Which placement group a task id is in: ``ledger.buckets.task_group`` on Redis Cluster,
+#: ``one_group`` on every other store.
+GroupOf = Callable[[str], str]
+
+
+def one_group(task_id: str) -> str:
+    """The group function of a store without buckets (one Redis, SQLite, PostgreSQL): every
+    task is in one group, so ``check_same_group`` refuses nothing there."""
+    return ""
+
+
+def check_same_group(task_id: str, depends_on: Iterable[str], group_of: GroupOf) -> None:
+    """Refuse a dependency of another task group than ``task_id``'s.
+
+    The last dependency's commit makes a dependent READY in the same atomic step, and on
+    Redis Cluster a step touches one bucket (one hash slot), so dependent and dependency
+    must share one (docs/decisions.md, "Dependencies: in one group, or refused"). The rule is
+    the group, not the bucket: two groups that happen to share a bucket today would not after
+    a ``store copy`` to another bucket count, so what is accepted must not depend on it. The
+    refusal (400 BAD_REQUEST) names the first such dependency and both groups, and says how
+    to share one: ``<group>::<name>`` ids. A put makes this check before it reads any
+    dependency (on a cluster it cannot read another bucket's task in its step), so it comes
+    before ``ledger.tasks.check_dependencies`` and the cycle walk."""
+    home = group_of(task_id)
+    for dep in depends_on:
+        if group_of(dep) != home:
+            raise cross_group(task_id, dep)
+
+
+def cross_group(task_id: str, dep: str) -> BadRequest:
+    """The refusal of ``check_same_group``: both groups, and the ids that would work."""
+    group, dep_group = task_group(task_id), task_group(dep)
+    _, sep, name = dep.partition(GROUP_SEPARATOR)
+    suggestion = f"{group}{GROUP_SEPARATOR}{name if sep else dep}"
+    return BadRequest(
+        f"dependsOn: {dep} (task group {dep_group}) is not in this task's group {group}; on "
+        "redis+cluster:// a task may depend only on tasks of its own group: give them one "
+        f"group with <group>::<name> ids, e.g. {suggestion}"
+    )
 
 
 def dependents(graph: Graph, task_id: str) -> list[str]:

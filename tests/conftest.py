@@ -19,6 +19,7 @@ from fencegate.ledger.registry import open_store
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import LeasePolicy
 from tests.clocks import freeze_store_clock
+from tests.cluster_servers import ClusterServers
 from tests.downstream import Downstream
 from tests.postgres_server import PostgresServer, Setting
 from tests.servers import Gateways, RedisServer
@@ -37,6 +38,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterServers]:
+    """One Redis Cluster (three primaries, three replicas) for the session. A test that fails
+    a node over or moves a slot leaves it whole (``wait_ok``); one that would not makes its
+    own ``ClusterServers``."""
+    cluster = ClusterServers(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -130,6 +130,10 @@ async def aoutcome(coro: Any) -> tuple[str, Any]:
 class LeaseMachine(RuleBasedStateMachine):
     """Subclasses say how to build the store and how to move its (fake) clock."""
 
+    #: Which group a task is in, for the put's ``task_graph.check_same_group``: one group on
+    #: every store but Redis Cluster (``ledger.buckets.task_group`` there).
+    group_of = staticmethod(task_graph.one_group)
+
     def make_store(self) -> Store:
         raise NotImplementedError
 
@@ -307,6 +311,7 @@ class LeaseMachine(RuleBasedStateMachine):
         before = found.depends_on if found is not None else ()
         deps_now = tuple(dict.fromkeys(depends_on)) if depends_on is not None else before
         deps = {d: None if d == task_id else self.model_tasks[self.by_id(d)] for d in deps_now}
+        task_graph.check_same_group(task_id, deps_now, self.group_of)
         tasks.check_dependencies(task_id, deps_now, deps)
         added = [d for d in deps_now if d not in before]
         if added and found is not None:

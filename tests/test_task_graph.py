@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from fencegate.ledger import task_graph, tasks
+from fencegate.ledger import buckets, task_graph, tasks
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.tasks import Commit, Task, TaskState
 
@@ -106,3 +106,49 @@ def test_revising_a_committed_task_sends_its_dependents_back_to_waiting() -> Non
     assert list(changed) == ["run"]
     assert changed["run"].state is TaskState.WAITING
     assert [d.reason for d in changed["run"].discarded] == ["superseded"]
+
+
+_cluster = buckets.task_group  # the cluster store's group function
+
+
+def test_a_dependency_of_another_group_is_refused_naming_both_groups() -> None:
+    with pytest.raises(BadRequest) as refused:
+        task_graph.check_same_group(
+            "order-17::email", ["order-17::charge", "order-18::charge"], _cluster
+        )
+    assert refused.value.status == 400 and refused.value.code == "BAD_REQUEST"
+    assert refused.value.detail == (
+        "dependsOn: order-18::charge (task group order-18) is not in this task's group "
+        "order-17; on redis+cluster:// a task may depend only on tasks of its own group: give "
+        "them one group with <group>::<name> ids, e.g. order-17::charge"
+    )
+    # As the store words it: the task first (FencegateError.about).
+    assert refused.value.about_task("order-17::email").detail.startswith(
+        "task order-17::email: dependsOn: order-18::charge"
+    )
+
+
+def test_groups_that_share_a_bucket_are_still_refused() -> None:
+    """What is accepted must not depend on the bucket count (a store copy may change it)."""
+    home = buckets.bucket_of_task("order-17", 2)
+    other = next(f"order-{n}" for n in range(18, 1000)
+                 if buckets.bucket_of_task(f"order-{n}", 2) == home)  # fmt: skip
+    with pytest.raises(BadRequest):
+        task_graph.check_same_group("order-17::email", [f"{other}::charge"], _cluster)
+
+
+def test_a_dependency_of_the_same_group_is_never_refused() -> None:
+    task_graph.check_same_group(
+        "order-17::email", ["order-17::charge", "order-17", "order-17::x::y"], _cluster
+    )
+
+
+def test_an_ungrouped_dependency_is_suggested_a_grouped_id() -> None:
+    with pytest.raises(BadRequest, match=r"e\.g\. order-17::order-18$"):
+        task_graph.check_same_group("order-17", ["order-18"], _cluster)
+
+
+def test_stores_without_buckets_refuse_no_dependency_for_its_group() -> None:
+    task_graph.check_same_group(
+        "order-17", ["order-18", "reports/2026-12-01"], task_graph.one_group
+    )
