@@ -85,8 +85,10 @@ RECHECK_S = 1.0
 #: Batches a stream holds for its client; past it the oldest go and it reads the store itself.
 _QUEUED = 64
 #: A position a client may send back (``Last-Event-ID``, ``after``): what every store gives
-#: out, two runs of ASCII digits (``str.isdigit`` would take other scripts' digits too).
-_POSITION = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+#: out, two runs of ASCII digits (``str.isdigit`` would take other scripts' digits too), or
+#: the cluster store's vector (``ledger.cluster_feed``: ``c1.`` and base64url), bounded here
+#: by what one header line may carry; the store checks it exactly against its bucket count.
+_POSITION = re.compile(r"[0-9]{1,20}-[0-9]{1,20}|c1\.[A-Za-z0-9_-]{1,8000}")
 #: Seconds a refused long-poll or stream is told to wait (``Retry-After``).
 _RETRY_AFTER_MS = 1_000
 #: ``cascade_loop``: the pause after a step that cancelled a full batch (more may be left),
@@ -595,7 +597,7 @@ def _position(raw: str, name: str) -> str:
     if not _POSITION.fullmatch(raw):
         raise BadRequest(
             f"{name}: not an event position this gateway gave out "
-            "(two runs of 1 to 20 digits 0-9 joined by '-')",
+            "(two runs of 1 to 20 digits 0-9 joined by '-', or 'c1.' and base64url)",
             fields=[name],
         )
     return raw

@@ -237,6 +237,8 @@ async def test_two_gateways_on_one_store_both_see_every_event(
 #: Positions no store gives out; each is 400 naming where it came from, before any store
 #: reads it (ASCII digits only: ``str.isdigit`` takes superscripts and other scripts' digits too).
 MALFORMED = ["\u00b2-1", "1-\u0661", "9" * 21 + "-1", "1-" + "9" * 21, "-1", "1-", "1_0-1", "1.0-1"]
+#: ... and the cluster store's vector shape gone wrong: no body, not base64url, past a header line.
+MALFORMED += ["c1.", "c1.a+b", "c1.a/b", "c2.AAAA", "C1.AAAA", "c1." + "A" * 8001]
 
 
 async def test_a_malformed_position_is_400_naming_the_parameter_or_header(api: Api) -> None:
@@ -252,10 +254,15 @@ async def test_a_malformed_position_is_400_naming_the_parameter_or_header(api: A
             assert resp.status == 400, bad
             problem = await resp.json(content_type=None)
             assert problem["detail"].startswith("Last-Event-ID:"), problem
-    # Well formed but past what a store can have issued: the store refuses it, and the
-    # answer still names where it came from.
-    for name in ("after", "Last-Event-ID"):
-        too_big = "99999999999999999999-99999999999999999999"
+    # Well formed but past what a store can have issued (or, for a store without buckets, a
+    # cluster store's vector): the store refuses it, and the answer still names where it
+    # came from.
+    for name, too_big in [
+        ("after", "99999999999999999999-99999999999999999999"),
+        ("Last-Event-ID", "99999999999999999999-99999999999999999999"),
+        ("after", "c1.AQA"),
+        ("Last-Event-ID", "c1.AQA"),
+    ]:
         given = {"params": {"after": too_big}} if name == "after" else {}
         headers = {"Last-Event-ID": too_big} if name != "after" else {}
         async with api.client.get("/v1/events", headers=headers, **given) as resp:
