@@ -7,6 +7,7 @@ Run from the repository root::
     .venv/bin/python -m bench.chaos --seconds 60 --seed 7      # redis, sentinel, postgres, sqlite
     .venv/bin/python -m bench.chaos --seconds 600 --seed 1                # the 10-minute run
     .venv/bin/python -m bench.chaos --seconds 30 --stores sqlite --workers 4 --json chaos.json
+    .venv/bin/python -m bench.chaos --seconds 60 --stores cluster             # Redis Cluster
 
 Per store, one after another (``--seconds`` is split evenly between them), on loopback and in
 a temporary directory:
@@ -15,7 +16,11 @@ a temporary directory:
   ``fencegate serve`` processes on it; Redis under Sentinel (``sentinel``: a master, two
   replicas and three sentinels of ``tests.sentinel_servers``, the gateways on a
   ``redis+sentinel://`` URL with ``redis_min_replicas = 2``) with TWO gateways; a private
-  PostgreSQL cluster (``bench._procs``) with TWO gateways; or a SQLite file with ONE gateway;
+  PostgreSQL cluster (``bench._procs``) with TWO gateways; a SQLite file with ONE gateway;
+  or (``cluster``, not in the default list) a Redis Cluster of three primaries and three
+  replicas (``tests.cluster_servers``, ``cluster-require-full-coverage no``) with TWO gateways
+  on a ``redis+cluster://`` URL with ``redis_min_replicas = 1`` (each write answered once the
+  shard's replica holds it, so a failover loses no answered write);
 * a downstream in this process (aiohttp) that logs every call it receives: ``Idempotency-Key``
   (the effectId), ``Fencing-Token``, the task, the arrival time (``time.time()``). A fault can
   make it slow (it answers after longer than the downstream's ``timeout_ms``: the gateway
@@ -38,7 +43,11 @@ a temporary directory:
   redis-server, or every process of the PostgreSQL cluster, for 0.5-3 s), ``store_kill``
   (Redis: kill -9, restart on the same AOF directory and port), ``sentinel_failover`` (kill -9
   the master; the sentinels promote a replica; the old master starts again on its AOF and
-  becomes a replica of the new one), ``downstream_slow``,
+  becomes a replica of the new one), ``cluster_failover`` (kill -9 a cluster primary; its
+  replica takes over; the old primary starts again on its AOF and rejoins as the new one's
+  replica), ``slot_move`` (the slot of the bucket of a task just started is moved to another
+  primary with ``fencegate store move-slot``: freeze, ``MIGRATE`` in small batches,
+  ``SETSLOT NODE``, unfreeze; ``ledger.cluster_moves``), ``downstream_slow``,
   ``downstream_reset``, and ``worker_pause``: a worker claims a task with a bare lease, sends
   one effect, then stops past its lease; the task is offered to the other workers, and once
   one of them holds a newer claim the paused worker goes on with its stale lease. Its effect
@@ -149,15 +158,27 @@ from fencegate import (
     Unavailable,
 )
 from fencegate.lease import Lease
+from fencegate.ledger.buckets import bucket_of_task, bucket_tag, slot_of
+from tests.cluster_servers import ClusterServers
 from tests.sentinel_servers import SentinelCluster
 
 __all__ = ["FAULTS", "main"]
 
 DEFAULT_STORES = "redis,sentinel,postgres,sqlite"
-#: What ``--stores`` takes: ``sentinel`` is Redis under Sentinel (issue 18).
-CHAOS_STORES = ("redis", "sentinel", "postgres", "sqlite")
+#: What ``--stores`` takes: ``sentinel`` is Redis under Sentinel (issue 18), ``cluster`` a
+#: Redis Cluster (issue 30).
+CHAOS_STORES = ("redis", "sentinel", "postgres", "sqlite", "cluster")
 #: Gateways per store: the shared stores get two, SQLite (one file, one process) one.
-GATEWAYS = {"redis": 2, "sentinel": 2, "postgres": 2, "sqlite": 1}
+GATEWAYS = {"redis": 2, "sentinel": 2, "postgres": 2, "sqlite": 1, "cluster": 2}
+#: ``[store] redis_min_replicas`` of the cluster phase: each shard's one replica (a write is
+#: answered once the replica of its shard holds it; while a shard has none, after a failover
+#: until the old primary is back as its replica, that shard's writes answer 503).
+CLUSTER_MIN_REPLICAS = 1
+#: The gateways' bucket count on the cluster (the store's default) and key prefix.
+CLUSTER_BUCKETS = 256
+CLUSTER_PREFIX = "fg"
+#: Keys per MIGRATE of a ``slot_move``: small, so the workers run between batches.
+SLOT_MOVE_BATCH = 5
 #: ``[store] redis_min_replicas`` of the Sentinel phase: both replicas. With fewer, a
 #: failover can promote the replica that lacks the last answered writes (Sentinel's view of
 #: the offsets may be a second old), the gateways then fail closed until an operator's
@@ -416,6 +437,8 @@ class Phase:
         self.store_server: StoreServer | None = None
         #: The Sentinel set-up of a ``sentinel`` phase (master, two replicas, three sentinels).
         self.sentinel: SentinelCluster | None = None
+        #: The Redis Cluster of a ``cluster`` phase (three primaries, three replicas).
+        self.cluster: ClusterServers | None = None
         self.clients: list[Client] = []
         self.epoch = 0
         self.prefix = f"chaos-{store}-{uuid.uuid4().hex[:6]}"
@@ -846,6 +869,62 @@ async def sentinel_failover(phase: Phase, rng: random.Random) -> None:
     phase.say(f"old master back as a replica; 2 replicas after {time.monotonic() - started:.1f}s")
 
 
+async def cluster_failover(phase: Phase, rng: random.Random) -> None:
+    """kill -9 a cluster primary; its replica takes over (the cluster's own failover); the
+    old primary is started again on its AOF after ``down`` and rejoins as a replica."""
+    cluster = phase.cluster
+    assert cluster is not None
+    down = rng.uniform(0.5, 2.0)
+    primary = rng.choice(await asyncio.to_thread(cluster.primaries))
+    phase.fault(
+        "cluster_failover",
+        f"kill -9 cluster primary {primary.name} (port {primary.port}), restart it as a "
+        f"replica in {down:.1f}s after the promotion",
+    )
+    started = time.monotonic()
+    old = await asyncio.to_thread(cluster.kill_primary, primary)
+    new = await asyncio.to_thread(cluster.wait_promoted, old)
+    phase.say(f"{new.name} (port {new.port}) promoted after {time.monotonic() - started:.1f}s")
+    await asyncio.sleep(down)
+    await asyncio.to_thread(cluster.restart, old)
+    phase.say(f"{old.name} back as a replica; cluster ok after {time.monotonic() - started:.1f}s")
+
+
+async def slot_move(phase: Phase, rng: random.Random) -> None:
+    """Move the slot of the bucket of the task started last (one the workers are on) to
+    another primary, with ``fencegate store move-slot`` on gateway 0's config (this tree's
+    command: ``ledger.cluster_moves``), the workers running meanwhile."""
+    cluster = phase.cluster
+    assert cluster is not None
+    task = f"{phase.prefix}-{max(phase.task_seq, 1):06d}"
+    bucket = bucket_of_task(task, CLUSTER_BUCKETS)
+    slot = slot_of(bucket_tag(CLUSTER_PREFIX, bucket))
+    source = await asyncio.to_thread(cluster.primary_of, slot)
+    target = rng.choice([n for n in await asyncio.to_thread(cluster.primaries) if n is not source])
+    phase.fault(
+        "slot_move",
+        f"move slot {slot} (bucket {bucket}, task {task}) from {source.name} to {target.name}",
+    )
+    started = time.monotonic()
+    config = phase.gateways[0].proc.log_path.parent / "fencegate.toml"
+    command = [
+        sys.executable, "-m", "fencegate.gateway.cli", "store", "move-slot", str(slot),
+        "--to", target.address, "--config", str(config), "--batch", str(SLOT_MOVE_BATCH),
+    ]  # fmt: skip
+    for attempt in range(1, 6):  # a stop half way is finished by running it again
+        proc = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        out, err = await proc.communicate()
+        if proc.returncode == 0:
+            last = out.decode().strip().splitlines()[-1:]
+            phase.say(f"{' '.join(last)} ({time.monotonic() - started:.1f}s, run {attempt})")
+            return
+        phase.say(f"move-slot exited {proc.returncode}: {err.decode().strip()[-300:]}")
+        await asyncio.sleep(1.0)
+    raise RuntimeError(f"slot {slot} could not be moved in 5 runs")
+
+
 #: Every kind of fault.
 FAULTS: dict[str, Fault] = {
     "gateway_kill": Fault(lambda p: True, gateway_kill),
@@ -856,6 +935,8 @@ FAULTS: dict[str, Fault] = {
     "downstream_reset": Fault(lambda p: True, downstream_reset),
     "worker_pause": Fault(lambda p: p.n_workers > 1, worker_pause),
     "sentinel_failover": Fault(lambda p: p.sentinel is not None, sentinel_failover),
+    "cluster_failover": Fault(lambda p: p.cluster is not None, cluster_failover),
+    "slot_move": Fault(lambda p: p.cluster is not None, slot_move),
 }
 
 
@@ -892,6 +973,10 @@ async def heal_all(phase: Phase) -> None:
         for node in phase.sentinel.data:
             if node.proc is None:  # killed by a failover fault that did not finish
                 await asyncio.to_thread(node.start)
+    if phase.cluster is not None:
+        for cnode in phase.cluster.nodes:
+            if not cnode.running:  # killed by a failover fault that did not finish
+                await asyncio.to_thread(phase.cluster.restart, cnode)
     for gateway in phase.gateways:
         if gateway.proc.alive():
             gateway.proc.popen.send_signal(signal.SIGCONT)
@@ -1109,6 +1194,11 @@ async def run_phase(
             await asyncio.to_thread(phase.sentinel.start)
             url = phase.sentinel.url
             progress(f"sentinel: master {phase.sentinel.master_port()}, 2 replicas, 3 sentinels")
+        elif store == "cluster":
+            phase.cluster = ClusterServers(work / "cluster", full_coverage=False)
+            await asyncio.to_thread(phase.cluster.start)
+            url = phase.cluster.url
+            progress(f"cluster: 3 primaries, 3 replicas at {url}")
         else:
             url = f"sqlite:///{work / 'gw0' / 'fencegate.db'}"
         store_lines = (
@@ -1117,6 +1207,13 @@ async def run_phase(
                 f"redis_replica_timeout_ms = {SENTINEL_REPLICA_TIMEOUT_MS}",
             ]
             if store == "sentinel"
+            else [
+                f"redis_min_replicas = {CLUSTER_MIN_REPLICAS}",
+                f"redis_replica_timeout_ms = {SENTINEL_REPLICA_TIMEOUT_MS}",
+                f'redis_key_prefix = "{CLUSTER_PREFIX}"',
+                f"cluster_buckets = {CLUSTER_BUCKETS}",
+            ]
+            if store == "cluster"
             else []
         )
         for i in range(GATEWAYS[store]):
@@ -1148,6 +1245,8 @@ async def run_phase(
             proc.stop()
         if phase.sentinel is not None:
             await asyncio.to_thread(phase.sentinel.stop)
+        if phase.cluster is not None:
+            await asyncio.to_thread(phase.cluster.stop)
 
 
 async def drive(phase: Phase) -> dict[str, Any]:

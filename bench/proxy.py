@@ -18,7 +18,15 @@ measuring client does not share an event loop with any of them:
 * ``fencegate serve`` on a fresh SQLite file, on a private ``redis-server`` (AOF,
   ``appendfsync always``) and on a private PostgreSQL cluster (``fsync=on``,
   ``synchronous_commit=on``, a new database per gateway), with ``[logging] level = "warning"``
-  (and once more with ``"info"``, the default, to show what the per-decision logs cost).
+  (and once more with ``"info"``, the default, to show what the per-decision logs cost);
+  ``--stores cluster`` (not in the default list) runs it on a private Redis Cluster of three
+  primaries and three replicas (``tests.cluster_servers``), URL ``redis+cluster://``.
+
+On Redis, each peak phase reports the Redis time per fenced call from ``INFO commandstats``
+(``redis_call_stats``; summed over a cluster's primaries): every script run (EVALSHA, FCALL),
+the commands it ran included, plus every command the gateway sent outside a script (the write
+mark's INCR, WAIT, pipelined reads), over the phase's calls, with the split per script from the
+SLOWLOG.
 
 With ``--auth`` every gateway runs with an ``[auth]`` section: one principal (roles scheduler,
 worker, operator, observer) whose random token the benchmark generates (only its SHA-256 goes
@@ -78,7 +86,13 @@ import redis
 from aiohttp import web
 from multidict import CIMultiDict
 
-from bench._args import add_run_options, add_store_options, check_run_options, parse_stores
+from bench._args import (
+    ALL_STORES,
+    add_run_options,
+    add_store_options,
+    check_run_options,
+    parse_stores,
+)
 from bench._procs import (
     HOST,
     Proc,
@@ -89,9 +103,7 @@ from bench._procs import (
     percentile,
     progress,
     redis_script_names,
-    redis_script_stats,
     redis_stats_reset,
-    render_redis_scripts,
     scan_gateway_log,
     start_gateway,
     start_module_server,
@@ -121,7 +133,12 @@ ERROR_SAMPLES = 5
 READ_BACK = 20
 #: Targets of the brief: fenced/passthrough throughput per store, added p99 at half load
 #: (none was set for PostgreSQL).
-RATIO_TARGETS: dict[str, float | None] = {"redis": 0.6, "sqlite": 0.4, "postgres": None}
+RATIO_TARGETS: dict[str, float | None] = {
+    "redis": 0.6,
+    "sqlite": 0.4,
+    "postgres": None,
+    "cluster": None,
+}
 #: The names of the store server processes (their CPU is reported per call).
 STORE_SERVERS = ("redis-server", "postgres")
 ADDED_P99_TARGET_MS = 2.0
@@ -596,8 +613,9 @@ class Target:
     procs: list[Proc]
     #: Headers every request to this proxy carries (``Fence-Authorization`` with ``--auth``).
     auth: dict[str, str] = field(default_factory=dict)
-    #: The private Redis of a fenced target on Redis, whose CPU per script a phase reports.
-    redis_url: str | None = None
+    #: The private Redis of a fenced target on Redis (the primaries of a cluster), whose time
+    #: per fenced call a phase reports.
+    redis_urls: tuple[str, ...] = ()
 
 
 @dataclass
@@ -625,7 +643,7 @@ class PhaseResult:
     notes: list[str]
     warmup_calls: int = 0
     ledger_before: int = 0  # effects the gateway's store held before this phase
-    #: Redis CPU of the measured part, per script (``_procs.redis_script_stats``).
+    #: Redis time of the measured part, per fenced call and per script (``redis_call_stats``).
     redis_cpu: dict[str, Any] | None = None
 
     @property
@@ -718,6 +736,183 @@ async def read_back(
     return problems
 
 
+#: What runs a script: its time in INFO commandstats includes every command the script ran.
+_SCRIPT_RUNNERS = frozenset({"evalsha", "evalsha_ro", "eval", "eval_ro", "fcall", "fcall_ro"})
+#: Commands the benchmark itself sends around a measured phase (INFO commandstats names).
+_BENCH_OWN = ("config|", "slowlog|", "info", "client|", "hello", "ping", "function|", "script|")
+_LUA_CALL = re.compile(r"""redis\.p?call\(\s*(['"]?)([A-Za-z_|]*)""")
+
+
+def lua_commands(source: Path | None) -> frozenset[str] | None:
+    """The commands the gateway's Lua (from ``source``, else this tree) can run, lower case
+    as INFO commandstats names them; None when that cannot be told (no Lua found, or a call
+    whose command is not a literal)."""
+    root = source if source is not None else Path(__file__).resolve().parents[1]
+    files = sorted((root / "ledger" / "lua").glob("*.lua"))
+    names: set[str] = set()
+    for path in files:
+        for quote, name in _LUA_CALL.findall(path.read_text()):
+            if not quote:
+                return None
+            names.add(name.lower())
+    return frozenset(names) if files else None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def redis_call_stats(urls: Sequence[str], source: Path | None, calls: int) -> dict[str, Any]:
+    """Redis time per fenced call of a measured phase, as issue 30 counts it: the usec of
+    every script run (EVALSHA/EVAL/FCALL, the commands each ran included) plus that of every
+    command the gateway sent outside a script (the write mark's INCR and HMGET, WAIT,
+    pipelined reads...), over ``calls``; read right after the phase, before any read-back.
+    Switches the SLOWLOG back to Redis's default.
+
+    INFO commandstats counts a command a script ran under that command's name too, and Redis
+    7.0 cannot tell which runs of a name were a script's. A name no Lua file of the gateway
+    calls was sent outside scripts only: all its time counts (exact). A name the scripts also
+    call counts with the runs the SLOWLOG saw outside scripts (those of at least
+    ``_procs._SLOWLOG_USEC``; ``sharedMissed`` says so): logging every command to tell them
+    apart would cost the scripts more than these commands weigh (``_procs._SLOWLOG_USEC``).
+    Per script (an EVALSHA named by its SHA-1, an FCALL by its function), from the SLOWLOG
+    scaled to commandstats' exact total, as ``_procs.redis_script_stats`` does."""
+    stats: Counter[tuple[str, str]] = Counter()
+    entries: list[Any] = []
+    for url in urls:  # a cluster's primaries: their sums
+        client = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            for key, line in client.info("commandstats").items():
+                stats[key, "usec"] += int(line.get("usec", 0))
+                stats[key, "calls"] += int(line.get("calls", 0))
+            entries += client.slowlog_get(-1)
+            client.config_set("slowlog-log-slower-than", 10_000)
+            client.slowlog_reset()
+        finally:
+            client.close()
+    names = redis_script_names(source)
+    inside = lua_commands(source)
+    script_usec = plain_usec = 0
+    plain: Counter[str] = Counter()
+    shared: set[str] = set()
+    for key in sorted({key for key, _ in stats}):
+        name = key.removeprefix("cmdstat_")
+        if name in _SCRIPT_RUNNERS:
+            script_usec += stats[key, "usec"]
+        elif name.startswith(_BENCH_OWN):
+            continue
+        elif inside is not None and name.split("|")[0] not in inside:
+            plain_usec += stats[key, "usec"]
+            plain[name] += stats[key, "calls"]
+        else:
+            shared.add(name.split("|")[0])
+    scripts: dict[str, list[int]] = {}
+    for entry in entries:
+        # Bytes whatever decode_responses says (redis-py's SLOWLOG GET parser).
+        argv = _text(entry["command"]).split(" ", 2)
+        name = argv[0].lower()
+        if _text(entry["client_address"]) == "?:0" or name.startswith(_BENCH_OWN):
+            continue  # run by a script (in its time), or the benchmark's own
+        if name in _SCRIPT_RUNNERS and len(argv) > 1:
+            script = names.get(argv[1], argv[1][:12]) if name.startswith("evalsha") else argv[1]
+            runs_usec = scripts.setdefault(script, [0, 0])
+            runs_usec[0] += 1
+            runs_usec[1] += int(entry["duration"])
+        elif name in shared:
+            plain_usec += int(entry["duration"])
+            plain[f"{name} (>= slowlog threshold)"] += 1
+    logged = sum(usec for _, usec in scripts.values())
+    scale = script_usec / logged if logged else 1.0
+
+    def per_call(usec: float) -> float | None:
+        return round(usec / calls, 1) if calls else None
+
+    total = script_usec + plain_usec
+    return {
+        "calls": calls,
+        "fencedUsecPerCall": per_call(total),
+        "fencedCallsPerSecondOneRedis": round(1e6 * calls / total) if calls and total else None,
+        "scriptUsecPerCall": per_call(script_usec),
+        "plainUsecPerCall": per_call(plain_usec),
+        "plainCommands": dict(plain),
+        "sharedMissed": inside is None or bool(shared),
+        "slowlogCoverage": round(logged / script_usec, 3) if script_usec else None,
+        "scripts": {
+            name: {
+                "runs": runs,
+                "usecPerRun": round(usec / runs, 1) if runs else None,
+                "usecPerCall": per_call(usec * scale),
+            }
+            for name, (runs, usec) in sorted(scripts.items())
+        },
+    }
+
+
+def render_redis_time(phase: str, report: dict[str, Any]) -> str:
+    """What the total holds, then the split by script."""
+    plain = ", ".join(f"{name} x{n}" for name, n in sorted(report["plainCommands"].items()))
+    head = (
+        f"{phase}: Redis usec per call {fmt(report['fencedUsecPerCall'], '.1f')} = scripts "
+        f"{fmt(report['scriptUsecPerCall'], '.1f')} (EVALSHA/FCALL) + commands outside scripts "
+        f"{fmt(report['plainUsecPerCall'], '.1f')} ({plain or 'none'})"
+        + (
+            "; runs under the SLOWLOG threshold of commands the scripts also run are not seen"
+            if report["sharedMissed"]
+            else ""
+        )
+        + f"; one Redis serves at most ~{report['fencedCallsPerSecondOneRedis']} calls/s"
+    )
+    rows = [("script", "runs", "usec/run", "usec/call")]
+    for name, line in report["scripts"].items():
+        rows.append(
+            (
+                name,
+                str(line["runs"]),
+                fmt(line["usecPerRun"], ".1f"),
+                fmt(line["usecPerCall"], ".1f"),
+            )
+        )
+    coverage = f"split by script from the SLOWLOG (coverage {report['slowlogCoverage']})"
+    return f"{head}\n{coverage}\n{align(rows)}"
+
+
+def render_redis_summary(summaries: Sequence[dict[str, Any]]) -> str | None:
+    """One line per measured Redis phase: the time per fenced call and the prepare/complete
+    split (usec per run of each, from the SLOWLOG; keyed calls: ``prepare_keyed``)."""
+    rows = [("phase", "Redis usec/call", "scripts", "outside", "prepare usec/run", "complete")]
+    for s in summaries:
+        report = s["redisCpu"]
+        if not report:
+            continue
+        scripts = report["scripts"]
+
+        def run(*names: str, scripts: dict[str, Any] = scripts) -> str:
+            # A script by its Lua name, a function by ``<library>_<name>`` (FCALL).
+            found = [
+                entry["usecPerRun"]
+                for name in names
+                for script, entry in scripts.items()
+                if script == name or script.endswith(f"_{name}")
+            ]
+            return fmt(found[0], ".1f") if found else "-"
+
+        rows.append(
+            (
+                s["phase"],
+                fmt(report["fencedUsecPerCall"], ".1f"),
+                fmt(report["scriptUsecPerCall"], ".1f"),
+                fmt(report["plainUsecPerCall"], ".1f"),
+                run("prepare", "prepare_keyed"),
+                run("complete"),
+            )
+        )
+    if len(rows) == 1:
+        return None
+    return "Redis time per fenced call (INFO commandstats; the split from the SLOWLOG)\n\n" + align(
+        rows
+    )
+
+
 async def run_phase(
     spec: PhaseSpec,
     n: int,
@@ -751,8 +946,9 @@ async def run_phase(
             notes.append(f"warm-up errors: {dict(warm.errors)}")
 
         procs = [*target.procs, *downstream_procs]
-        if target.redis_url and not paced:
-            redis_stats_reset(target.redis_url, 20 * args.requests + 1000)
+        if not paced:
+            for redis_url in target.redis_urls:
+                redis_stats_reset(redis_url, 20 * args.requests + 1000)
         cpu_before = [p.cpu() for p in procs]
         client_before = time.process_time()
         deadline = time.perf_counter() + args.max_seconds
@@ -766,9 +962,8 @@ async def run_phase(
         client_cpu = time.process_time() - client_before
         cpu_after = [p.cpu() for p in procs]
         redis_cpu = None
-        if target.redis_url and not paced:
-            names = redis_script_names(args.gateway_src)
-            redis_cpu = redis_script_stats(target.redis_url, names, calls.ok)
+        if target.redis_urls and not paced:
+            redis_cpu = redis_call_stats(target.redis_urls, args.gateway_src, calls.ok)
         cpu: dict[str, float] | None = {}
         for proc, a, b in zip(procs, cpu_before, cpu_after, strict=True):
             if a is None or b is None or cpu is None:
@@ -857,6 +1052,23 @@ def _gateway_toml(downstream_base: str) -> str:
     )
 
 
+def start_cluster(directory: Path) -> tuple[str, tuple[str, ...], str, list[Proc]]:
+    """A private Redis Cluster (``tests.cluster_servers``: three primaries and three replicas,
+    AOF with ``appendfsync always``): its store URL, its primaries' URLs (where a phase reads
+    the Redis time: a replica's commandstats count the replicated writes again), the Redis
+    version and its nodes as processes (stopped with the others)."""
+    from tests.cluster_servers import ClusterServers  # run from the repository root
+
+    cluster = ClusterServers(directory).start()
+    nodes = []
+    for node in cluster.nodes:
+        assert node.proc is not None
+        nodes.append(Proc("redis-server", node.proc, node.log_path))
+    primaries = tuple(f"redis://{node.address}" for node in cluster.primaries())
+    version = str(cluster.nodes[0].info("server")["redis_version"])
+    return cluster.url, primaries, version, nodes
+
+
 def start_all(setup: Setup, args: argparse.Namespace) -> None:
     work = setup.work
     setup.downstream, setup.downstream_base = start_module_server(
@@ -899,7 +1111,12 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
     for store in args.stores:
         store_procs: list[Proc] = []
         postgres_urls: list[str] = []
-        if store == "redis":
+        primaries: tuple[str, ...] = ()
+        if store == "cluster":
+            url, primaries, setup.redis_version, nodes = start_cluster(work / "cluster")
+            setup.procs.extend(nodes)
+            store_procs.extend(nodes)
+        elif store == "redis":
             server, url, setup.redis_version = start_redis(
                 args.redis_server, work / "redis", args.appendfsync
             )
@@ -942,9 +1159,9 @@ def start_all(setup: Setup, args: argparse.Namespace) -> None:
             )
             setup.procs.append(gateway)
             progress(f"gateway {name}: pid {gateway.pid}, {base}")
-            redis_url = url if store == "redis" else None
+            redis_urls = (url,) if store == "redis" else primaries
             setup.targets[name] = Target(
-                name, True, store, level, base, [gateway, *store_procs], auth, redis_url
+                name, True, store, level, base, [gateway, *store_procs], auth, redis_urls
             )
 
 
@@ -1370,7 +1587,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.serve_downstream or args.serve_passthrough:
         return args
-    args.stores = parse_stores(parser, args.stores, STORES_DEFAULT)
+    args.stores = parse_stores(parser, args.stores, STORES_DEFAULT, (*ALL_STORES, "cluster"))
+    if "cluster" in args.stores and not args.redis_server:
+        parser.error("redis-server is not on PATH (apt-get install -y redis-server)")
     if min(args.requests, args.concurrency, args.rounds, args.tasks, args.paced_rounds) < 1:
         parser.error("--requests, --concurrency, --rounds, --tasks, --paced-rounds must be >= 1")
     if args.warmup < 0 or args.max_in_flight < 1:
@@ -1426,9 +1645,12 @@ def _print_report(
             + f"paced: client send lag p99 {fmt(f['pacedClientLagP99Ms'], '.2f')} ms",
             file=out,
         )
+    redis_summary = render_redis_summary(summaries)
+    if redis_summary is not None:
+        print("\n" + redis_summary, file=out)
     for s in summaries:
         if s["redisCpu"]:
-            print("\n" + render_redis_scripts(s["phase"], s["redisCpu"], "call"), file=out)
+            print("\n" + render_redis_time(s["phase"], s["redisCpu"]), file=out)
     for s in summaries:
         for note in s["notes"]:
             print(f"note: {s['phase']}: {note}", file=out)

@@ -78,6 +78,7 @@ def build_store(config: Config) -> Store:
         max_cascade=config.tasks.max_cascade,
         redis_min_replicas=config.store.redis_min_replicas,
         redis_replica_timeout_ms=config.store.redis_replica_timeout_ms,
+        cluster_buckets=config.store.cluster_buckets,
     )
 
 

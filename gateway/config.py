@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fencegate.ledger.buckets import check_buckets
 from fencegate.ledger.effects import DEFAULT_SETTLE_MS
 from fencegate.ledger.requests import MAX_KEEP_BYTES, Pointer, parse_pointer
 
@@ -250,6 +251,10 @@ class StoreConfig(_Section):
     redis_min_replicas: Annotated[int, Field(ge=0, le=16)] = 0
     #: Redis only: how long that WAIT waits for them; below timeout_ms.
     redis_replica_timeout_ms: Annotated[int, Field(ge=1, le=_MINUTE_MS)] = 500
+    #: redis+cluster:// only: the number of buckets (one hash slot each) the keys are spread
+    #: over. Recorded when the store is created; a different value later is a start-up error
+    #: (changing it is a ``fencegate store copy``). docs/stores.md, "Redis Cluster".
+    cluster_buckets: int = 256
 
     @model_validator(mode="after")
     def _replica_timeout_within_timeout(self) -> StoreConfig:
@@ -259,6 +264,11 @@ class StoreConfig(_Section):
                 f"timeout_ms ({self.timeout_ms}): the WAIT after a write step is part of it"
             )
         return self
+
+    @field_validator("cluster_buckets")
+    @classmethod
+    def _cluster_buckets(cls, value: int) -> int:
+        return check_buckets(value)  # its errors name this key
 
     @field_validator("url")
     @classmethod

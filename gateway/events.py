@@ -136,9 +136,16 @@ class Subscription:
         self.closed = True
         self._wake.set()
 
+    def catch_up(self) -> None:
+        """The hub (re)started its cursor: what came between the stream's own position and
+        it is in no batch, so the stream reads the store itself once."""
+        self.dropped = True
+        self._wake.set()
+
     async def wait(self, seconds: float) -> None:
-        """Until a batch is queued, the hub closes, or ``seconds`` passed."""
-        if self.batches or self.closed:
+        """Until a batch is queued (or the stream must catch up), the hub closes, or
+        ``seconds`` passed."""
+        if self.batches or self.dropped or self.closed:
             return
         self._wake.clear()
         with contextlib.suppress(TimeoutError):
@@ -372,6 +379,10 @@ class EventHub:
                 for group in self._by_effect.values():
                     for waiter in group:
                         waiter.wake()
+                # Nor by the streams, each of which read its own start before: an event
+                # between that and this end would otherwise wait for the next one.
+                for subscription in self._subscriptions:
+                    subscription.catch_up()
             while True:
                 after = self._cursor
                 events, following = await self._store.read_events(after, self._config.batch)

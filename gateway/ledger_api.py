@@ -199,7 +199,7 @@ async def _keyed_lookup(request: web.Request) -> web.Response:
     found: list[Effect] = []
     for name in names:
         try:
-            found.append(await store.get_effect(effects.keyed_effect_id(owner, name, key)))
+            found.append(await store.get_keyed_effect(effects.keyed_effect_id(owner, name, key)))
         except NoSuchEffect:  # none, or expired (EffectExpired)
             continue
     page = answers.EffectPage.model_construct(

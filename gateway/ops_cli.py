@@ -305,6 +305,58 @@ def register(sub: SubParsers) -> None:
         "--config", metavar="FILE", help="the gateway's TOML config (default: embedded store)"
     )
     store_migrate.set_defaults(func=store_cli.migrate, operator_command=False)
+    store_copy = store_actions.add_parser(
+        "copy",
+        help="copy a drained single Redis store into a Redis Cluster (redis+cluster://)",
+        description="Reads the single Redis store of --config ([store] url and "
+        "redis_key_prefix) and writes it into the bucket layout of the Redis Cluster at --to "
+        "(store.cluster_buckets buckets, the same key prefix). Refuses a store that is not "
+        "drained (a CLAIMED task, a PREPARED effect) and writes nothing then. Idempotent: run "
+        "it again after an interruption; what is there is left. The change feed is not "
+        "copied (docs/stores.md, 'Moving to a cluster').",
+    )
+    store_copy.add_argument(
+        "--to",
+        metavar="URL",
+        required=True,
+        help="the cluster: redis+cluster://[USER@]HOST1:PORT1,HOST2:PORT2,... "
+        "(rediss+cluster:// for TLS)",
+    )
+    store_copy.add_argument(
+        "--config", metavar="FILE", help="the gateway's TOML config (its [store] is the source)"
+    )
+    store_copy.add_argument(
+        "--to-password-env",
+        metavar="NAME",
+        help="environment variable holding the cluster's password (default: store.password_env)",
+    )
+    store_copy.add_argument(
+        "--batch",
+        metavar="N",
+        type=_positive_int,
+        default=500,
+        help="keys per SCAN step and members per index page (default 500)",
+    )
+    store_copy.set_defaults(func=store_cli.copy, operator_command=False)
+    store_move = store_actions.add_parser(
+        "move-slot",
+        help="move a Redis Cluster slot (a bucket's) to another primary, under load",
+        description="Freezes the store's buckets in SLOT, migrates the slot's keys to the "
+        "primary at --to (CLUSTER SETSLOT, MIGRATE), points every primary at it, unfreezes. "
+        "Idempotent: run it again after an interruption; the buckets stay frozen until it "
+        "ends (docs/decisions.md, 'Moving a slot').",
+    )
+    store_move.add_argument("slot", metavar="SLOT", type=int, help="the hash slot (0..16383)")
+    store_move.add_argument(
+        "--to", metavar="HOST:PORT", required=True, help="the primary to move it to"
+    )
+    store_move.add_argument(
+        "--config", metavar="FILE", help="the gateway's TOML config (a redis+cluster:// store)"
+    )
+    store_move.add_argument(
+        "--batch", metavar="N", type=_positive_int, default=100, help="keys per MIGRATE"
+    )
+    store_move.set_defaults(func=store_cli.move_slot, operator_command=False)
 
     failover = sub.add_parser("failover", help="after a Redis failover that lost writes")
     failover_actions = failover.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -1,7 +1,10 @@
 """The commands that work straight against the store of a config file (no gateway needed):
-``fencegate store migrate``, ``fencegate failover ack`` and ``fencegate failover lost``.
+``fencegate store migrate``, ``fencegate store copy``, ``fencegate store move-slot``,
+``fencegate failover ack`` and ``fencegate failover lost``.
 
 ``store migrate`` brings a store written by an older fencegate to this version's format.
+``store copy`` copies a drained single Redis store into a Redis Cluster's bucket layout
+(``ledger.cluster_copy``; docs/stores.md, "Moving to a cluster").
 
 Every store records its format (SQL: the schema-version row; Redis: ``{prefix}:meta``
 ``format``). A newer format than this code knows is refused (exit 1, naming both); an older
@@ -25,7 +28,7 @@ from fencegate.ledger.errors import StoreRegressed, StoreUnavailable
 if TYPE_CHECKING:
     from fencegate.ledger.store import Store
 
-__all__ = ["failover_ack", "failover_lost", "migrate"]
+__all__ = ["copy", "failover_ack", "failover_lost", "migrate", "move_slot"]
 
 _T = TypeVar("_T")
 
@@ -84,6 +87,159 @@ def migrate(args: argparse.Namespace) -> int:
         return 1
     print(f"store: {where}")
     for line in lines:
+        print(line)
+    return 0
+
+
+#: The stores ``store copy`` reads: one Redis (``ledger.redis_store``'s schemes).
+_SINGLE_REDIS = ("redis", "rediss", "unix", "redis+sentinel")
+
+
+def copy(args: argparse.Namespace) -> int:
+    """``fencegate store copy --to URL``: exit 0 copied (or found already there), 1 refused
+    (not drained, another store or bucket count on the cluster, the source changed meanwhile)
+    or a store unreachable, 2 a config or ``--to`` that cannot be used."""
+    import os
+
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from fencegate.ledger import cluster_copy
+    from fencegate.ledger.cluster_router import CLUSTER_SCHEMES, ClusterRouter, parse_cluster_url
+    from fencegate.ledger.redis_store import FORMAT_VERSION
+
+    command = "fencegate store copy"
+    config = _config(command, args)
+    if config is None:
+        return 2
+    source_url = config.store.url
+    scheme = source_url.partition("://")[0].lower()
+    if scheme not in _SINGLE_REDIS:
+        print(
+            f"{command}: [store] url is {public_url(source_url)}: the copy reads a single Redis "
+            f"store ({', '.join(s + '://' for s in _SINGLE_REDIS)})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.to.partition("://")[0].lower() not in CLUSTER_SCHEMES:
+        print(
+            f"{command}: --to {public_url(args.to)}: not a Redis Cluster url; expected "
+            "redis+cluster://[USER@]HOST1:PORT1,HOST2:PORT2,... (rediss+cluster:// for TLS)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        parse_cluster_url(args.to)
+    except ValueError as exc:
+        print(f"{command}: --to: {exc}", file=sys.stderr)
+        return 2
+    password_env = args.to_password_env or config.store.password_env
+    try:
+        password = config.store.password()
+        to_password = os.environ[password_env] if password_env else None
+    except KeyError as exc:
+        print(f"{command}: the environment variable {exc} is not set", file=sys.stderr)
+        return 2
+    layout = cluster_copy.Layout(config.store.redis_key_prefix, config.store.cluster_buckets)
+    target = public_url(args.to)
+    print(f"store: {public_url(source_url)} (key prefix {layout.prefix!r})")
+    print(f"to: {target} ({layout.buckets} buckets)")
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    async def run() -> cluster_copy.CopyReport:
+        source: aioredis.Redis = cluster_copy.source_client(
+            source_url, password=password, timeout_ms=config.store.timeout_ms
+        )
+        router = ClusterRouter.from_url(
+            args.to, timeout_ms=config.store.timeout_ms, password=to_password
+        )
+        try:
+            return await cluster_copy.copy_store(
+                source,
+                router,
+                layout,
+                format_version=FORMAT_VERSION,
+                batch=args.batch,
+                say=say,
+            )
+        finally:
+            await router.aclose()
+            await source.aclose()
+
+    try:
+        report = asyncio.run(run())
+    except cluster_copy.CopyRefused as exc:
+        print(f"{command}: refused: {exc}", file=sys.stderr)
+        return 1
+    except (RedisError, OSError) as exc:
+        print(
+            f"{command}: a store did not answer ({type(exc).__name__}: {exc}); run the copy "
+            "again once both answer (it goes on from what is there)",
+            file=sys.stderr,
+        )
+        return 1
+    for line in report.lines():
+        print(line)
+    print(
+        f"done. Next: set every gateway's [store] url to {target} (with cluster_buckets = "
+        f"{layout.buckets} and the same redis_key_prefix) and start them; the scheduler was "
+        "copied as it was, so if you paused claims, resume them there (fencegate claims resume)"
+    )
+    return 0
+
+
+def move_slot(args: argparse.Namespace) -> int:
+    """``fencegate store move-slot SLOT --to HOST:PORT`` (``ledger.cluster_moves``): exit 0
+    moved (or found there), 1 a move that stopped or a cluster unreachable (run it again: it
+    goes on, and the slot's buckets stay frozen until it ends), 2 a config, ``SLOT`` or
+    ``--to`` that cannot be used."""
+    from redis.exceptions import RedisError
+
+    from fencegate.ledger import cluster_moves
+    from fencegate.ledger.buckets import CLUSTER_SLOTS
+    from fencegate.ledger.cluster_router import CLUSTER_SCHEMES
+    from fencegate.ledger.cluster_store import ClusterStore
+
+    command = "fencegate store move-slot"
+    config = _config(command, args)
+    if config is None:
+        return 2
+    url = config.store.url
+    if url.partition("://")[0].lower() not in CLUSTER_SCHEMES:
+        print(f"{command}: [store] url is {public_url(url)}: not a redis+cluster:// store",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if not 0 <= args.slot < CLUSTER_SLOTS:
+        # Refused before the store is opened: "run it again" would not help.
+        print(f"{command}: slot {args.slot} is not a slot (0..{CLUSTER_SLOTS - 1})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        target = cluster_moves.parse_node(args.to)
+        password = config.store.password()
+    except (ValueError, KeyError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+
+    async def move(store: Store) -> cluster_moves.MoveReport:
+        assert isinstance(store, ClusterStore)
+        return await cluster_moves.move_store_slot(
+            store, url, args.slot, target, password=password,
+            timeout_ms=config.store.timeout_ms, batch=args.batch,
+            say=lambda line: print(line, flush=True),
+        )  # fmt: skip
+
+    try:
+        report = _on_store(command, config, move)
+    except (cluster_moves.MoveFailed, RedisError) as exc:
+        print(f"{command}: {exc}; run it again (it goes on from where it stopped; the "
+              "slot's buckets stay frozen until it ends)", file=sys.stderr)  # fmt: skip
+        return 1
+    if report is None:
+        return 1
+    for line in report.lines():
         print(line)
     return 0
 

@@ -58,7 +58,7 @@ import asyncio
 import contextlib
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -301,12 +301,15 @@ class _SSLConnection(SSLConnection):
 
 
 class Routed(NamedTuple):
-    """One command of a ``pipeline``: the key that routes it, the command, and whether it
-    may write (then, with ``wait``, a ``WAIT`` follows it on its connection)."""
+    """One command of a ``pipeline``: the key that routes it, the command, whether it may
+    write (then, with ``wait``, a ``WAIT`` follows it on its connection), and redis-py's
+    parse options for its reply (``withscores=True``, ...: what a redis-py command method
+    passes to ``execute_command``; None: none)."""
 
     slot_key: str
     command: tuple[Any, ...]
     writes: bool = False
+    options: Mapping[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -483,10 +486,12 @@ class ClusterRouter:
 
     # --- one command ----------------------------------------------------------------------
 
-    async def call(self, slot_key: str, *command: Any) -> Any:
-        """Send ``command`` to the primary of ``slot_key``'s slot and return its reply;
-        an error reply is raised (the module docstring's table says which are followed)."""
-        reply, _ = await self._route(slot_of(slot_key), command, None)
+    async def call(self, slot_key: str, *command: Any, **options: Any) -> Any:
+        """Send ``command`` to the primary of ``slot_key``'s slot and return its reply,
+        parsed by the node's redis-py client as its command method would (``options``: that
+        method's parse options, e.g. ``withscores=True``); an error reply is raised (the
+        module docstring's table says which are followed)."""
+        reply, _ = await self._route(slot_of(slot_key), command, None, options=options)
         if isinstance(reply, BaseException):
             raise reply
         return reply
@@ -498,6 +503,7 @@ class ClusterRouter:
         wait: tuple[int, int] | None,
         error: ResponseError | None = None,
         at: Address | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> tuple[Any, Any]:
         """The reply (an error reply as a value) and, with ``wait``, the reply of the WAIT
         sent after it on its connection. ``error``: what a pipeline got for this command on
@@ -516,7 +522,12 @@ class ClusterRouter:
                 address = target or await self._primary(slot)
                 try:
                     replies = await self._send(
-                        address, [command], asking=asking, wait=wait, load=load
+                        address,
+                        [command],
+                        asking=asking,
+                        wait=wait,
+                        load=load,
+                        options=[options or {}],
                     )
                 except ConnectFailed as exc:
                     # Nothing was sent: the node may be dead and its slots taken over.
@@ -611,14 +622,16 @@ class ClusterRouter:
         asking: bool = False,
         wait: tuple[int, int] | None = None,
         load: str | None = None,
+        options: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Any]:
         """Send ``commands`` to ``address`` on one connection (``SCRIPT LOAD load`` first,
         then ``ASKING``, when asked; ``WAIT`` last when asked), error replies as values;
-        the commands' replies, then WAIT's."""
+        the commands' replies, then WAIT's. ``options``: each command's parse options."""
         client = self.client(address)
+        parse = options or [{}] * len(commands)
         if len(commands) == 1 and not asking and wait is None and load is None:
             try:
-                return [await client.execute_command(*commands[0])]  # type: ignore[no-untyped-call]
+                return [await client.execute_command(*commands[0], **parse[0])]  # type: ignore[no-untyped-call]
             except ResponseError as exc:
                 return [exc]
         pipe = client.pipeline(transaction=False)
@@ -626,8 +639,8 @@ class ClusterRouter:
             pipe.execute_command("SCRIPT", "LOAD", load)
         if asking:
             pipe.execute_command("ASKING")
-        for command in commands:
-            pipe.execute_command(*command)
+        for command, opts in zip(commands, parse, strict=True):
+            pipe.execute_command(*command, **opts)
         if wait is not None:
             pipe.execute_command("WAIT", *wait)
         replies = await pipe.execute(raise_on_error=False)
@@ -668,7 +681,10 @@ class ClusterRouter:
             waits = wait if wait is not None and any(routed[i].writes for i in indexes) else None
             try:
                 replies = await self._send(
-                    address, [routed[i].command for i in indexes], wait=waits
+                    address,
+                    [routed[i].command for i in indexes],
+                    wait=waits,
+                    options=[routed[i].options or {} for i in indexes],
                 )
             except ConnectFailed:
                 self._stale = True
@@ -711,7 +727,7 @@ class ClusterRouter:
                     waits = wait if item.writes else None
                     try:
                         results[i], acked[i] = await self._route(
-                            slots[i], item.command, waits, error, at
+                            slots[i], item.command, waits, error, at, item.options
                         )
                     except (RedisError, OSError, TimeoutError) as exc:
                         results[i] = exc

@@ -51,6 +51,7 @@ __all__ = [
     "ApprovalRequired",
     "AuthUnavailable",
     "BadRequest",
+    "BumpBarrier",
     "Cancelled",
     "ClaimRefused",
     "Claimed",
@@ -326,6 +327,27 @@ class StoreUnavailable(FencegateError):
     code = "STORE_UNAVAILABLE"
     status = 503
     title = "The lease store is unavailable"
+
+
+class BumpBarrier(StoreUnavailable):
+    """A claim met a bump's barrier in its bucket (the Redis Cluster store only,
+    ``ledger.scheduler_copies.claim_admission``): an epoch bump is moving every bucket's copy
+    of the scheduler, and no claim is granted anywhere meanwhile. Nothing was applied.
+
+    Internal: it never reaches a client. The cluster store retries the claim with backoff
+    (``retry_after_ms``: when the barrier stops holding claims at the latest) within its
+    timeout, then answers a plain ``StoreUnavailable`` saying nothing was applied; never
+    CLAIMS_PAUSED, which is the operator's alone. Should one escape anyway it is a
+    STORE_UNAVAILABLE (it adds no code of its own), retryable as it truly is."""
+
+    def __init__(self, target: int, retry_after_ms: int) -> None:
+        super().__init__(
+            f"an epoch bump to {target} is in progress; nothing was applied: retry the claim"
+        )
+        #: The epoch the bump moves every copy to.
+        self.target = target
+        #: Store time until the barrier stops holding claims back, at the latest.
+        self.retry_after_ms = retry_after_ms
 
 
 class StoreRegressed(StoreUnavailable):

@@ -1,9 +1,14 @@
 """The shared store: Redis 7, many gateway processes on many hosts.
 
 Each transition is one Lua script (``ledger/lua/<name>.lua``, each prefixed with
-``common.lua``), registered once per store with ``register_script`` so redis-py re-sends the
-source on ``NOSCRIPT`` (after ``SCRIPT FLUSH`` or a failover). A script reads ``TIME`` once,
-so the lease clock is Redis's, never a gateway's.
+``common.lua``), registered once per store with ``register_script`` so the store re-sends the
+source on ``NOSCRIPT`` (after ``SCRIPT FLUSH`` or a failover). The effect steps
+(``_FUNCTIONS``) run instead as functions of one Redis Functions library
+(``library_source``, ``FCALL``), named by a digest of its text, loaded the same way when
+Redis lacks it. A script reads ``TIME`` once, so the lease clock is Redis's, never a
+gateway's. The gateway decides a new forward's record and its complete itself
+(``_new_forward``, ``_completion``); the scripts write those only on the record the decision
+was made on, and decide alone otherwise.
 
 Keys (all built in ``ledger.keys``): a task lives in ``{prefix}:{<taskId>}:task``; its hash
 tag is the task id, so everything a task owns hashes to one slot. The global scheduler record
@@ -69,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import re
 import time
@@ -89,6 +95,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
 from fencegate.ledger import effects, keys, queries
+from fencegate.ledger.cluster_router import ClusterUnavailable, slot_of
 from fencegate.ledger.effects import (
     Action,
     Effect,
@@ -100,6 +107,7 @@ from fencegate.ledger.effects import (
 from fencegate.ledger.errors import (
     ERRORS_BY_CODE,
     BadRequest,
+    BumpBarrier,
     EventsGone,
     FencegateError,
     NoSuchEffect,
@@ -116,6 +124,7 @@ from fencegate.ledger.retention import (
     StoreStats,
     expired_effect,
 )
+from fencegate.ledger.scheduler_copies import Copy, Intent
 from fencegate.ledger.store import (
     TASK_SCAN,
     EffectTransition,
@@ -150,6 +159,7 @@ __all__ = [
     "RedisStore",
     "SentinelSpec",
     "durability_warnings",
+    "library_source",
     "load_script_source",
     "parse_sentinel_url",
 ]
@@ -177,13 +187,22 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "probe_due_init": (),
     "events_read": (),
     "events_trim": (),
+    "events_ids": (),
     "retention": ("task_lib", "effect_lib"),
     "settled_index": ("task_lib",),
     "stats": (),
     "effect_prefix": ("keys",),
 }
+#: The effect steps, served as functions of one Redis Functions library (``library_source``,
+#: FCALL) instead of one script each (EVALSHA): a script defines every helper it is prepended
+#: with on every call, a library once per load. The other scripts stay scripts: most build
+#: keys from a per-call prefix (``keys.lua_key_helpers``), and the read-only ones must keep
+#: answering while Redis is out of memory (a function not flagged ``no-writes`` is refused).
+_FUNCTIONS: tuple[str, ...] = ("prepare", "prepare_keyed", "complete", "cas_effect")
 #: The scripts that never write: no WAIT follows them (every other script may write).
-_READ_ONLY_SCRIPTS = frozenset({"fence", "gauges", "events_read", "stats", "effect_prefix"})
+_READ_ONLY_SCRIPTS = frozenset(
+    {"fence", "gauges", "events_read", "events_ids", "stats", "effect_prefix"}
+)
 #: Bounds of ``[store] redis_min_replicas`` (gateway.config checks them too).
 MAX_MIN_REPLICAS = 16
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
@@ -194,6 +213,9 @@ _LIST_BATCH = 200
 #: Most (taskId, claimGeneration) -> revision entries kept to compute effectIds (cleared when
 #: full: a miss only costs one SHA-256 inside prepare.lua).
 _REVISIONS_KEPT = 4096
+#: Most forwarded records a store holds for their complete (``RedisStore._held``; cleared when
+#: full: a miss only costs complete.lua the decode and re-encode of the record).
+_HELD_KEPT = 4096
 #: Most store calls one auto-pipelined flush sends; the calls past it go in the next flush.
 PIPELINE_BATCH_MAX = 128
 #: Most events one run of events_trim.lua drops (trim_events runs it until it drops fewer).
@@ -234,6 +256,55 @@ def load_script_source(name: str) -> str:
     return "\n".join(texts)
 
 
+@dataclass(frozen=True, slots=True)
+class FunctionLibrary:
+    """A Redis Functions library as this code loads it (``library_source``)."""
+
+    name: str
+    source: str
+
+    def function(self, script: str) -> str:
+        """The name ``script`` is registered under: function names are global to a Redis,
+        so each carries its library's (``fencegate_<digest>_<script>``)."""
+        return f"{self.name}_{script}"
+
+
+@functools.cache
+def library_source() -> FunctionLibrary:
+    """The library serving ``_FUNCTIONS``: ``common.lua`` and their libraries once each (the
+    order ``load_script_source`` prepends them in), then each script's own text as the body
+    of a function of (KEYS, ARGV), so the scripts run unchanged and ``load_script_source``
+    still names what each one runs. The name carries a digest of that text
+    (``fencegate_<sha12>``): gateways of different versions sharing one Redis each load
+    their own library beside the others' (FUNCTION LOAD never replaces one), and a changed
+    script is a new library."""
+    folder = resources.files("fencegate.ledger") / "lua"
+    parts: list[str] = []
+    for name in _FUNCTIONS:
+        for part in ("common", *_SCRIPTS[name]):
+            if part not in parts:
+                parts.append(part)
+    texts = [(folder / f"{part}.lua").read_text(encoding="utf-8") for part in parts]
+    for name in _FUNCTIONS:
+        body = (folder / f"{name}.lua").read_text(encoding="utf-8")
+        texts.append(f"local function step_{name}(KEYS, ARGV)\n{body}\nend")
+    text = "\n".join(texts)
+    library = f"fencegate_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    registered = "\n".join(
+        f"redis.register_function('{library}_{name}', step_{name})" for name in _FUNCTIONS
+    )
+    return FunctionLibrary(library, f"#!lua name={library}\n{text}\n{registered}\n")
+
+
+def _not_loaded(reply: Any) -> bool:
+    """Did Redis run nothing because the script or function is not loaded (NOSCRIPT after
+    ``SCRIPT FLUSH``, a restart or a failover; "Function not found" after ``FUNCTION
+    FLUSH`` or on a new empty primary)?"""
+    if isinstance(reply, NoScriptError):
+        return True
+    return isinstance(reply, ResponseError) and str(reply).startswith("Function not found")
+
+
 def durability_warnings(config: dict[str, str]) -> list[str]:
     """What this Redis can lose, worded for an operator. Pure, so it is tested without Redis."""
     out = []
@@ -266,6 +337,34 @@ def _parse(reply: Sequence[Any]) -> tuple[str, dict[str, str]]:
         extra = {name: int(value) for name, value in _pairs(reply[3:]).items()}
         raise ERRORS_BY_CODE[code](detail or None, **extra)
     return status, _pairs(reply[1:])
+
+
+#: The steps of a bucket's scheduler copy as the cluster store calls them
+#: (``RedisStore.scheduler_copy``) -> scheduler.lua's step, named after the function of
+#: ``ledger.scheduler_copies`` it mirrors, and how many integer arguments it takes.
+_COPY_STEPS: dict[str, tuple[str, int]] = {
+    "read": ("read", 0),
+    "begin_pause": ("begin_pause", 1),
+    "paused": ("with_paused", 2),
+    "begin_bump": ("begin_bump", 2),
+    "barrier": ("with_barrier", 2),
+    "bump": ("bumped", 1),
+    "clear": ("without_barrier", 1),
+    "end_bump": ("end_bump", 1),
+}
+
+
+def _copy_of(record: Sequence[str]) -> tuple[Copy, Intent | None]:
+    """scheduler.lua's answer as the copy and the intent it holds ('' for an absent field)."""
+    epoch, paused, target, until, generation, intent, deadline, _frozen = record
+    copy = Copy(
+        epoch=int(epoch),
+        paused=paused == "1",
+        barrier_target=int(target) if target else None,
+        barrier_until_ms=int(until) if until else None,
+        pause_generation=int(generation),
+    )
+    return copy, Intent(int(intent), int(deadline)) if intent else None
 
 
 def _about(exc: FencegateError, task_id: str | None, effect_id: str | None) -> FencegateError:
@@ -308,6 +407,142 @@ def _prepared(reply: Sequence[Any]) -> PrepareOutcome:
     if code == "APPROVAL_REQUIRED":
         error.extra["approvalDigest"] = effects.wanted_approval(effect)
     return PrepareOutcome(Action.REJECT, effect, write=False, error=error)
+
+
+@dataclass(frozen=True, slots=True)
+class _Completion:
+    """A complete step decided by the gateway on the record its prepare answered
+    (``ledger.effects.complete``, which complete.lua mirrors): what complete.lua writes when
+    the stored record is still exactly that one, and the record it then holds."""
+
+    #: complete.lua's ARGV[8..15].
+    args: tuple[str, ...]
+    #: The completed record's fields but its two times (``a<seq>_ended_at``, ``updated_at``).
+    fields: dict[str, str]
+    ended: str
+
+    def effect(self, now: str) -> Effect:
+        """The record as complete.lua stored it at ``now`` (its answer)."""
+        return effects.effect_from_fields(self.fields | {self.ended: now, "updated_at": now})
+
+
+_APPROVAL_FIELDS = ("approval_digest", "approval_by", "approval_at", "approval_expires_at")
+
+
+def _completion(
+    held: tuple[int, str],
+    seq: int,
+    attempt_id: str,
+    outcome: EffectState,
+    reason: str,
+    response_json: str | None,
+) -> _Completion | None:
+    """The complete step on the record a prepare answered (``held``: its forward's seq and the
+    record as stored), as complete.lua would take it: the stored fields with complete.lua's
+    changes (so fields this code does not model are kept), its state from the model. None
+    when the model does not apply it (complete.lua then answers STALE on its own)."""
+    held_seq, raw = held
+    if held_seq != seq or outcome is EffectState.PREPARED:
+        return None
+    fields: dict[str, str] = json.loads(raw)
+    done, applied = effects.complete(
+        effects.effect_from_fields(fields), seq, attempt_id, outcome, reason, response_json, 0
+    )
+    if not applied:
+        return None
+    p = f"a{seq}_"
+    fields[p + "outcome"] = outcome.value
+    fields[p + "reason"] = reason
+    fields["state"] = done.state.value
+    if not (done.state is EffectState.NOT_APPLIED and effects.sent_nothing(reason)):
+        for name in _APPROVAL_FIELDS:
+            fields.pop(name, None)
+    fields.pop("deadline_at", None)
+    if response_json:
+        fields["response"] = response_json
+    fields.pop("updated_at", None)
+    fields.pop(p + "ended_at", None)
+    text = json.dumps(fields, separators=(",", ":"))
+    head = f'{text[:-1]},"{p}ended_at":"'
+    event = (
+        f'{{"type":"effect","effectId":{json.dumps(fields["effect_id"])},"taskId":'
+        f'{json.dumps(fields.get("task_id"))},"state":"{done.state.value}","downstream":'
+        f'{json.dumps(fields["downstream"])},"at":'
+    )
+    args = (
+        raw,
+        head,
+        done.state.value,
+        fields["attempt_count"],
+        fields.get("approval_digest", ""),
+        fields.get("next_probe_at", ""),
+        fields.get("idempotency_key", ""),
+        event,
+    )
+    return _Completion(args, fields, p + "ended_at")
+
+
+@dataclass(frozen=True, slots=True)
+class _NewForward:
+    """A new effect forwarded at once, as prepare.lua would store it (``_new_forward``)."""
+
+    #: prepare.lua's ARGV[21..22].
+    args: tuple[str, str]
+    #: The record's fields but its times.
+    fields: dict[str, str]
+    head: str
+    deadline_ms: int
+
+    def outcome(self, now: str) -> tuple[PrepareOutcome, str]:
+        """The FORWARD prepare.lua answers at ``now``, and the record as stored."""
+        deadline = str(int(now) + self.deadline_ms)
+        raw = (
+            f'{self.head}{now}","updated_at":"{now}","a0_started_at":"{now}",'
+            f'"deadline_at":"{deadline}"}}'
+        )
+        times = {"created_at": now, "updated_at": now, "a0_started_at": now}
+        effect = effects.effect_from_fields(self.fields | times | {"deadline_at": deadline})
+        return PrepareOutcome(Action.FORWARD, effect, write=False), raw
+
+
+def _new_forward(
+    request: EffectRequest, fence: Fence, revision: int, eid: str, deadline_ms: int
+) -> _NewForward:
+    """The record prepare.lua creates and forwards when the effect is new and no approval is
+    required (the decision in prepare_lib.lua on a new record, and ``add_attempt``), but its
+    times: the gateway sends it, so prepare.lua only adds them."""
+    fields = {
+        "effect_id": eid,
+        "task_id": fence.task_id,
+        "revision": str(revision),
+        "node": request.node,
+        "slot": request.slot,
+        "downstream": request.downstream,
+        "method": request.method,
+        "path": request.path,
+        "payload_digest": request.payload_digest,
+        "state": EffectState.PREPARED.value,
+        "attempt_count": "1",
+        "probe_count": "0",
+        "a0_attempt_id": fence.attempt_id,
+        "a0_claim_generation": str(fence.claim_generation),
+    }
+    if fence.principal:
+        fields["requested_by"] = fence.principal
+    if request.approval_digest and request.approval_digest != request.payload_digest:
+        fields["requested_digest"] = request.approval_digest
+    if request.request_json:
+        fields["request"] = request.request_json
+    if request.forward_id:
+        fields["a0_forward_id"] = request.forward_id
+    text = json.dumps(fields, separators=(",", ":"))
+    head = f'{text[:-1]},"created_at":"'
+    event = (
+        f'{{"type":"effect","effectId":{json.dumps(eid)},"taskId":'
+        f'{json.dumps(fence.task_id)},"state":"PREPARED","downstream":'
+        f'{json.dumps(request.downstream)},"at":'
+    )
+    return _NewForward((head, event), fields, head, deadline_ms)
 
 
 def _task_tombstone(fields: dict[str, str]) -> Tombstone:
@@ -473,11 +708,11 @@ def _shortfall(min_replicas: int, timeout_ms: int, acked: Any) -> StoreUnavailab
 
 @dataclass(slots=True)
 class _Queued:
-    """One store call waiting for its turn's flush: the command as sent, the script to load
-    if Redis answers NOSCRIPT, and the future its caller awaits."""
+    """One store call waiting for its turn's flush: the command as sent, the script (or
+    library) to load if Redis answers that it is not loaded, and the future its caller awaits."""
 
     command: tuple[Any, ...]
-    script: AsyncScript | None
+    script: AsyncScript | FunctionLibrary | None
     future: asyncio.Future[Any]
     #: Whether the call may write (then, with min_replicas, its batch ends with WAIT).
     writes: bool = False
@@ -553,7 +788,11 @@ class _AutoPipeline:
         self.calls = 0
 
     def submit(
-        self, command: tuple[Any, ...], script: AsyncScript | None = None, *, writes: bool = False
+        self,
+        command: tuple[Any, ...],
+        script: AsyncScript | FunctionLibrary | None = None,
+        *,
+        writes: bool = False,
     ) -> Awaitable[Any]:
         """Queue ``command`` for this turn's flush; the returned future is its reply.
         ``writes``: the command may write (a WAIT follows its batch when min_replicas > 0)."""
@@ -571,7 +810,11 @@ class _AutoPipeline:
         return future
 
     async def run(
-        self, command: tuple[Any, ...], script: AsyncScript | None = None, *, writes: bool = False
+        self,
+        command: tuple[Any, ...],
+        script: AsyncScript | FunctionLibrary | None = None,
+        *,
+        writes: bool = False,
     ) -> Any:
         """Send ``command`` now, alone (followed by WAIT if it writes and min_replicas > 0)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -675,7 +918,7 @@ class _AutoPipeline:
                 again = [
                     i
                     for i, reply in enumerate(replies)
-                    if isinstance(reply, NoScriptError) and live[i].script is not None
+                    if _not_loaded(reply) and live[i].script is not None
                 ]
                 if again and (not wait or self._confirmed(acked)):
                     replies, acked, resent_mark = await self._load_and_resend(
@@ -716,16 +959,20 @@ class _AutoPipeline:
     async def _load_and_resend(
         self, live: list[_Queued], replies: list[Any], again: list[int], acked: Any
     ) -> tuple[list[Any], Any, Any]:
-        """After NOSCRIPT (a SCRIPT FLUSH, a restart, a failover) Redis ran none of those
-        calls: load each missing script and send them again, in one round trip (ending with
-        its own WAIT when they may write: it may use another connection). Answers the replies
-        and the WAIT reply that now stands for the batch."""
-        scripts: dict[str, AsyncScript] = {}
+        """After NOSCRIPT or "Function not found" (a SCRIPT or FUNCTION FLUSH, a restart, a
+        failover) Redis ran none of those calls: load each missing script or library and send
+        them again, in one round trip (ending with its own WAIT when they may write: it may
+        use another connection). A library another gateway loaded meanwhile answers its
+        FUNCTION LOAD with an error, which changes nothing. Answers the replies and the WAIT
+        reply that now stands for the batch."""
+        loads_by: dict[str, tuple[str, Any]] = {}
         for i in again:
             script = live[i].script
-            assert script is not None
-            scripts[script.sha] = script
-        loads = [("SCRIPT LOAD", script.script) for script in scripts.values()]
+            if isinstance(script, FunctionLibrary):
+                loads_by[script.name] = ("FUNCTION LOAD", script.source)
+            elif script is not None:
+                loads_by[script.sha] = ("SCRIPT LOAD", script.script)
+        loads = list(loads_by.values())
         wait = self._wants_wait([live[i] for i in again])
         mark = self._wants_mark([live[i] for i in again])
         resent, acked_again, marked = await self._send(
@@ -769,11 +1016,17 @@ class RedisStore(Store):
         max_cascade: int = 1_000,
         min_replicas: int = 0,
         replica_timeout_ms: int = 500,
+        client: aioredis.Redis | None = None,
+        cluster_slot_key: str | None = None,
     ) -> None:
         """``pipeline``: auto-pipeline the store calls (``_AutoPipeline``); None follows the
         URL's ``?pipeline=0|1``, on when absent. ``max_dependents``, ``max_cascade``: as
         ``Store`` says (``StoreOptions``). ``min_replicas``, ``replica_timeout_ms``: every
-        write step is followed by ``WAIT min_replicas replica_timeout_ms`` (0: no WAIT)."""
+        write step is followed by ``WAIT min_replicas replica_timeout_ms`` (0: no WAIT).
+        ``client``: talk through this client instead of one built from ``url`` (a bucket
+        view's ``cluster_client.RoutedRedis``; the store closes it). ``cluster_slot_key``:
+        this store is one bucket of a Redis Cluster store, every key in the slot of this hash
+        tag (the key prefix must carry it), so a cluster node is what it expects to reach."""
         super().__init__(policy)
         self.max_dependents = max_dependents
         self.max_cascade = max_cascade
@@ -825,7 +1078,13 @@ class RedisStore(Store):
         }
         #: The sentinels' clients (redis+sentinel:// only); closed with the store.
         self._sentinel: Sentinel | None = None
-        if url.lower().startswith(f"{SENTINEL_SCHEME}://"):
+        if cluster_slot_key is not None and slot_of(key_prefix) != slot_of(cluster_slot_key):
+            raise ValueError(f"key prefix {key_prefix!r} is not in {cluster_slot_key!r}'s slot")
+        self._cluster_slot_key = cluster_slot_key
+        self._redis: aioredis.Redis
+        if client is not None:
+            self._redis = client
+        elif url.lower().startswith(f"{SENTINEL_SCHEME}://"):
             spec = parse_sentinel_url(url)
             # Asking the sentinels where the master is happens on every new connection: each
             # sentinel gets the store timeout, and no retries (a dead one is skipped).
@@ -838,7 +1097,7 @@ class RedisStore(Store):
                     "health_check_interval": 0,
                 },
             )
-            self._redis: aioredis.Redis = self._sentinel.master_for(
+            self._redis = self._sentinel.master_for(
                 spec.master,
                 connection_pool_class=_BlockingSentinelPool,
                 db=spec.db,
@@ -853,9 +1112,19 @@ class RedisStore(Store):
         # revision). A generation is granted once with one revision, and any new revision sends
         # the task back to READY, so the pair keeps its revision for good.
         self._revisions: dict[tuple[str, int], int] = {}
+        #: effectId -> (seq, record as stored) of the forwards this store's prepares let
+        #: through, for their complete (``_completion``): complete.lua then writes the step
+        #: decided here instead of decoding and re-encoding the record. Popped by the
+        #: complete; a record changed meanwhile (another gateway, the reconciler) is not
+        #: the one held, and complete.lua then decides itself.
+        self._held: dict[str, tuple[int, str]] = {}
         self._scripts: dict[str, AsyncScript] = {
-            name: self._redis.register_script(load_script_source(name)) for name in _SCRIPTS
+            name: self._redis.register_script(load_script_source(name))
+            for name in _SCRIPTS
+            if name not in _FUNCTIONS
         }
+        #: The library the effect steps run from (``_FUNCTIONS``), loaded when Redis lacks it.
+        self._library = library_source()
         wanted = (True if said is None else said) if pipeline is None else pipeline
         batcher = _AutoPipeline(
             self._redis,
@@ -888,6 +1157,10 @@ class RedisStore(Store):
             raise
         except ResponseError as exc:
             raise StoreUnavailable(f"Redis refused the operation: {exc}") from exc
+        except ClusterUnavailable as exc:  # the router did not send it, or Redis refused it
+            raise StoreUnavailable(
+                f"the Redis Cluster did not take the step ({exc}); nothing was applied"
+            ) from exc
         except (RedisError, OSError, TimeoutError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and not _closed_transport(exc):
                 raise  # a bug, not the store: the 500 with its traceback says so
@@ -919,9 +1192,15 @@ class RedisStore(Store):
     ) -> Awaitable[Any]:
         """Run one registered script: queued for this turn's pipeline, or on its own.
         ``writes`` (default: unless the script is read-only) makes its WAIT follow."""
-        script = self._scripts[name]
         if writes is None:
             writes = name not in _READ_ONLY_SCRIPTS
+        if name in _FUNCTIONS:
+            library = self._library
+            call = ("FCALL", library.function(name), len(keys_), *keys_, *args)
+            if self.pipeline is None:  # run loads the library when Redis lacks it
+                return self._single.run(call, library, writes=writes)
+            return self.pipeline.submit(call, library, writes=writes)
+        script = self._scripts[name]
         command = ("EVALSHA", script.sha, len(keys_), *keys_, *args)
         if self.pipeline is None:
             if writes:  # with the write mark's INCR (and WAIT) on the same connection
@@ -1097,10 +1376,34 @@ class RedisStore(Store):
         recorded, written = await self._call(read)
         return (int(recorded) if recorded is not None else None), bool(written)
 
+    async def _refuse_cluster_node(self) -> None:
+        """Refuse a cluster node reached through ``redis://`` (``INFO cluster`` says
+        ``cluster_enabled:1``), before any key is read: a plain client follows no ``MOVED``,
+        so every key in another node's slots would fail, and a script's keys span slots. A
+        Redis that refuses ``INFO`` is not refused for it (the format read goes on). A bucket
+        of the cluster store (``cluster_slot_key``) is on a cluster by design."""
+        if self._cluster_slot_key is not None:
+            return
+        try:
+            info: Any = await self._call(lambda: self._redis.info("cluster"))
+        except StoreUnavailable as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return
+            raise
+        if str(info.get("cluster_enabled", "0")) == "1":
+            where = self._redis.connection_pool.connection_kwargs
+            address = f"{where['host']}:{where['port']}" if "host" in where else where.get("path")
+            raise StoreIncompatible(
+                f"the Redis at {address or 'the store URL'} is a cluster node "
+                "(cluster_enabled:1): use a redis+cluster:// URL (a redis:// client follows "
+                "no MOVED, and the store's keys span the cluster's slots)"
+            )
+
     async def _check_format(self) -> None:
         """Refuse a newer format (its records could be misread); record ours on a new store;
         say so once when an older one waits for ``fencegate store migrate``. Checked at the
         first contact, like durability."""
+        await self._refuse_cluster_node()
         recorded, written = await self._format()
         if recorded is not None and recorded > FORMAT_VERSION:
             raise StoreIncompatible(
@@ -1127,6 +1430,7 @@ class RedisStore(Store):
         idempotent: ZADD NX of what each task's state says, in bounded steps), then the format
         recorded. Safe while older gateways serve, but a task they settle afterwards is not
         indexed (an older gateway does not know the index): run it again once they stopped."""
+        await self._refuse_cluster_node()
         recorded, written = await self._format()
         if recorded is not None and recorded > FORMAT_VERSION:
             await self._check_format()  # raises, with the words
@@ -1162,8 +1466,23 @@ class RedisStore(Store):
     # --- transitions ------------------------------------------------------------------------
 
     async def _task_script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
-        """A script with task_lib.lua: the key prefix goes after the clock (its ARGV[2])."""
-        return await self._script(name, keys_, [self._keys.prefix, *args])
+        """A script with task_lib.lua: the key prefix goes after the clock (its ARGV[2]).
+
+        Every such script declares its bucket's scheduler hash in KEYS and refuses, having
+        done nothing, while the bucket is frozen (``freeze_bucket``: its slot is moving to
+        another node) or, for a claim, while a bump's barrier holds (task_lib.lua,
+        ``claim_admission``); both are the store's conditions, not the task's, and are
+        raised here, for every script, before any caller reads the answer. Neither happens
+        on one Redis."""
+        assert self._keys.scheduler in keys_, f"{name}.lua must declare the scheduler hash"
+        reply = await self._script(name, keys_, [self._keys.prefix, *args])
+        if isinstance(reply, list) and len(reply) >= 3 and reply[0] == "ERR":
+            if reply[1] == "FROZEN":
+                raise StoreUnavailable(f"nothing was applied; {reply[2]}: retry")
+            if reply[1] == "BARRIER":
+                barrier = _pairs(reply[3:])
+                raise BumpBarrier(int(barrier["target"]), int(barrier["retryAfterMs"]))
+        return reply
 
     async def put_task(
         self,
@@ -1178,7 +1497,12 @@ class RedisStore(Store):
         deps = "" if depends_on is None else _json_list(list(dict.fromkeys(depends_on)))
         reply = await self._task_script(
             "put",
-            [self._keys.task(task_id), self._keys.leases, self._keys.tasks_index],
+            [
+                self._keys.task(task_id),
+                self._keys.leases,
+                self._keys.tasks_index,
+                self._keys.scheduler,
+            ],
             [
                 task_id,
                 input_digest,
@@ -1286,8 +1610,11 @@ class RedisStore(Store):
         return True
 
     async def list_tasks(
-        self, wanted: TaskFilter, limit: int, after: str | None
+        self, wanted: TaskFilter, limit: int, after: str | None, *, scan: int | None = None
     ) -> tuple[list[Task], str | None]:
+        """``Store.list_tasks``; ``scan``: the most records read (default ``TASK_SCAN``; the
+        cluster store gives each bucket a share of it)."""
+        scan = TASK_SCAN if scan is None else scan
         if not self._tasks_indexed:
             await self._index_old_tasks()
         started = time.monotonic()
@@ -1296,8 +1623,8 @@ class RedisStore(Store):
         scanned: list[tuple[str, Task | None]] = []
         start = "-" if after is None else f"({after}"
         more = True
-        while more and len(scanned) < TASK_SCAN:
-            batch = min(max(limit + 1, 200), TASK_SCAN - len(scanned))
+        while more and len(scanned) < scan:
+            batch = min(max(limit + 1, 200), scan - len(scanned))
             ids: Any = await self._call(
                 functools.partial(
                     self._redis.zrangebylex,
@@ -1412,7 +1739,7 @@ class RedisStore(Store):
     async def release(self, task_id: str, identity: Identity) -> Task:
         reply = await self._task_script(
             "release",
-            [self._keys.task(task_id), self._keys.leases],
+            [self._keys.task(task_id), self._keys.leases, self._keys.scheduler],
             [
                 identity.attempt_id,
                 identity.claim_generation,
@@ -1451,7 +1778,9 @@ class RedisStore(Store):
 
     async def cancel(self, task_id: str) -> Task:
         reply = await self._task_script(
-            "cancel", [self._keys.task(task_id), self._keys.leases], [self.max_cascade]
+            "cancel",
+            [self._keys.task(task_id), self._keys.leases, self._keys.scheduler],
+            [self.max_cascade],
         )
         try:
             return task_from_fields(_parse(reply)[1])
@@ -1460,16 +1789,21 @@ class RedisStore(Store):
 
     async def continue_cascades(self, limit: int) -> int:
         """cascade.lua: the recorded cascades (a set of cancelled task ids), one step."""
-        handled: Any = await self._task_script("cascade", [self._keys.leases], [limit])
+        handled: Any = await self._task_script(
+            "cascade", [self._keys.leases, self._keys.scheduler], [limit]
+        )
         return int(handled)
 
     # --- the change feed (ledger.events) ----------------------------------------------------
 
     async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
         """events_read.lua: positions are the stream's entry ids."""
+        # The largest id is refused too: XADD * never issues it, and Redis cannot read after
+        # it (XRANGE "(" of it is an error), which would be a 503 for a client's mistake.
         if after is not None and (
             not (match := _POSITION.fullmatch(after))
             or max(int(match[1]), int(match[2])) > _MAX_STREAM_ID_PART
+            or int(match[1]) == int(match[2]) == _MAX_STREAM_ID_PART
         ):
             raise BadRequest("Last-Event-ID: not an event position this store issued")
         reply = await self._script(
@@ -1485,20 +1819,43 @@ class RedisStore(Store):
         ]
         return found, str(reply[1])
 
-    async def trim_events(self, keep: int) -> int:
-        """events_trim.lua, a batch at a time (each run is one short atomic step)."""
+    async def trim_events(
+        self, keep: int, *, before: str | None = None, most: int | None = None
+    ) -> int:
+        """events_trim.lua, a batch at a time (each run is one short atomic step). The
+        cluster store's trim also passes ``before`` (drop only ids below it) and ``most`` (the
+        most to drop in all)."""
         dropped = 0
-        while True:
-            ran: Any = await self._script("events_trim", [self._keys.events], [keep, _TRIM_BATCH])
+        while most is None or dropped < most:
+            batch = _TRIM_BATCH if most is None else min(_TRIM_BATCH, most - dropped)
+            ran: Any = await self._script(
+                "events_trim", [self._keys.events], [keep, batch, before or ""]
+            )
             n = int(ran)
             dropped += n
-            if n < _TRIM_BATCH:
-                return dropped
+            if n < batch:
+                break
+        return dropped
+
+    async def event_ids(self, before: str | None, most: int) -> list[str]:
+        """events_ids.lua: the ids of up to ``most`` newest events before ``before`` (None:
+        the newest), newest first."""
+        reply = await self._script("events_ids", [self._keys.events], [before or "", most])
+        return [str(i) for i in reply]
+
+    async def _scheduler_step(self, op: str, *args: str | int) -> list[str]:
+        """One step of scheduler.lua: the record (this bucket's copy) after it, whole."""
+        reply: Any = await self._call(
+            lambda: self._eval(
+                "scheduler", [self._keys.scheduler], [op, *args], writes=op != "read"
+            )
+        )
+        if reply[0] == "ERR":
+            raise ValueError(f"scheduler.lua: {reply[2]}")
+        return [str(field) for field in reply]
 
     async def _scheduler_op(self, op: str) -> Scheduler:
-        epoch, paused = await self._call(
-            lambda: self._eval("scheduler", [self._keys.scheduler], [op], writes=op != "read")
-        )
+        epoch, paused, *_ = await self._scheduler_step(op)
         return Scheduler(epoch=int(epoch), claims_paused=paused == "1")
 
     async def get_scheduler(self) -> Scheduler:
@@ -1509,6 +1866,39 @@ class RedisStore(Store):
 
     async def set_claims_paused(self, paused: bool) -> Scheduler:
         return await self._scheduler_op("pause" if paused else "resume")
+
+    # --- one bucket of a Redis Cluster store: the scheduler copy and the freeze ---------------
+
+    async def scheduler_copy(self, op: str, *args: int) -> tuple[Copy, Intent | None]:
+        """One step of this bucket's scheduler copy (``ledger.scheduler_copies``; ``_COPY_STEPS``
+        names the steps and their arguments), applied atomically by
+        scheduler.lua, which mirrors the function each step is named after; answers the copy
+        after it and the bump's intent it holds (bucket 0's; None where there is none).
+        Every step is idempotent. On one Redis nothing calls it: ``get_scheduler``,
+        ``bump_epoch`` and ``set_claims_paused`` are the one record's steps."""
+        step = _COPY_STEPS.get(op)
+        if step is None or len(args) != step[1] or not all(type(a) is int for a in args):
+            raise ValueError(f"no scheduler copy step {op}{args!r}")
+        return _copy_of(await self._scheduler_step(step[0], *args))
+
+    async def freeze_bucket(self, why: str) -> None:
+        """Freeze this bucket before its slot moves to another node: until ``thaw_bucket``,
+        every task script refuses (StoreUnavailable, "nothing was applied") before it
+        touches any key, since a key it did not declare may move under it (task_lib.lua,
+        ``frozen_refusal``). The effect steps declare every key they touch and go on.
+        ``why`` (not empty) is kept for an operator who finds a bucket frozen."""
+        if not why:
+            raise ValueError("say why the bucket is frozen")
+        await self._scheduler_step("freeze", why)
+
+    async def thaw_bucket(self) -> None:
+        """End ``freeze_bucket``: once the slot is the new node's, on that node."""
+        await self._scheduler_step("thaw")
+
+    async def bucket_frozen(self) -> str | None:
+        """Why this bucket is frozen (``freeze_bucket``), or None when it is not."""
+        frozen = (await self._scheduler_step("read"))[7]
+        return frozen or None
 
     # --- the idempotency ledger -------------------------------------------------------------
 
@@ -1548,6 +1938,9 @@ class RedisStore(Store):
             if revision is None
             else effects.effect_id(fence.task_id, revision, request.node, request.slot)
         )
+        new = None
+        if revision is not None and not require_approval:
+            new = _new_forward(request, fence, revision, eid, forward_deadline_ms)
         reply = await self._script(
             "prepare",
             [
@@ -1579,14 +1972,19 @@ class RedisStore(Store):
                 eid,
                 request.approval_digest or "",
                 request.request_json or "",
+                *(new.args if new is not None else ("", "")),
             ],
         )
+        if reply[0] == "NEW":
+            assert new is not None
+            outcome, raw = new.outcome(reply[1])
+            return self._hold([outcome.action.value, raw], outcome)
         if reply[0] == "ERR":
             try:
                 _parse(reply)  # raises
             except FencegateError as exc:
                 raise await self._refusal(exc, task_id=fence.task_id) from None
-        outcome = _prepared(reply)
+        outcome = self._hold(reply, _prepared(reply))
         learnt = outcome.effect.revision
         if revision is None and learnt is not None:
             self._remember_revision(fence.task_id, fence.claim_generation, learnt)
@@ -1633,7 +2031,15 @@ class RedisStore(Store):
         )
         if reply[0] == "EXPIRED":
             raise expired_effect(_effect_tombstone(_pairs(reply[1:])))
-        return _prepared(reply)
+        return self._hold(reply, _prepared(reply))
+
+    def _hold(self, reply: Sequence[Any], outcome: PrepareOutcome) -> PrepareOutcome:
+        """Keep a FORWARD's record as stored for its complete (``_held``)."""
+        if outcome.action is Action.FORWARD:
+            if len(self._held) >= _HELD_KEPT:
+                self._held.clear()
+            self._held[outcome.effect.effect_id] = (outcome.seq, reply[1])
+        return outcome
 
     async def complete_effect(
         self,
@@ -1655,12 +2061,27 @@ class RedisStore(Store):
             ]
         else:
             keys_ = [self._keys.effects(task_id), *self._effect_indexes]
+        held = self._held.pop(effect_id, None)
+        step = None
+        if held is not None:
+            step = _completion(held, seq, attempt_id, outcome, reason, response_json or None)
         reply = await self._script(
             "complete",
             keys_,
-            [effect_id, seq, attempt_id, outcome.value, reason, response_json or ""],
+            [
+                effect_id,
+                seq,
+                attempt_id,
+                outcome.value,
+                reason,
+                response_json or "",
+                *(step.args if step is not None else ()),
+            ],
         )
         status = reply[0]
+        if status == "DONE":
+            assert step is not None
+            return step.effect(reply[1]), True
         if status == "ERR":
             try:
                 _parse(reply)  # raises
@@ -1754,7 +2175,11 @@ class RedisStore(Store):
         downstream: str | None,
         limit: int,
         cursor: str | None,
+        scan: int | None = None,
     ) -> tuple[list[Effect], str | None]:
+        """``Store.list_effects``; ``scan``: the most index entries read (default
+        ``_LIST_SCAN``; the cluster store gives each bucket a share of it)."""
+        scan = _LIST_SCAN if scan is None else scan
         after = decode_cursor(cursor) if cursor else None
 
         def wanted(effect: Effect | None) -> bool:
@@ -1769,7 +2194,8 @@ class RedisStore(Store):
         found: list[Effect] = []
         start = "-" if after is None else f"[{after[0]:015d}:{after[1]};"
         scanned = 0
-        while scanned < _LIST_SCAN:
+        while scanned < scan:
+            batch = min(_LIST_BATCH, scan - scanned)
             members: Any = await self._call(
                 functools.partial(
                     self._redis.zrangebylex,
@@ -1777,7 +2203,7 @@ class RedisStore(Store):
                     start,
                     "+",
                     start=0,
-                    num=_LIST_BATCH,
+                    num=batch,
                 )
             )
             parts = [_index_member_parts(member) for member in members]
@@ -1789,7 +2215,7 @@ class RedisStore(Store):
                     if len(found) == limit:
                         return found, encode_cursor(created, eid)
                 start = f"[{created:015d}:{eid};"
-            if len(members) < _LIST_BATCH:
+            if len(members) < batch:
                 return found, None
         created, eid, _ = parts[-1]
         return found, encode_cursor(created, eid)
@@ -1932,7 +2358,7 @@ class RedisStore(Store):
         while True:
             last, read, new = await self._task_script(
                 "settled_index",
-                [self._keys.tasks_index, self._keys.settled],
+                [self._keys.tasks_index, self._keys.settled, self._keys.scheduler],
                 [after, _SETTLED_BACKFILL_BATCH],
             )
             added += int(new)
@@ -1975,6 +2401,7 @@ class RedisStore(Store):
                 self._keys.effect_tombstones,
                 self._keys.keyed_settled,
                 self._keys.effect_ids,
+                self._keys.scheduler,
             ],
             [settled_ms, tombstone_ms, limit],
         )

@@ -25,6 +25,9 @@ _BUILTIN: dict[str, str] = {
     "rediss": "fencegate.ledger.redis_store",
     "unix": "fencegate.ledger.redis_store",
     "redis+sentinel": "fencegate.ledger.redis_store",
+    # ledger.cluster_router.CLUSTER_SCHEMES (not imported: it would load the Redis driver)
+    "redis+cluster": "fencegate.ledger.cluster_store",
+    "rediss+cluster": "fencegate.ledger.cluster_store",
     "postgresql": "fencegate.ledger.postgres_store",
     "postgres": "fencegate.ledger.postgres_store",
 }
@@ -99,11 +102,13 @@ def open_store(
     max_cascade: int = 1_000,
     redis_min_replicas: int = 0,
     redis_replica_timeout_ms: int = 500,
+    cluster_buckets: int = 256,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS,
     ``redis+sentinel://h1:26379,h2:26379/mymaster/0`` through Sentinel),
-    ``postgresql://user@host:port/db``, or any scheme
+    ``redis+cluster://h1:7000,h2:7001`` (``rediss+cluster://`` for TLS; ``cluster_buckets``
+    buckets), ``postgresql://user@host:port/db``, or any scheme
     registered with ``register``."""
     kind = kind_for(url)
     kind.check_url(url)
@@ -118,5 +123,6 @@ def open_store(
         max_cascade=max_cascade,
         redis_min_replicas=redis_min_replicas,
         redis_replica_timeout_ms=redis_replica_timeout_ms,
+        cluster_buckets=cluster_buckets,
     )
     return kind.create(url, policy, options)

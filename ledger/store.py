@@ -80,6 +80,8 @@ class StoreOptions:
     redis_min_replicas: int = 0
     #: Redis: how long that ``WAIT`` waits, below ``timeout_ms``.
     redis_replica_timeout_ms: int = 500
+    #: Redis Cluster: the buckets the keys are spread over (``[store] cluster_buckets``).
+    cluster_buckets: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +356,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get_effect(self, effect_id: str) -> Effect:
         """The record as of now (a PREPARED past its deadline reads as UNKNOWN)."""
+
+    async def get_keyed_effect(self, effect_id: str) -> Effect:
+        """``get_effect`` of an id that can only be a keyed effect's
+        (``effects.keyed_effect_id``): a store that places keyed effects by their id (Redis
+        Cluster) reads only that place, so a client's look-up by its own idempotency key
+        costs one read, never a search of the store."""
+        return await self.get_effect(effect_id)
 
     @abc.abstractmethod
     async def find_effects(self, prefix: str, limit: int) -> list[str]:

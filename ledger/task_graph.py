@@ -81,13 +81,20 @@ def check_same_group(task_id: str, depends_on: Iterable[str], group_of: GroupOf)
             raise cross_group(task_id, dep)
 
 
+def _shown(group: str) -> str:
+    """A group as a refusal names it: an id starting with ``::`` has the empty group, which
+    printed bare would read as a word missing."""
+    return group or "'' (the empty group of an id starting with ::)"
+
+
 def cross_group(task_id: str, dep: str) -> BadRequest:
     """The refusal of ``check_same_group``: both groups, and the ids that would work."""
     group, dep_group = task_group(task_id), task_group(dep)
     _, sep, name = dep.partition(GROUP_SEPARATOR)
     suggestion = f"{group}{GROUP_SEPARATOR}{name if sep else dep}"
     return BadRequest(
-        f"dependsOn: {dep} (task group {dep_group}) is not in this task's group {group}; on "
+        f"dependsOn: {dep} (task group {_shown(dep_group)}) is not in this task's group "
+        f"{_shown(group)}; on "
         "redis+cluster:// a task may depend only on tasks of its own group: give them one "
         f"group with <group>::<name> ids, e.g. {suggestion}"
     )

@@ -13,6 +13,7 @@ import asyncio
 import time
 
 from fencegate.ledger.clock import ClockSources
+from fencegate.ledger.cluster_store import ClusterStore
 from fencegate.ledger.postgres_store import PostgresStore
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.sqlite_store import SQLiteStore
@@ -32,8 +33,8 @@ def freeze_store_clock(store: Store) -> Store:
         store._clock_sources = ClockSources(
             wall_ms=lambda: at_ms, boot_ms=lambda: 0, boot_id=lambda: "frozen"
         )
-    elif isinstance(store, RedisStore | PostgresStore):
-        store.clock_pinned_ms = at_ms
+    elif isinstance(store, RedisStore | PostgresStore | ClusterStore):
+        store.clock_pinned_ms = at_ms  # the cluster store pins every bucket view's clock
     else:
         raise TypeError(f"no frozen clock for {type(store).__name__}")
     return store

@@ -1,11 +1,13 @@
 """Fixtures: our own redis-server and PostgreSQL servers, the stores, and the gateway over HTTP.
 
-``store`` is parametrized over ``sqlite``, ``redis`` and ``postgres``, so every test that takes
-it (or ``client``) runs once per store and a store cannot quietly differ.
+``store`` is parametrized over ``sqlite``, ``redis``, ``postgres`` and ``cluster`` (Redis
+Cluster), so every test that takes it (or ``client``) runs once per store and a store cannot
+quietly differ.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
@@ -121,7 +123,12 @@ def postgres_test_url(server: PostgresServer, request: pytest.FixtureRequest | N
 
 #: Every store: each test that takes a store URL runs once per store (docs/stores.md), unless
 #: it is marked ``one_store``.
-STORES = ["sqlite", "redis", "postgres"]
+STORES = ["sqlite", "redis", "postgres", "cluster"]
+#: ``store.cluster_buckets`` of the tests' cluster stores (``make_config``): each test opens a
+#: store of its own, and opening reads every bucket once. Gateway processes started from a
+#: config file (``any_store_url``, ``Gateways``) run the default (256);
+#: ``FENCEGATE_TEST_CLUSTER_BUCKETS=256`` runs every cluster test so.
+TEST_CLUSTER_BUCKETS = int(os.environ.get("FENCEGATE_TEST_CLUSTER_BUCKETS", "16"))
 #: Where a ``one_store`` test runs: the default store, the one a new user starts on.
 ONE_STORE = ["sqlite"]
 
@@ -145,13 +152,17 @@ def any_store_url(
     tmp_path: Path,
     make_redis_server: Callable[..., RedisServer],
 ) -> str:
-    """A store URL of each kind; the Redis and PostgreSQL ones are private servers nobody
-    else writes to."""
+    """A store URL of each kind; the Redis, PostgreSQL and cluster ones are private servers
+    nobody else writes to (a gateway process started on it uses the default key prefix)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'fencegate.db'}"
     if request.param == "postgres":
         make: Callable[..., PostgresServer] = request.getfixturevalue("make_postgres_server")
         return make().url
+    if request.param == "cluster":
+        cluster = ClusterServers(tmp_path / "redis-cluster").start()
+        request.addfinalizer(cluster.stop)
+        return cluster.url
     return make_redis_server().url
 
 
@@ -185,8 +196,15 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'fencegate.db'}"
     if request.param == "postgres":
         return postgres_test_url(request.getfixturevalue("postgres_server"), request)
+    if request.param == "cluster":  # the session cluster: each test its own key prefix
+        cluster: ClusterServers = request.getfixturevalue("redis_cluster")
+        return cluster.url
     server: RedisServer = request.getfixturevalue("redis_server")
     return server.url
+
+
+def is_cluster(store_url: str) -> bool:
+    return store_url.partition("://")[0].lower() in ("redis+cluster", "rediss+cluster")
 
 
 def make_config(store_url: str, key_prefix: str = "fg", **sections: object) -> Config:
@@ -195,6 +213,7 @@ def make_config(store_url: str, key_prefix: str = "fg", **sections: object) -> C
             "url": store_url,
             "timeout_ms": STORE_TIMEOUT_MS,
             "redis_key_prefix": key_prefix,
+            **({"cluster_buckets": TEST_CLUSTER_BUCKETS} if is_cluster(store_url) else {}),
         },
         "leases": {"max_ttl_ms": MAX_TTL_MS, "default_max_runtime_ms": DEFAULT_MAX_RUNTIME_MS},
     }
@@ -223,6 +242,7 @@ def build_test_store(config: Config) -> Store:
         redis_key_prefix=config.store.redis_key_prefix,
         max_dependents=config.tasks.max_dependents,
         max_cascade=config.tasks.max_cascade,
+        cluster_buckets=config.store.cluster_buckets,
     )
 
 

@@ -92,10 +92,11 @@ async def test_a_slot_migration_moves_keys_that_a_client_reads_throughout(
     target = next(node for node in redis_cluster.primaries() if node is not source)
 
     migration = redis_cluster.migration(slot, target).begin()
-    assert migration.move_keys(batch=100) == 100
-    with source.client() as plain:
-        on_source = plain.execute_command("CLUSTER COUNTKEYSINSLOT", slot)
-    assert on_source == 150
+    with source.client() as plain:  # earlier tests' keys may share the slot: move ours
+        for key in keys[:100]:
+            plain.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 10_000)
+        on_source = set(plain.execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000))
+    assert on_source & set(keys) == set(keys[100:])
     assert [await client.get(key) for key in keys] == keys
     new = f"{{{tag}}}:new"
     await client.set(new, new)  # not on the source: ASK sends it to the target
@@ -108,12 +109,12 @@ async def test_a_slot_migration_moves_keys_that_a_client_reads_throughout(
     migration.finish()
     assert redis_cluster.primary_of(slot) is target
     with target.client() as plain:
-        assert plain.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == len(keys)
+        assert set(keys) <= set(plain.execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000))
     with source.client() as plain:
-        assert plain.execute_command("CLUSTER COUNTKEYSINSLOT", slot) == 0
+        assert not set(keys) & set(plain.execute_command("CLUSTER GETKEYSINSLOT", slot, 100_000))
     assert [await client.get(key) for key in keys] == keys
 
-    assert redis_cluster.migrate_slot(slot, source) == len(keys)
+    assert redis_cluster.migrate_slot(slot, source) >= len(keys)
     redis_cluster.wait_ok()
     assert [await client.get(key) for key in keys] == keys
 

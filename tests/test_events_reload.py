@@ -228,11 +228,26 @@ def test_after_reload_judges_as_a_new_request_would() -> None:
 
 async def long_poll_of_a_client_that_leaves(env: Env) -> Callable[[], Awaitable[None]]:
     """worker-1 long-polls the empty queue on its own connection; the returned function
-    closes that connection and waits until the gateway has seen it go."""
+    closes that connection and waits until the gateway has seen it go.
+
+    Waiting means both of its claims found nothing: the one before it waits and the one
+    made once it is registered (``hub.waiters``), so a task put next only wakes it. (A
+    claim still in flight could take that task, which is the next test's story; on a store
+    with many buckets a claim takes longer, and the window is wider.)"""
+    empty_claims = 0
+    claim_next = env.store.claim_next
+
+    async def counted(queue: str, request: Any) -> Any:
+        nonlocal empty_claims
+        task = await claim_next(queue, request)
+        empty_claims += task is None
+        return task
+
+    env.store.claim_next = counted  # type: ignore[method-assign]
     http = aiohttp.ClientSession()
     poll = asyncio.ensure_future(env.queue_claim("worker-1", LONG_WAIT_MS, http=http))
     hub = env.app[EVENTS]
-    await env.until(lambda: hub.waiters == 1, "worker-1's long-poll waits")
+    await env.until(lambda: hub.waiters == 1 and empty_claims >= 2, "worker-1's long-poll waits")
     runner = env.server.runner
     assert runner is not None and runner.server is not None
     server = runner.server

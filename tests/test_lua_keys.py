@@ -1,7 +1,8 @@
 """The Lua scripts build keys only from the layout rendered from ``ledger/keys.py``.
 
 ``keys.lua_key_helpers`` renders every key of ``Keys`` as Lua (``K.<name>``), and
-``redis_store.load_script_source`` puts it before ``task_lib.lua``. These fail on a key of
+``redis_store.load_script_source`` puts it before ``task_lib.lua``; the effect steps' function
+library (``redis_store.library_source``) has no layout and builds no key. These fail on a key of
 ``keys.py`` the Lua lacks or renders wrong, on a ``K.<name>`` a script uses that ``keys.py``
 no longer has (renamed or dropped: nil at run time), and on a Lua file that builds a key
 from its literal parts by hand again.
@@ -16,7 +17,7 @@ import redis
 
 from fencegate.ledger import keys
 from fencegate.ledger.keys import NOT_KEYS, Keys, key_names, lua_key_helpers
-from fencegate.ledger.redis_store import _SCRIPTS, load_script_source
+from fencegate.ledger.redis_store import _FUNCTIONS, _SCRIPTS, library_source, load_script_source
 from tests.servers import RedisServer
 
 LUA = Path(keys.__file__).resolve().parent / "lua"
@@ -59,6 +60,18 @@ def test_every_script_that_uses_k_gets_it() -> None:
                 if text in source
             )
             assert source.index(lua_key_helpers()) < first_use, name
+
+
+def test_the_function_library_builds_no_key() -> None:
+    """The effect steps run as functions of one library (``library_source``), which has no
+    key layout (it would need the prefix of each call): none of its scripts or libraries uses
+    ``K``, so every key they touch comes in KEYS, built by ``ledger.keys``."""
+    library = library_source()
+    assert "local K = {}" not in library.source
+    for name in _FUNCTIONS:
+        for part in ("common", *_SCRIPTS[name], name):
+            assert part not in ("task_lib", "keys"), name
+            assert not re.search(r"\bK\.", _code(LUA / f"{part}.lua")), f"{name}: {part}.lua"
 
 
 def test_no_lua_file_builds_a_key_by_hand() -> None:

@@ -146,8 +146,8 @@ async def test_live_tasks_and_unsettled_effects_are_never_removed(store: Store) 
     await store.put_task("ready", "in", None)
     await store.put_task("claimed", "in", None)
     await store.claim("claimed", claim_as("w"))
-    await store.put_task("never", "in", None)
-    await store.put_task("waiting", "in", None, depends_on=("never",))
+    await store.put_task("keep::never", "in", None)
+    await store.put_task("keep::waiting", "in", None, depends_on=("keep::never",))
     # Committed, but one effect's outcome is unknown: an operator still has to look at it.
     await store.put_task("unknown", "in-unknown", None)
     task = await store.claim("unknown", claim_as("w"))
@@ -172,8 +172,8 @@ async def test_live_tasks_and_unsettled_effects_are_never_removed(store: Store) 
     for task_id, state in [
         ("ready", TaskState.READY),
         ("claimed", TaskState.CLAIMED),
-        ("waiting", TaskState.WAITING),
-        ("never", TaskState.READY),
+        ("keep::waiting", TaskState.WAITING),
+        ("keep::never", TaskState.READY),
         ("unknown", TaskState.COMMITTED),
         ("inflight", TaskState.COMMITTED),
         ("approval", TaskState.CANCELLED),
@@ -197,11 +197,11 @@ async def test_live_tasks_and_unsettled_effects_are_never_removed(store: Store) 
 
 
 async def test_a_dependency_stays_while_a_task_that_depends_on_it_exists(store: Store) -> None:
-    await store.put_task("first", "in-first", None)
-    task = await store.claim("first", claim_as("w"))
+    await store.put_task("keep::first", "in-first", None)
+    task = await store.claim("keep::first", claim_as("w"))
     await commit(store, task, "in-first")
-    await store.put_task("second", "in-second", None, depends_on=("first",))
-    task = await store.claim("second", claim_as("w"))
+    await store.put_task("keep::second", "in-second", None, depends_on=("keep::first",))
+    task = await store.claim("keep::second", claim_as("w"))
     store.clock_offset_ms += SETTLED_MS
     assert (await sweep(store))[2] == {"dependents": 1}
     await commit(store, task, "in-second")
@@ -209,11 +209,11 @@ async def test_a_dependency_stays_while_a_task_that_depends_on_it_exists(store: 
     # The dependent goes first; its dependency when next due.
     assert (await sweep(store))[0] == 1
     with pytest.raises(TaskExpired):
-        await store.get_task("second")
+        await store.get_task("keep::second")
     store.clock_offset_ms += SETTLED_MS
     assert (await sweep(store))[0] == 1
     with pytest.raises(TaskExpired):
-        await store.get_task("first")
+        await store.get_task("keep::first")
 
 
 async def test_a_held_task_does_not_stop_the_sweep(store: Store) -> None:

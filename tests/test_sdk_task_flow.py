@@ -47,22 +47,22 @@ async def test_claim_next_hands_out_a_queue_in_order_and_none_when_empty(env: En
 
 async def test_a_pipeline_step_waits_for_the_first_commit(env: Env) -> None:
     client = env.client
-    await client.put_task("step1", "in-1", queue="pipe")
-    await client.put_task("step2", "in-1", queue="pipe", depends_on=["step1"])
+    await client.put_task("pipe::step1", "in-1", queue="pipe")
+    await client.put_task("pipe::step2", "in-1", queue="pipe", depends_on=["pipe::step1"])
     with pytest.raises(fencegate.DependenciesPending):
-        await client.acquire("step2", owner="w1", ttl_ms=10_000)
+        await client.acquire("pipe::step2", owner="w1", ttl_ms=10_000)
     with pytest.raises(TimeoutError):
-        await client.wait_committed("step1", timeout=0.3)
-    waiting = asyncio.ensure_future(client.wait_committed("step1", timeout=5))
+        await client.wait_committed("pipe::step1", timeout=0.3)
+    waiting = asyncio.ensure_future(client.wait_committed("pipe::step1", timeout=5))
     lease = await client.claim_next("pipe", owner="w1", ttl_ms=10_000)
-    assert lease is not None and lease.task_id == "step1"
+    assert lease is not None and lease.task_id == "pipe::step1"
     done = await lease.commit({"rows": 3})
     record = await asyncio.wait_for(waiting, 3)
     assert record.state == "COMMITTED" and record.commit is not None
     step2 = await client.claim_next("pipe", owner="w2", ttl_ms=10_000)
-    assert step2 is not None and step2.task_id == "step2"
+    assert step2 is not None and step2.task_id == "pipe::step2"
     assert step2.dependencies == [
-        {"taskId": "step1", "commitId": done.commit_id, "resultDigest": done.result_digest}
+        {"taskId": "pipe::step1", "commitId": done.commit_id, "resultDigest": done.result_digest}
     ]
 
 
@@ -133,8 +133,8 @@ async def test_events_reconnect_from_the_last_position_seen(
 
 async def test_a_position_past_the_history_raises_events_gone(env: Env) -> None:
     _, old = await env.store.read_events(None, 1)
-    for n in range(3):
-        await env.client.put_task(f"t{n}", "in-1")
+    for n in range(3):  # one task group: on Redis Cluster one bucket's stream, trimmed to 1
+        await env.client.put_task(f"feed::t{n}", "in-1")
     await env.store.trim_events(1)
     with pytest.raises(fencegate.EventsGone):
         async for _ in env.client.events(after=old):

@@ -41,10 +41,11 @@ from fencegate.gateway import answers
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config, HttpDownstream
 from fencegate.gateway.http_rules import stored_response_headers
+from fencegate.ledger.cluster_router import parse_cluster_url
 from fencegate.ledger.effects import effect_id
 from tests.api import Api
 from tests.clocks import still
-from tests.conftest import build_test_store, make_config
+from tests.conftest import build_test_store, is_cluster, make_config
 from tests.downstream import Downstream
 
 #: The timeout of ``echo-brief``, the downstream of the timed-out call: that call is held
@@ -222,34 +223,47 @@ async def _raw_store(config: Config, tmp_path: Path) -> bytes:
         return b"".join(chunks)
     if url.startswith("postgresql"):
         return await _postgres_rows(url)
-    client = redis.Redis.from_url(url)
+    if is_cluster(url):  # every primary's keys (a replica holds copies of them)
+        nodes, _, _ = parse_cluster_url(url)
+        clients = [redis.Redis(host=host, port=port) for host, port in nodes]
+        primaries = [c for c in clients if c.info("replication")["role"] == "master"]
+    else:
+        clients = primaries = [redis.Redis.from_url(url)]
     try:
         chunks = []
-        keys = list(client.scan_iter(match=f"{config.store.redis_key_prefix}*"))
-        assert keys
-        for key in keys:
-            chunks.append(key)
-            chunks.append(client.dump(key) or b"")
-            kind = client.type(key).decode()
-            value: Any
-            if kind == "string":
-                value = client.get(key)
-            elif kind == "hash":
-                value = client.hgetall(key)
-            elif kind == "list":
-                value = client.lrange(key, 0, -1)
-            elif kind == "set":
-                value = client.smembers(key)
-            elif kind == "zset":
-                value = client.zrange(key, 0, -1, withscores=True)
-            elif kind == "stream":
-                value = client.xrange(key)
-            else:
-                raise AssertionError(f"unexpected Redis type {kind} for {key!r}")
-            chunks.append(repr(value).encode())
+        for client in primaries:
+            chunks += _redis_keys(client, config.store.redis_key_prefix)
+        assert chunks
         return b"\n".join(chunks)
     finally:
-        client.close()
+        for client in clients:
+            client.close()
+
+
+def _redis_keys(client: redis.Redis, prefix: str) -> list[bytes]:
+    """Every key of one Redis server under ``prefix``: its name, its DUMP and its value."""
+    chunks = []
+    for key in client.scan_iter(match=f"{prefix}*"):
+        chunks.append(key)
+        chunks.append(client.dump(key) or b"")
+        kind = client.type(key).decode()
+        value: Any
+        if kind == "string":
+            value = client.get(key)
+        elif kind == "hash":
+            value = client.hgetall(key)
+        elif kind == "list":
+            value = client.lrange(key, 0, -1)
+        elif kind == "set":
+            value = client.smembers(key)
+        elif kind == "zset":
+            value = client.zrange(key, 0, -1, withscores=True)
+        elif kind == "stream":
+            value = client.xrange(key)
+        else:
+            raise AssertionError(f"unexpected Redis type {kind} for {key!r}")
+        chunks.append(repr(value).encode())
+    return chunks
 
 
 async def _postgres_rows(url: str) -> bytes:

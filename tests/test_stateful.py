@@ -13,16 +13,23 @@ sending them back to WAITING, a cancel cascading) are walked over the model's ta
 one owner, ``ledger.task_graph``, which the SQL steps and the Lua scripts mirror, and every
 task is compared after every step.
 
+Redis Cluster: the same machine, with task ids in ``<group>::<name>`` form so that tasks share
+a group (and a bucket) often enough for dependencies to be exercised there; a dependency
+across groups is refused on both sides (``ledger.task_graph.check_same_group`` with
+``ledger.buckets.task_group``).
+
 Timing: no real time at all. The SQLite store reads a fake host clock (``ClockSources``) and
 the Redis scripts a pinned instant (``RedisStore.clock_pinned_ms``); both move only when the
 ``advance_time`` rule moves them, together with the model's clock. So every instant matches
 exactly, every history replays identically (hypothesis can shrink a failure), and the run
 does not depend on how fast the machine is.
 
-Budget: the default suite runs ``QUICK_EXAMPLES`` (20) histories per store, so every store is
-held to the model on every run; the slow set (``-m slow``, run by ``.ci/run`` after it) runs
-``FULL_EXAMPLES`` (60) more per store. ``FENCEGATE_STATEFUL_EXAMPLES`` sets both: run it deep
-(``FENCEGATE_STATEFUL_EXAMPLES=2000``) after any change to a transition (docs/stores.md).
+Budget: the default suite runs ``QUICK_EXAMPLES`` (20) histories per store
+(``CLUSTER_QUICK_EXAMPLES`` on the cluster, each of whose steps reads every bucket), so every
+store is held to the model on every run; the slow set (``-m slow``, run by ``.ci/run`` after
+it) runs ``FULL_EXAMPLES`` (60) more per store. ``FENCEGATE_STATEFUL_EXAMPLES`` sets both:
+run it deep (``FENCEGATE_STATEFUL_EXAMPLES=2000``) after any change to a transition
+(docs/stores.md).
 """
 
 from __future__ import annotations
@@ -49,11 +56,14 @@ from hypothesis.stateful import (
 )
 
 from fencegate.ledger import effects, queries, task_graph, tasks
+from fencegate.ledger.buckets import task_group
 from fencegate.ledger.clock import ClockSources
+from fencegate.ledger.cluster_store import ClusterStore
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import FencegateError
 from fencegate.ledger.postgres_store import PostgresStore
 from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.registry import open_store
 from fencegate.ledger.sqlite_store import SQLiteStore
 from fencegate.ledger.store import Store
 from fencegate.ledger.tasks import (
@@ -65,7 +75,8 @@ from fencegate.ledger.tasks import (
     Scheduler,
     Task,
 )
-from tests.conftest import STORE_TIMEOUT_MS
+from tests.cluster_servers import ClusterServers
+from tests.conftest import STORE_TIMEOUT_MS, TEST_CLUSTER_BUCKETS
 from tests.postgres_server import PostgresServer
 from tests.servers import RedisServer
 
@@ -77,6 +88,9 @@ TASKS = ("alpha", "beta/1", "gamma")
 QUEUE = "q"
 #: What an attempt reports spending with a renew or a commit.
 COSTS = st.sampled_from([(), (), (("tokens", 5.0),), (("seconds", 1.5), ("tokens", 2.0))])
+#: How an example's task ids are grouped (only the cluster machine reads it: ``task_ids``):
+#: all in one group, "gamma" in a group of its own, or every task its own group.
+LAYOUTS = st.sampled_from(["one", "one", "split", "apart"])
 #: Dependencies a put asks for (None: keep the task's), by name; "ghost" never exists.
 DEPENDS = st.sampled_from(
     [None, None, None, (), ("alpha",), ("beta/1",), ("alpha", "beta/1"), ("gamma",), ("ghost",)]
@@ -139,6 +153,12 @@ class LeaseMachine(RuleBasedStateMachine):
 
     def advance_store_clock(self, ms: int) -> None:
         raise NotImplementedError
+
+    def task_ids(self, layout: str) -> dict[str, str]:
+        """Each task's id (and the never-created "ghost"'s) for one example. Fresh ids per
+        example: the store (SQLite file, Redis prefix) is fresh too, but this keeps any
+        accidental sharing visible. Only a store with task groups reads ``layout``."""
+        return {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in (*TASKS, "ghost")}
 
     def __init__(self) -> None:
         super().__init__()
@@ -228,12 +248,11 @@ class LeaseMachine(RuleBasedStateMachine):
 
     # --- rules -----------------------------------------------------------------------------
 
-    @initialize(digest=st.sampled_from(DIGESTS))
-    def create_tasks(self, digest: str) -> None:
-        # Fresh ids per example: the store (SQLite file, Redis prefix) is fresh too, but this
-        # keeps any accidental sharing visible. The ids (and so the effectIds) differ between
-        # replays, so no draw may depend on their order: effects are drawn in creation order.
-        self.ids = {name: f"{name}-{uuid.uuid4().hex[:8]}" for name in (*TASKS, "ghost")}
+    @initialize(digest=st.sampled_from(DIGESTS), layout=LAYOUTS)
+    def create_tasks(self, digest: str, layout: str) -> None:
+        # The ids (and so the effectIds) differ between replays, so no draw may depend on
+        # their order: effects are drawn in creation order.
+        self.ids = self.task_ids(layout)
         self.model_tasks["ghost"] = None
         for name in TASKS:
             self.put(name, digest, None)
@@ -1154,5 +1173,55 @@ def test_postgres_store_matches_model(postgres_server: PostgresServer, examples:
         def teardown(self) -> None:
             super().teardown()
             postgres_server.drop_database(self.database)
+
+    run_state_machine_as_test(Machine, settings=run_settings(examples))
+
+
+#: Histories on the cluster in the default suite: every invariant reads every bucket.
+CLUSTER_QUICK_EXAMPLES = 8
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(
+    "examples",
+    [
+        pytest.param(CLUSTER_QUICK_EXAMPLES, id="quick"),
+        pytest.param(FULL_EXAMPLES, id="full", marks=pytest.mark.slow),
+    ],
+)
+def test_cluster_store_matches_model(redis_cluster: ClusterServers, examples: int) -> None:
+    """The session's Redis Cluster, a fresh key prefix (so a fresh set of buckets) per
+    example, opened through the registry's ``redis+cluster://``."""
+
+    class Machine(LeaseMachine):
+        group_of = staticmethod(task_group)
+
+        def task_ids(self, layout: str) -> dict[str, str]:
+            """``<group>::<name>`` ids: "one" puts every task in one group, "split" gives
+            "gamma" a group of its own, "apart" makes each id its own group (no ``::``)."""
+            if layout == "apart":
+                return super().task_ids(layout)
+            home, away = (f"g{uuid.uuid4().hex[:8]}" for _ in range(2))
+            return {
+                name: f"{away if layout == 'split' and name == 'gamma' else home}::{name}"
+                for name in (*TASKS, "ghost")
+            }
+
+        def make_store(self) -> Store:
+            store = open_store(
+                redis_cluster.url,
+                POLICY,
+                timeout_ms=STORE_TIMEOUT_MS,
+                redis_key_prefix=f"s{uuid.uuid4().hex[:10]}",
+                cluster_buckets=TEST_CLUSTER_BUCKETS,
+            )
+            assert isinstance(store, ClusterStore)
+            store.clock_pinned_ms = START_MS  # on every bucket view: no script reads TIME
+            self.cluster_store = store
+            return store
+
+        def advance_store_clock(self, ms: int) -> None:
+            assert self.cluster_store.clock_pinned_ms is not None
+            self.cluster_store.clock_pinned_ms += ms
 
     run_state_machine_as_test(Machine, settings=run_settings(examples))

@@ -16,16 +16,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 import redis
 
-from bench._procs import (
-    redis_script_names,
-    redis_script_stats,
-    redis_stats_reset,
-    render_redis_scripts,
-)
+from bench._procs import redis_stats_reset
+from bench.proxy import redis_call_stats, render_redis_time
 from fencegate.ledger import effects
 from fencegate.ledger.effects import Action, EffectRequest, EffectState, Fence
 from fencegate.ledger.errors import StoreRegressed
-from fencegate.ledger.redis_store import RedisStore
+from fencegate.ledger.redis_store import RedisStore, library_source
 from fencegate.ledger.tasks import ClaimRequest, CommitRequest, LeasePolicy, Task
 from tests.conftest import STORE_TIMEOUT_MS
 from tests.servers import RedisServer
@@ -87,7 +83,7 @@ async def test_a_fenced_call_runs_few_redis_commands(
         await store.close()
     ran.pop("config|resetstat", None)
     ran.pop("info", None)
-    assert ran.pop("evalsha") == 2, ran
+    assert ran.pop("fcall") == 2, ran  # the effect steps: functions of one library
     # prepare: TIME, HMGET scheduler, HMGET task, HGET record, ZADD creation index, HSET
     # effectId -> taskId, ZADD effect ids index (a new record only: id prefixes, issue 27),
     # HSET record, ZADD prepared, XADD (the change feed: PREPARED);
@@ -155,20 +151,22 @@ async def test_the_settled_index_costs_one_command_where_a_task_settles_or_reope
         client.close()
         await store.close()
     total = {name: sum(ran.values()) for name, ran in counted.items()}
-    # create: EVALSHA, TIME, HGETALL task, HGETALL tombstone, DEL + HSET task (save_hash of a new
-    # hash), ZADD tasks index, ZREM leases, XADD.
-    assert counted["create"].get("hgetall") == 2 and total["create"] == 9, counted
+    # create: EVALSHA, HGET scheduler (the freeze, task_lib.lua), TIME, HGETALL task, HGETALL
+    # tombstone, DEL + HSET task (save_hash of a new hash), ZADD tasks index, ZREM leases, XADD.
+    assert counted["create"].get("hgetall") == 2 and total["create"] == 10, counted
     # commit: EVALSHA, TIME, HMGET scheduler, HGETALL, HSET, ZREM leases, ZADD settled, XADD,
     # SMEMBERS dependents.
     assert counted["commit"].get("zadd") == 1 and total["commit"] == 9, counted
     assert "zadd" not in counted["replay"] and total["replay"] == 4, counted
-    # revise: EVALSHA, TIME, HGETALL, HSET + HDEL, ZREM leases, ZREM settled, XADD, SMEMBERS.
-    assert counted["revise"].get("zrem") == 2 and total["revise"] == 9, counted
+    # revise: EVALSHA, HGET scheduler, TIME, HGETALL, HSET + HDEL, ZREM leases, ZREM settled,
+    # XADD, SMEMBERS.
+    assert counted["revise"].get("zrem") == 2 and total["revise"] == 10, counted
     # claim: EVALSHA, TIME, HMGET scheduler, HGETALL, HSET, ZADD leases, XADD: no settled index.
     assert counted["claim"].get("zadd") == 1 and total["claim"] == 7, counted
-    # cancel: EVALSHA, TIME, HGETALL, HSET, ZREM leases, ZADD settled, XADD, SMEMBERS (the cascade).
-    assert counted["cancel"].get("zadd") == 1 and total["cancel"] == 8, counted
-    assert total["cancel again"] == 3, counted
+    # cancel: EVALSHA, HGET scheduler, TIME, HGETALL, HSET, ZREM leases, ZADD settled, XADD,
+    # SMEMBERS (the cascade).
+    assert counted["cancel"].get("zadd") == 1 and total["cancel"] == 9, counted
+    assert total["cancel again"] == 4, counted
 
 
 async def test_a_wrong_revision_from_the_gateway_is_not_trusted(
@@ -226,6 +224,9 @@ async def test_a_wrong_revision_from_the_gateway_is_not_trusted(
 async def test_the_benchmarks_split_redis_time_by_script(
     make_redis_server: Callable[..., RedisServer],
 ) -> None:
+    """bench.proxy's figure (``redis_call_stats``): the effect steps run as functions of the
+    store's library (FCALL), each named by its function, and the per-script split adds up to
+    the scripts' exact total."""
     server = make_redis_server()
     store = RedisStore(server.url, POLICY, timeout_ms=STORE_TIMEOUT_MS)
     try:
@@ -235,19 +236,19 @@ async def test_the_benchmarks_split_redis_time_by_script(
         redis_stats_reset(server.url, 1000, slowlog_usec=0)  # every run, however fast
         for i in range(3):
             await _fenced_call(store, task, f"s{i}")
-        report = redis_script_stats(server.url, redis_script_names(None), 3)
+        report = redis_call_stats([server.url], None, 3)
     finally:
         await store.close()
-    assert report["evalshaRuns"] == 6
-    # Besides the scripts, each step's write mark and flag (INCR, HGET) are plain commands.
-    scripts = {k: v for k, v in report["scripts"].items() if k != "(not in a script)"}
-    assert set(scripts) == {"prepare", "complete"}, report
+    library = library_source()
+    scripts = report["scripts"]
+    assert set(scripts) == {library.function("prepare"), library.function("complete")}, report
     for line in scripts.values():
         assert line["runs"] == 3
         assert line["usecPerRun"] > 0
     per_script = sum(line["usecPerCall"] for line in scripts.values())
-    assert abs(per_script - report["usecPerCall"]) <= 0.2, report
-    assert report["callsPerSecondOneRedis"] == pytest.approx(1e6 / report["usecPerCall"], rel=0.01)
-    table = render_redis_scripts("redis", report, "call").splitlines()
-    rows = [line.split()[:2] for line in table[3:] if not line.startswith("(not")]
-    assert rows == [["complete", "3"], ["prepare", "3"]]
+    assert abs(per_script - report["scriptUsecPerCall"]) <= 0.2, report
+    # Besides the scripts, each step's write mark (INCR) is a plain command.
+    assert report["plainCommands"].get("incr") == 6, report
+    table = render_redis_time("redis", report).splitlines()
+    rows = sorted(line.split()[:2] for line in table[4:])
+    assert rows == [[library.function("complete"), "3"], [library.function("prepare"), "3"]]

@@ -4,7 +4,10 @@ provenance, discarded attempts, and the change feed (ledger.tasks, ledger.events
 Each test drives a real store (SQLite file, our own redis-server, our own PostgreSQL) through
 ``Store``; the model-based test (tests/test_stateful.py) explores the same rules at random,
 these pin down the stories users rely on. Lease expiry is driven by the stores' test clock
-(``clock_offset_ms``), never by sleeping.
+(``clock_offset_ms``), never by sleeping. Tasks that depend on one another share a task group
+(``flow::<name>`` ids): on Redis Cluster a dependency across groups is refused
+(docs/decisions.md, "Dependencies: in one group, or refused"), on every other store the
+group changes nothing.
 """
 
 from __future__ import annotations
@@ -116,13 +119,15 @@ async def test_an_expired_claim_and_an_old_epoch_claim_are_found_again(flow_stor
 
 async def test_waiting_tasks_are_not_handed_out(flow_store: Store) -> None:
     store = flow_store
-    await store.put_task("first", "in", None, queue="q")
-    await store.put_task("second", "in", None, queue="q", priority=9, depends_on=("first",))
+    await store.put_task("flow::first", "in", None, queue="q")
+    await store.put_task(
+        "flow::second", "in", None, queue="q", priority=9, depends_on=("flow::first",)
+    )
     got = await store.claim_next("q", claim_as("w"))
-    assert got is not None and got.task_id == "first"
+    assert got is not None and got.task_id == "flow::first"
     assert await store.claim_next("q", claim_as("w")) is None
-    with pytest.raises(DependenciesPending, match="first"):
-        await store.claim("second", claim_as("w"))
+    with pytest.raises(DependenciesPending, match="flow::first"):
+        await store.claim("flow::second", claim_as("w"))
 
 
 async def test_two_gateways_draining_one_queue_never_share_a_task(
@@ -164,72 +169,78 @@ async def test_a_fenced_first_step_keeps_its_successor_waiting_until_the_takeove
     flow_store: Store,
 ) -> None:
     store = flow_store
-    await store.put_task("extract", "in", None, queue="etl")
-    await store.put_task("load", "in", None, queue="etl", depends_on=("extract",))
+    await store.put_task("flow::extract", "in", None, queue="etl")
+    await store.put_task("flow::load", "in", None, queue="etl", depends_on=("flow::extract",))
     slow = await store.claim_next("etl", claim_as("slow"))
-    assert slow is not None and slow.task_id == "extract"
-    await store.renew("extract", RenewRequest(identity_of(slow), TTL, cost=(("tokens", 700.0),)))
+    assert slow is not None and slow.task_id == "flow::extract"
+    await store.renew(
+        "flow::extract", RenewRequest(identity_of(slow), TTL, cost=(("tokens", 700.0),))
+    )
     store.clock_offset_ms += TTL  # the slow worker pauses past its lease
     takeover = await store.claim_next("etl", claim_as("fast"))
-    assert takeover is not None and takeover.task_id == "extract"
+    assert takeover is not None and takeover.task_id == "flow::extract"
     assert [(d.reason, d.cost) for d in takeover.discarded] == [("expired", (("tokens", 700.0),))]
-    assert (await store.get_task("load")).state is TaskState.WAITING
+    assert (await store.get_task("flow::load")).state is TaskState.WAITING
     with pytest.raises(Fenced):  # the slow worker wakes up and tries to commit
-        await store.commit("extract", commit_of(slow, "stale-result"))
-    assert (await store.get_task("load")).state is TaskState.WAITING
+        await store.commit("flow::extract", commit_of(slow, "stale-result"))
+    assert (await store.get_task("flow::load")).state is TaskState.WAITING
     assert await store.claim_next("etl", claim_as("other")) is None
-    done, _ = await store.commit("extract", commit_of(takeover, "good-result"))
+    done, _ = await store.commit("flow::extract", commit_of(takeover, "good-result"))
     assert done.commit is not None
     load = await store.claim_next("etl", claim_as("fast"))
-    assert load is not None and load.task_id == "load"
+    assert load is not None and load.task_id == "flow::load"
     assert [(c.task_id, c.commit_id, c.result_digest) for c in load.dep_commits] == [
-        ("extract", done.commit.commit_id, "good-result")
+        ("flow::extract", done.commit.commit_id, "good-result")
     ]
 
 
 async def test_a_cancel_cascades_to_open_dependents_only(flow_store: Store) -> None:
     store = flow_store
-    await store.put_task("root", "in", None)
-    await store.put_task("done-dep", "in", None)
-    done_claim = await store.claim("done-dep", claim_as("w"))
-    await store.commit("done-dep", commit_of(done_claim, "r"))
-    await store.put_task("child", "in", None, depends_on=("root", "done-dep"))
-    await store.put_task("grandchild", "in", None, queue="q", depends_on=("child",))
-    await store.put_task("sibling", "in", None, depends_on=("done-dep",))
-    cancelled = await store.cancel("root")
+    await store.put_task("flow::root", "in", None)
+    await store.put_task("flow::done-dep", "in", None)
+    done_claim = await store.claim("flow::done-dep", claim_as("w"))
+    await store.commit("flow::done-dep", commit_of(done_claim, "r"))
+    await store.put_task("flow::child", "in", None, depends_on=("flow::root", "flow::done-dep"))
+    await store.put_task("flow::grandchild", "in", None, queue="q", depends_on=("flow::child",))
+    await store.put_task("flow::sibling", "in", None, depends_on=("flow::done-dep",))
+    cancelled = await store.cancel("flow::root")
     assert cancelled.state is TaskState.CANCELLED
-    for task_id in ("child", "grandchild"):
+    for task_id in ("flow::child", "flow::grandchild"):
         task = await store.get_task(task_id)
         assert task.state is TaskState.CANCELLED and task.cancel_generation == 1
-    assert (await store.get_task("sibling")).state is TaskState.READY
-    assert (await store.get_task("done-dep")).state is TaskState.COMMITTED
+    assert (await store.get_task("flow::sibling")).state is TaskState.READY
+    assert (await store.get_task("flow::done-dep")).state is TaskState.COMMITTED
     # A running dependent is cancelled too, and its attempt counted as discarded.
-    await store.put_task("root2", "in", None)
-    await store.put_task("running", "in", None, depends_on=("done-dep",))
-    await store.put_task("after", "in", None, depends_on=("root2", "running"))
-    run = await store.claim("running", claim_as("w"))
-    await store.renew("running", RenewRequest(identity_of(run), TTL, cost=(("seconds", 3.0),)))
-    gone = await store.cancel("root2")
+    await store.put_task("flow::root2", "in", None)
+    await store.put_task("flow::running", "in", None, depends_on=("flow::done-dep",))
+    await store.put_task("flow::after", "in", None, depends_on=("flow::root2", "flow::running"))
+    run = await store.claim("flow::running", claim_as("w"))
+    await store.renew(
+        "flow::running", RenewRequest(identity_of(run), TTL, cost=(("seconds", 3.0),))
+    )
+    gone = await store.cancel("flow::root2")
     assert [d.task_id for d in gone.discarded] == []  # "running" does not depend on root2
-    assert (await store.get_task("after")).state is TaskState.CANCELLED
-    assert (await store.get_task("running")).state is TaskState.CLAIMED
+    assert (await store.get_task("flow::after")).state is TaskState.CANCELLED
+    assert (await store.get_task("flow::running")).state is TaskState.CLAIMED
 
 
 async def test_cancelling_a_running_chain_discards_each_attempt(flow_store: Store) -> None:
     store = flow_store
-    await store.put_task("a", "in", None)
-    await store.put_task("b", "in", None)
-    claim_b = await store.claim("b", claim_as("w"))
-    await store.renew("b", RenewRequest(identity_of(claim_b), TTL, cost=(("tokens", 9.0),)))
-    await store.put_task("c", "in", None, depends_on=("a",))
+    await store.put_task("flow::a", "in", None)
+    await store.put_task("flow::b", "in", None)
+    claim_b = await store.claim("flow::b", claim_as("w"))
+    await store.renew("flow::b", RenewRequest(identity_of(claim_b), TTL, cost=(("tokens", 9.0),)))
+    await store.put_task("flow::c", "in", None, depends_on=("flow::a",))
     # b is running and then gets "a" as a dependency by a new revision: it waits now.
-    revised, _ = await store.put_task("b", "in-2", None, depends_on=("a",))
+    revised, _ = await store.put_task("flow::b", "in-2", None, depends_on=("flow::a",))
     assert revised.state is TaskState.WAITING
     assert [(d.task_id, d.reason, d.cost) for d in revised.discarded] == [
-        ("b", "superseded", (("tokens", 9.0),))
+        ("flow::b", "superseded", (("tokens", 9.0),))
     ]
-    cancelled = await store.cancel("a")
-    assert {(await store.get_task(t)).state for t in ("b", "c")} == {TaskState.CANCELLED}
+    cancelled = await store.cancel("flow::a")
+    assert {(await store.get_task(t)).state for t in ("flow::b", "flow::c")} == {
+        TaskState.CANCELLED
+    }
     assert cancelled.discarded == ()  # nothing was running any more
 
 
@@ -237,64 +248,64 @@ async def test_a_new_revision_of_a_dependency_sends_open_dependents_back_to_wait
     flow_store: Store,
 ) -> None:
     store = flow_store
-    await store.put_task("dep", "in-1", None)
-    first = await store.claim("dep", claim_as("w"))
-    dep_done, _ = await store.commit("dep", commit_of(first, "v1"))
-    await store.put_task("built", "in", None, depends_on=("dep",))
-    await store.put_task("running", "in", None, depends_on=("dep",))
-    built_claim = await store.claim("built", claim_as("w"))
-    await store.commit("built", commit_of(built_claim, "built-on-v1"))
-    running = await store.claim("running", claim_as("w"))
-    revised, _ = await store.put_task("dep", "in-2", None)
-    assert [(d.task_id, d.reason) for d in revised.discarded] == [("running", "superseded")]
-    now_waiting = await store.get_task("running")
+    await store.put_task("flow::dep", "in-1", None)
+    first = await store.claim("flow::dep", claim_as("w"))
+    dep_done, _ = await store.commit("flow::dep", commit_of(first, "v1"))
+    await store.put_task("flow::built", "in", None, depends_on=("flow::dep",))
+    await store.put_task("flow::running", "in", None, depends_on=("flow::dep",))
+    built_claim = await store.claim("flow::built", claim_as("w"))
+    await store.commit("flow::built", commit_of(built_claim, "built-on-v1"))
+    running = await store.claim("flow::running", claim_as("w"))
+    revised, _ = await store.put_task("flow::dep", "in-2", None)
+    assert [(d.task_id, d.reason) for d in revised.discarded] == [("flow::running", "superseded")]
+    now_waiting = await store.get_task("flow::running")
     assert now_waiting.state is TaskState.WAITING and now_waiting.dep_commits == ()
     with pytest.raises(StaleInput, match="dependency"):
-        await store.commit("running", commit_of(running, "built-on-v1"))
+        await store.commit("flow::running", commit_of(running, "built-on-v1"))
     # The committed dependent keeps the provenance it was built on.
-    kept = await store.get_task("built")
+    kept = await store.get_task("flow::built")
     assert kept.state is TaskState.COMMITTED and dep_done.commit is not None
     assert [c.commit_id for c in kept.dep_commits] == [dep_done.commit.commit_id]
     # The new revision commits: the waiting dependent is READY again, on the new provenance,
     # and its old attempt stays fenced out.
-    second = await store.claim("dep", claim_as("w"))
-    dep_v2, _ = await store.commit("dep", commit_of(second, "v2"))
-    ready = await store.get_task("running")
+    second = await store.claim("flow::dep", claim_as("w"))
+    dep_v2, _ = await store.commit("flow::dep", commit_of(second, "v2"))
+    ready = await store.get_task("flow::running")
     assert ready.state is TaskState.READY and dep_v2.commit is not None
     assert [c.result_digest for c in ready.dep_commits] == ["v2"]
     with pytest.raises(StaleInput):
-        await store.commit("running", commit_of(running, "built-on-v1"))
-    fresh = await store.claim("running", claim_as("w"))
+        await store.commit("flow::running", commit_of(running, "built-on-v1"))
+    fresh = await store.claim("flow::running", claim_as("w"))
     assert fresh.claim_generation == running.claim_generation + 1
 
 
 async def test_bad_dependencies_are_refused(flow_store: Store) -> None:
     store = flow_store
-    with pytest.raises(BadRequest, match="no task ghost"):
-        await store.put_task("a", "in", None, depends_on=("ghost",))
+    with pytest.raises(BadRequest, match="no task flow::ghost"):
+        await store.put_task("flow::a", "in", None, depends_on=("flow::ghost",))
     with pytest.raises(BadRequest, match="is this task"):
-        await store.put_task("a", "in", None, depends_on=("a",))
-    await store.put_task("a", "in", None)
-    await store.put_task("b", "in", None, depends_on=("a",))
-    await store.put_task("c", "in", None, depends_on=("b",))
+        await store.put_task("flow::a", "in", None, depends_on=("flow::a",))
+    await store.put_task("flow::a", "in", None)
+    await store.put_task("flow::b", "in", None, depends_on=("flow::a",))
+    await store.put_task("flow::c", "in", None, depends_on=("flow::b",))
     with pytest.raises(BadRequest, match="a cycle"):
-        await store.put_task("a", "in-2", None, depends_on=("c",))
-    assert (await store.get_task("a")).revision == 1  # nothing was written
+        await store.put_task("flow::a", "in-2", None, depends_on=("flow::c",))
+    assert (await store.get_task("flow::a")).revision == 1  # nothing was written
     # The same input with other dependencies changes nothing (as for every other field).
-    same, outcome = await store.put_task("c", "in", None, depends_on=("a",), queue="x")
-    assert outcome.value == "UNCHANGED" and same.depends_on == ("b",) and same.queue is None
+    same, outcome = await store.put_task("flow::c", "in", None, depends_on=("flow::a",), queue="x")
+    assert outcome.value == "UNCHANGED" and same.depends_on == ("flow::b",) and same.queue is None
 
 
 async def test_a_task_may_have_only_so_many_dependents(flow_store: Store) -> None:
     store = flow_store
     store.max_dependents = 2  # [tasks] max_dependents
-    await store.put_task("hub", "in", None)
-    await store.put_task("d1", "in", None, depends_on=("hub",))
-    await store.put_task("d2", "in", None, depends_on=("hub",))
+    await store.put_task("flow::hub", "in", None)
+    await store.put_task("flow::d1", "in", None, depends_on=("flow::hub",))
+    await store.put_task("flow::d2", "in", None, depends_on=("flow::hub",))
     with pytest.raises(BadRequest, match="already has 2 dependents"):
-        await store.put_task("d3", "in", None, depends_on=("hub",))
+        await store.put_task("flow::d3", "in", None, depends_on=("flow::hub",))
     # Re-revising a dependent keeps its link: no new dependent is counted.
-    await store.put_task("d2", "in-2", None, depends_on=("hub",))
+    await store.put_task("flow::d2", "in-2", None, depends_on=("flow::hub",))
 
 
 # --- the change feed -----------------------------------------------------------------------
@@ -330,15 +341,17 @@ async def test_a_large_cascade_finishes_in_bounded_steps(flow_store: Store) -> N
     not reached are WAITING: nothing can claim them."""
     store = flow_store
     store.max_cascade = 3
-    await store.put_task("root", "in", None)
+    await store.put_task("flow::root", "in", None)
     for i in range(4):
-        await store.put_task(f"child-{i}", "in", None, queue="q", depends_on=("root",))
+        await store.put_task(f"flow::child-{i}", "in", None, queue="q", depends_on=("flow::root",))
         for j in range(2):
-            await store.put_task(f"leaf-{i}-{j}", "in", None, depends_on=(f"child-{i}",))
-    everything = [f"child-{i}" for i in range(4)] + [
-        f"leaf-{i}-{j}" for i in range(4) for j in range(2)
+            await store.put_task(
+                f"flow::leaf-{i}-{j}", "in", None, depends_on=(f"flow::child-{i}",)
+            )
+    everything = [f"flow::child-{i}" for i in range(4)] + [
+        f"flow::leaf-{i}-{j}" for i in range(4) for j in range(2)
     ]
-    await store.cancel("root")
+    await store.cancel("flow::root")
     states = {t: (await store.get_task(t)).state for t in everything}
     assert set(states.values()) == {TaskState.CANCELLED, TaskState.WAITING}
     assert 3 <= sum(s is TaskState.CANCELLED for s in states.values()) < len(everything)
@@ -356,27 +369,27 @@ async def test_a_large_cascade_finishes_in_bounded_steps(flow_store: Store) -> N
 async def test_a_revision_before_the_background_cascade_stops_it_there(flow_store: Store) -> None:
     store = flow_store
     store.max_cascade = 1
-    await store.put_task("root", "in", None)
-    await store.put_task("mid", "in", None, depends_on=("root",))
-    await store.put_task("leaf", "in", None, depends_on=("mid",))
-    await store.cancel("root")  # cancels "mid", records it for the rest
-    assert (await store.get_task("mid")).state is TaskState.CANCELLED
-    assert (await store.get_task("leaf")).state is TaskState.WAITING
+    await store.put_task("flow::root", "in", None)
+    await store.put_task("flow::mid", "in", None, depends_on=("flow::root",))
+    await store.put_task("flow::leaf", "in", None, depends_on=("flow::mid",))
+    await store.cancel("flow::root")  # cancels "flow::mid", records it for the rest
+    assert (await store.get_task("flow::mid")).state is TaskState.CANCELLED
+    assert (await store.get_task("flow::leaf")).state is TaskState.WAITING
     with pytest.raises(BadRequest, match="root is cancelled"):  # it would wait forever
-        await store.put_task("mid", "in-2", None)
-    reopened, _ = await store.put_task("mid", "in-2", None, depends_on=())
+        await store.put_task("flow::mid", "in-2", None)
+    reopened, _ = await store.put_task("flow::mid", "in-2", None, depends_on=())
     assert reopened.state is TaskState.READY
     while await store.continue_cascades(10):
         pass
-    assert (await store.get_task("leaf")).state is TaskState.WAITING
+    assert (await store.get_task("flow::leaf")).state is TaskState.WAITING
 
 
 async def test_a_cancelled_task_cannot_become_a_dependency(flow_store: Store) -> None:
     store = flow_store
-    await store.put_task("gone", "in", None)
-    await store.cancel("gone")
+    await store.put_task("flow::gone", "in", None)
+    await store.cancel("flow::gone")
     with pytest.raises(BadRequest, match="gone is cancelled"):
-        await store.put_task("after", "in", None, depends_on=("gone",))
+        await store.put_task("flow::after", "in", None, depends_on=("flow::gone",))
 
 
 async def test_task_events_name_the_queue(flow_store: Store) -> None:

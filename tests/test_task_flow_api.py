@@ -1,7 +1,8 @@
 """Task flow over HTTP, on every store: queues (``POST /v1/queues/{queue}/claim``, priority,
 ``waitMs``), dependencies (``dependsOn``, WAITING, provenance, the cancel cascade, a
 dependency's new revision), ``waitFor`` long-polls, and ``cost`` with the discarded-work
-metrics."""
+metrics. Tasks that depend on one another share a task group (``flow::<name>`` ids), as
+Redis Cluster requires (docs/decisions.md, "Dependencies: in one group, or refused")."""
 
 from __future__ import annotations
 
@@ -204,40 +205,40 @@ async def test_the_same_input_with_another_queue_or_dependencies_changes_nothing
 async def test_a_dependent_waits_for_the_canonical_commit_and_carries_its_provenance(
     api: Api,
 ) -> None:
-    await api.put("step1", queue="pipe")
-    created = await api.put("step2", queue="pipe", dependsOn=["step1", "step1"])
+    await api.put("flow::step1", queue="pipe")
+    created = await api.put("flow::step2", queue="pipe", dependsOn=["flow::step1", "flow::step1"])
     assert created.status == 201
-    assert created.body["state"] == "WAITING" and created.body["dependsOn"] == ["step1"]
-    pending = await api.try_claim("step2")
+    assert created.body["state"] == "WAITING" and created.body["dependsOn"] == ["flow::step1"]
+    pending = await api.try_claim("flow::step2")
     assert pending.status == 409 and pending.code == "DEPENDENCIES_PENDING"
-    assert "step1" in pending.body["detail"]
+    assert "flow::step1" in pending.body["detail"]
     first = await claim_next(api, queue="pipe")
-    assert first.body["taskId"] == "step1"
+    assert first.body["taskId"] == "flow::step1"
     assert (await claim_next(api, queue="pipe", owner="w2")).status == 204  # step2 waits
     done = await api.commit(lease_of(first), result_digest="sha256:one")
     assert done.status == 200
-    record = (await api.get("step2")).body
+    record = (await api.get("flow::step2")).body
     assert record["state"] == "READY"
-    provenance = [{"taskId": "step1", "commitId": done.body["commitId"],
+    provenance = [{"taskId": "flow::step1", "commitId": done.body["commitId"],
                    "resultDigest": "sha256:one"}]  # fmt: skip
     assert record["dependencies"] == provenance
     second = await claim_next(api, queue="pipe", owner="w2")
-    assert second.status == 200 and second.body["taskId"] == "step2"
+    assert second.status == 200 and second.body["taskId"] == "flow::step2"
     assert second.body["dependencies"] == provenance
 
 
 async def test_a_fenced_first_step_keeps_the_second_waiting_until_the_takeover_commits(
     api: Api,
 ) -> None:
-    await api.put("a", queue="pipe")
-    await api.put("b", queue="pipe", dependsOn=["a"])
+    await api.put("flow::a", queue="pipe")
+    await api.put("flow::b", queue="pipe", dependsOn=["flow::a"])
     stale = lease_of(await claim_next(api, queue="pipe", ttlMs=1_000))
     api.advance(5_000)
     takeover = lease_of(await claim_next(api, queue="pipe", owner="w2"), owner="w2")
-    assert takeover.task_id == "a"
+    assert takeover.task_id == "flow::a"
     refused = await api.commit(stale, result_digest="sha256:stale", cost={"seconds": 2.5})
     assert refused.code == "FENCED"
-    assert await state(api, "b") == "WAITING"
+    assert await state(api, "flow::b") == "WAITING"
     # The takeover counted the stale attempt (its tally) as expired; the FENCED call's cost
     # is not counted: a forged attemptId is refused the same way.
     assert await metric(api, "fencegate_discarded_attempts_total", reason="expired") == 1
@@ -245,63 +246,66 @@ async def test_a_fenced_first_step_keeps_the_second_waiting_until_the_takeover_c
     assert await metric(api, "fencegate_discarded_cost_total", unit="seconds") == 0
     assert await metric(api, "fencegate_reported_cost_total", unit="seconds") == 0
     done = await api.commit(takeover, result_digest="sha256:good")
-    record = (await api.get("b")).body
+    record = (await api.get("flow::b")).body
     assert record["state"] == "READY"
     assert record["dependencies"][0]["commitId"] == done.body["commitId"]
 
 
 async def test_dependencies_that_cannot_be_are_refused(api: Api) -> None:
-    await api.put("a")
-    await api.put("b", dependsOn=["a"])
+    await api.put("flow::a")
+    await api.put("flow::b", dependsOn=["flow::a"])
     for task_id, deps, words in [
-        ("c", ["nobody"], "nobody"),
-        ("c", ["c"], "c"),
-        ("a", ["b"], "cycle"),
-        ("c", ["a", "b", "x1", "x2"], "max_dependencies"),
+        ("flow::c", ["flow::nobody"], "flow::nobody"),
+        ("flow::c", ["flow::c"], "flow::c"),
+        ("flow::a", ["flow::b"], "cycle"),
+        ("flow::c", ["flow::a", "flow::b", "flow::x1", "flow::x2"], "max_dependencies"),
     ]:
         answer = await api.put(task_id, "in-9", dependsOn=deps)
         assert answer.status == 400 and answer.code == "BAD_REQUEST", (deps, answer.body)
         assert "dependsOn" in answer.body["detail"] and words in answer.body["detail"]
-    assert (await api.put("c", dependsOn=["bad id"])).status == 400
-    assert (await api.get("a")).body["revision"] == 1
+    assert (await api.put("flow::c", dependsOn=["bad id"])).status == 400
+    assert (await api.get("flow::a")).body["revision"] == 1
 
 
 async def test_cancel_cascades_to_open_dependents_only(api: Api) -> None:
-    await api.put("root")
-    await api.put("done")
-    lease = await api.claim("done")
+    await api.put("flow::root")
+    await api.put("flow::done")
+    lease = await api.claim("flow::done")
     await api.commit(lease)
-    await api.put("mid", dependsOn=["root"])
-    await api.put("leaf", dependsOn=["mid", "done"])
-    await api.put("kept", dependsOn=["done"])
-    assert (await api.cancel("root")).status == 200
-    assert [await state(api, t) for t in ("root", "mid", "leaf", "kept", "done")] == [
+    await api.put("flow::mid", dependsOn=["flow::root"])
+    await api.put("flow::leaf", dependsOn=["flow::mid", "flow::done"])
+    await api.put("flow::kept", dependsOn=["flow::done"])
+    assert (await api.cancel("flow::root")).status == 200
+    assert [
+        await state(api, t)
+        for t in ("flow::root", "flow::mid", "flow::leaf", "flow::kept", "flow::done")
+    ] == [
         "CANCELLED",
         "CANCELLED",
         "CANCELLED",
         "READY",
         "COMMITTED",
     ]
-    assert (await api.get("mid")).body["cancelGeneration"] == 1
+    assert (await api.get("flow::mid")).body["cancelGeneration"] == 1
 
 
 async def test_a_new_revision_of_a_dependency_unwinds_open_dependents(api: Api) -> None:
-    await api.put("a")
-    lease = await api.claim("a")
+    await api.put("flow::a")
+    lease = await api.claim("flow::a")
     await api.commit(lease)
-    await api.put("open", dependsOn=["a"])
-    await api.put("running", dependsOn=["a"])
-    await api.put("finished", dependsOn=["a"])
-    running = await api.claim("running", owner="w2")
-    finished = await api.claim("finished", owner="w3")
+    await api.put("flow::open", dependsOn=["flow::a"])
+    await api.put("flow::running", dependsOn=["flow::a"])
+    await api.put("flow::finished", dependsOn=["flow::a"])
+    running = await api.claim("flow::running", owner="w2")
+    finished = await api.claim("flow::finished", owner="w3")
     await api.commit(finished)
-    provenance = (await api.get("finished")).body["dependencies"]
-    assert (await api.put("a", "in-2")).body["revision"] == 2
-    assert await state(api, "open") == "WAITING"
-    assert (await api.get("open")).body["dependencies"] == []
-    assert await state(api, "running") == "WAITING"
+    provenance = (await api.get("flow::finished")).body["dependencies"]
+    assert (await api.put("flow::a", "in-2")).body["revision"] == 2
+    assert await state(api, "flow::open") == "WAITING"
+    assert (await api.get("flow::open")).body["dependencies"] == []
+    assert await state(api, "flow::running") == "WAITING"
     assert (await api.renew(running)).code == "STALE_INPUT"
-    assert (await api.get("finished")).body["dependencies"] == provenance
+    assert (await api.get("flow::finished")).body["dependencies"] == provenance
     assert await metric(api, "fencegate_discarded_attempts_total", reason="superseded") == 1
 
 
@@ -558,13 +562,13 @@ async def test_a_cascade_past_max_cascade_is_finished_by_the_background_loop(
             return await continue_cascades(limit)
 
         monkeypatch.setattr(api.store, "continue_cascades", spy)
-        await api.put("root")
-        dependents = [f"d{i}" for i in range(4)] + [f"d0/e{i}" for i in range(4)]
+        await api.put("flow::root")
+        dependents = [f"flow::d{i}" for i in range(4)] + [f"flow::d0/e{i}" for i in range(4)]
         for task_id in dependents[:4]:
-            await api.put(task_id, dependsOn=["root"], queue="q")
+            await api.put(task_id, dependsOn=["flow::root"], queue="q")
         for task_id in dependents[4:]:
-            await api.put(task_id, dependsOn=["d0"], queue="q")
-        assert (await api.cancel("root")).status == 200
+            await api.put(task_id, dependsOn=["flow::d0"], queue="q")
+        assert (await api.cancel("flow::root")).status == 200
         # Until the loop reaches them, the dependents not yet cancelled cannot be claimed.
         assert (await claim_next(api)).status == 204
 

@@ -18,6 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from fencegate.gateway.app import create_app
 from fencegate.gateway.state import STORE
 from fencegate.ledger import redis_store, sql_steps
+from fencegate.ledger import store as store_module
+from fencegate.ledger.cluster_store import ClusterStore
 from fencegate.ledger.keys import Keys
 from fencegate.ledger.queries import TaskFilter
 from tests.api import Api
@@ -125,52 +127,67 @@ async def test_bad_parameters_are_400_naming_the_parameter(
 async def test_lease_expired_is_the_stores_clock_deciding(api: Api) -> None:
     """``leaseExpired=true``: CLAIMED with ``leaseExpiresAt`` reached by the store's clock;
     ``false``: every other task (WAITING, READY, settled, a lease still running)."""
-    for task_id in ("a-short", "b-long", "c-ready", "d-done"):
+    for task_id in ("list::a-short", "list::b-long", "list::c-ready", "list::d-done"):
         assert (await api.put(task_id)).status == 201
-    assert (await api.put("e-waiting", dependsOn=["c-ready"])).status == 201
-    await api.claim("a-short", owner="w1", ttl_ms=5_000)
-    await api.claim("b-long", owner="w2", ttl_ms=60_000)
-    done = await api.claim("d-done", owner="w1", ttl_ms=5_000)
+    assert (await api.put("list::e-waiting", dependsOn=["list::c-ready"])).status == 201
+    await api.claim("list::a-short", owner="w1", ttl_ms=5_000)
+    await api.claim("list::b-long", owner="w2", ttl_ms=60_000)
+    done = await api.claim("list::d-done", owner="w1", ttl_ms=5_000)
     assert (await api.commit(done)).status == 200
 
     async def ids(query: str) -> list[str]:
         found, _ = await every_page(api, query, 2)
         return [t["taskId"] for t in found]
 
-    everything = ["a-short", "b-long", "c-ready", "d-done", "e-waiting"]
+    everything = [
+        "list::a-short",
+        "list::b-long",
+        "list::c-ready",
+        "list::d-done",
+        "list::e-waiting",
+    ]
     assert await ids("&leaseExpired=true") == []
     assert await ids("&leaseExpired=false") == everything
     api.advance(5_000)  # a-short's lease ends exactly now (expired at leaseExpiresAt)
-    assert await ids("&leaseExpired=true") == ["a-short"]
-    assert await ids("&leaseExpired=false") == ["b-long", "c-ready", "d-done", "e-waiting"]
-    assert await ids("&leaseExpired=false&state=CLAIMED") == ["b-long"]
+    assert await ids("&leaseExpired=true") == ["list::a-short"]
+    assert await ids("&leaseExpired=false") == [
+        "list::b-long",
+        "list::c-ready",
+        "list::d-done",
+        "list::e-waiting",
+    ]
+    assert await ids("&leaseExpired=false&state=CLAIMED") == ["list::b-long"]
     assert await ids("&leaseExpired=true&owner=w2") == []
-    assert await ids("&leaseExpired=false&state=WAITING") == ["e-waiting"]
+    assert await ids("&leaseExpired=false&state=WAITING") == ["list::e-waiting"]
     api.advance(55_000)
-    assert await ids("&leaseExpired=true") == ["a-short", "b-long"]
-    assert await ids("&leaseExpired=true&owner=w2&state=CLAIMED") == ["b-long"]
+    assert await ids("&leaseExpired=true") == ["list::a-short", "list::b-long"]
+    assert await ids("&leaseExpired=true&owner=w2&state=CLAIMED") == ["list::b-long"]
     # Listed as GET shows it: still CLAIMED, with the lease's end in the past.
     (listed,) = (await api.call("GET", "/v1/tasks?leaseExpired=true&owner=w1")).body["tasks"]
-    assert listed == (await api.get("a-short")).body and listed["state"] == "CLAIMED"
+    assert listed == (await api.get("list::a-short")).body and listed["state"] == "CLAIMED"
     # Claimed again: a live lease again.
-    await api.claim("a-short", owner="w3")
-    assert await ids("&leaseExpired=true") == ["b-long"]
+    await api.claim("list::a-short", owner="w3")
+    assert await ids("&leaseExpired=true") == ["list::b-long"]
 
 
 async def test_a_filter_that_matches_little_reads_a_bounded_number_per_page(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # One task group: on Redis Cluster one bucket, which reads its share of TASK_SCAN
+    # (at least limit + 1), then, being the one bucket with more, TASK_SCAN again.
     for i in range(30):
-        await api.put(f"n-{i:02d}")
-    await api.claim("n-29", owner="last")
+        await api.put(f"list::n-{i:02d}")
+    await api.claim("list::n-29", owner="last")
     # Each call reads at most 8 records (the production bound is larger; the rule is the same).
     monkeypatch.setattr(sql_steps, "TASK_SCAN", 8)  # SQLite and PostgreSQL
     monkeypatch.setattr(redis_store, "TASK_SCAN", 8)
+    monkeypatch.setattr(store_module, "TASK_SCAN", 8)  # the cluster's per-bucket shares
     first = await api.call("GET", "/v1/tasks?owner=last&limit=5")
     assert first.body["tasks"] == [] and first.body["nextCursor"] is not None
     found, pages = await every_page(api, "&owner=last", 5)
-    assert [t["taskId"] for t in found] == ["n-29"]
-    assert pages == 4  # 8 + 8 + 8 + 6 records read
+    assert [t["taskId"] for t in found] == ["list::n-29"]
+    cluster = isinstance(api.store, ClusterStore)
+    assert pages == (3 if cluster else 4)  # 8 + 8 + 8 + 6 records read; cluster: 6 + 8 a call
 
 
 async def test_scoped_principals_see_only_their_prefixes(store_url: str, key_prefix: str) -> None:

@@ -1,11 +1,13 @@
 -- Cancel until the next revision (mirror of ledger.tasks.cancel), then the open dependents,
 -- transitively (ledger.tasks.cancel_dependent, as ledger.sql_steps.cancel: `cascade` in
 -- task_lib.lua), up to ARGV[3] of them in this step; the rest is recorded for cascade.lua.
--- KEYS[1] task hash, KEYS[2] leases index
+-- KEYS[1] task hash, KEYS[2] leases index, KEYS[3] scheduler hash (the freeze only)
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua),
 -- ARGV[3] most dependents cancelled in this step (max_cascade)
 -- Returns {'OK', fields...} (`discarded`: the attempts of the whole cascade) or
--- {'ERR', code, detail}
+-- {'ERR', code, detail} (FROZEN: task_lib.lua, check_not_frozen)
+local frozen = check_not_frozen(KEYS[3])
+if frozen then return frozen end
 local now = now_ms(ARGV[1])
 local t = load_hash(KEYS[1])
 if not t then return err('NO_SUCH_TASK') end

@@ -1,13 +1,15 @@
--- Claim a task (mirror of ledger.tasks.claim).
+-- Claim a task (mirror of ledger.tasks.claim), once its bucket admits claims
+-- (claim_admission, task_lib.lua: the operator's pause, a freeze, a bump's barrier).
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] leases index
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] owner,
 -- ARGV[4] ttlMs, ARGV[5] schedulerEpoch, ARGV[6] expectedRevision or '', ARGV[7] new attemptId,
 -- ARGV[8] max ttl ms, ARGV[9] default max runtime ms, ARGV[10] the claiming principal ('' for
 -- none)
 -- Returns {'OK', fields...} (with `discarded` when it took over a claim) or {'ERR', code, detail}
+-- (BARRIER and FROZEN among them: see claim_admission)
 local now = now_ms(ARGV[1])
-local epoch, paused = scheduler(KEYS[2])
-if paused then return err('CLAIMS_PAUSED', 'claims are paused by an operator; retry later') end
+local epoch, barred = claim_admission(KEYS[2], now)
+if not epoch then return barred end
 local t = load_hash(KEYS[1])
 if not t then return err('NO_SUCH_TASK') end
 local req_epoch = tonumber(ARGV[5])

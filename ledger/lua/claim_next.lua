@@ -1,6 +1,7 @@
 -- Claim the best claimable task of a queue (mirror of ledger.tasks.claim_next), from the
 -- queue's indexes (task_lib.lua), never a scan of the queue:
---   1. refusals first, as a claim by id: claims paused, a stale schedulerEpoch;
+--   1. refusals first, as a claim by id: what the bucket admits (claim_admission: claims
+--      paused, a freeze, a bump's barrier), a stale schedulerEpoch;
 --   2. move at most MOVES claims that became claimable from `held` (lease run out) and from
 --      `epochs` (granted under an older epoch) into `ready`;
 --   3. take the head of `ready` and check it against the task (it exists, is in this queue,
@@ -18,8 +19,8 @@ local MOVES, TRIES = 64, 16
 local leases, ready, held, epochs = KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local queue = ARGV[3]
 local now = now_ms(ARGV[1])
-local epoch, paused = scheduler(KEYS[1])
-if paused then return err('CLAIMS_PAUSED', 'claims are paused by an operator; retry later') end
+local epoch, barred = claim_admission(KEYS[1], now)
+if not epoch then return barred end
 if tonumber(ARGV[6]) ~= epoch then
   return err('STALE_EPOCH', 'schedulerEpoch ' .. ARGV[6] .. ' is not the current ' .. s(epoch))
 end

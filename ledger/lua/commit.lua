@@ -7,9 +7,11 @@
 -- ARGV[7] inputDigest, ARGV[8] resultDigest, ARGV[9] new commitId, ARGV[10] result JSON or ''
 -- for none, ARGV[11] the caller's principal ('' for none), ARGV[12] the attempt's cost since
 -- its last report (JSON object) or ''
--- Returns {'OK'|'REPLAY', fields...} or {'ERR', code, detail}
+-- Returns {'OK'|'REPLAY', fields...} or {'ERR', code, detail} (FROZEN: task_lib.lua,
+-- step_epoch)
 local now = now_ms(ARGV[1])
-local epoch = scheduler(KEYS[2])
+local epoch, frozen = step_epoch(KEYS[2])
+if not epoch then return frozen end
 local t = load_hash(KEYS[1])
 local generation = tonumber(ARGV[4])
 if t and t.state == 'COMMITTED' and t.commit_id and t.commit_attempt_id == ARGV[3]

@@ -101,7 +101,8 @@ local function index_lease(key, t)
   end
 end
 
--- The global scheduler record: epoch (default 1) and the claims-paused flag.
+-- The scheduler record: epoch (default 1) and the claims-paused flag (on a Redis Cluster, the
+-- bucket's copy of it; task_lib.lua reads the rest of a copy, scheduler.lua writes it).
 local function scheduler(key)
   local e = redis.call('HMGET', key, 'epoch', 'paused')
   return tonumber(e[1] or '1'), e[2] == '1'

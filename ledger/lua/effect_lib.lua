@@ -98,6 +98,8 @@ end
 -- Where a record stood in the indexes before a step: its state and whether it awaited an
 -- approval. NEW_RECORD is a record that did not exist (so it was in no index).
 local NEW_RECORD = {state = '', awaiting = false}
+-- A PREPARED record (one a gateway holds from its prepare, complete.lua).
+local HELD_RECORD = {state = 'PREPARED', awaiting = false}
 local function index_state(e)
   return {state = e.state, awaiting = is_awaiting_approval(e)}
 end

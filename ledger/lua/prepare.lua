@@ -18,9 +18,14 @@
 -- know), ARGV[18] the effectId the gateway computed from that revision (ledger.effects.effect_id),
 -- ARGV[19] the request's approval digest (ledger.effects.approval_digest; '' when it is the
 -- payload digest), ARGV[20] the request as forwarded (ledger.requests; '' when its
--- downstream keeps no request bodies): the record's ``request`` from this forward on
+-- downstream keeps no request bodies): the record's ``request`` from this forward on,
+-- ARGV[21] the new record as the gateway built it (RedisStore._new_forward, mirroring the
+-- decision below for a record that does not exist yet, with no approval required), up to its
+-- times: used only when the record does not exist and its id is ARGV[18]; '' for none,
+-- ARGV[22] that record's event up to its time
 -- Returns {'FORWARD'|'REPLAY', record}, {'REJECT', code, detail, retryAfterMs or '', record},
--- or {'ERR', code, detail} when the claim itself is refused; record is the effect record as
+-- {'NEW', now} when ARGV[21]'s record was stored (the gateway completes it with now), or
+-- {'ERR', code, detail} when the claim itself is refused; record is the effect record as
 -- stored (cjson text): one bulk string instead of ~50 field/value pairs to build and parse.
 local task_key, scheduler_key, effects_key = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
@@ -71,6 +76,21 @@ else
   eid = effect_id(t.task_id, t.revision, node, slot)
 end
 local raw = redis.call('HGET', effects_key, eid)
+if not raw and ARGV[21] ~= '' and eid == ARGV[18] and not require_approval then
+  -- A new effect forwarded at once (the common case): the record the gateway built, with
+  -- this step's times, and what the general path below does for it (the creation indexes,
+  -- the prepared index, the event), without building, deciding and encoding it here.
+  local n = s(now)
+  local deadline = s(now + tonumber(deadline_ms))
+  redis.call('ZADD', effects_order, 0, string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id)
+  redis.call('HSET', effect_tasks, eid, t.task_id)
+  redis.call('ZADD', effect_ids, 0, eid)
+  redis.call('HSET', effects_key, eid, ARGV[21] .. n .. '","updated_at":"' .. n
+    .. '","a0_started_at":"' .. n .. '","deadline_at":"' .. deadline .. '"}')
+  redis.call('ZADD', index.prepared, deadline, eid)
+  redis.call('XADD', index.events, '*', 'e', ARGV[22] .. n .. '}')
+  return {'NEW', n}
+end
 local e
 local changed
 local prior = NEW_RECORD

@@ -1,7 +1,8 @@
 -- Create a task or open a new revision (mirror of ledger.tasks.put, with the dependency rules
 -- of ledger.sql_steps.put_task: check the new dependencies, keep the dependents sets, and send
 -- the open dependents of a committed task's new revision back to WAITING).
--- KEYS[1] task hash, KEYS[2] leases index, KEYS[3] tasks index (every task id, score 0)
+-- KEYS[1] task hash, KEYS[2] leases index, KEYS[3] tasks index (every task id, score 0),
+-- KEYS[4] scheduler hash (the freeze only)
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] taskId,
 -- ARGV[4] inputDigest, ARGV[5] maxRuntimeMs or '', ARGV[6] queue or '' (not given),
 -- ARGV[7] priority or '' (not given), ARGV[8] dependsOn as a JSON array, duplicates removed,
@@ -13,7 +14,9 @@
 -- Returns {'CREATED'|'REVISED'|'UNCHANGED', fields...} (with `discarded` when attempts were
 -- superseded), {'EXPIRED', tombstone fields...} when the task expired and this is its input
 -- again (the gateway raises ledger.tasks.expired_task from the fields, so the text is the
--- model's), or {'ERR', code, detail}
+-- model's), or {'ERR', code, detail} (FROZEN: task_lib.lua, check_not_frozen)
+local frozen = check_not_frozen(KEYS[4])
+if frozen then return frozen end
 local task_id = ARGV[3]
 local now = now_ms(ARGV[1])
 local found = load_hash(KEYS[1])

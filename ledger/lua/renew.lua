@@ -4,9 +4,10 @@
 -- ARGV[4] claimGeneration, ARGV[5] owner, ARGV[6] schedulerEpoch, ARGV[7] cancelGeneration,
 -- ARGV[8] ttlMs, ARGV[9] max ttl ms, ARGV[10] default max runtime ms, ARGV[11] the caller's
 -- principal ('' for none), ARGV[12] the attempt's cost since its last report (JSON object) or ''
--- Returns {'OK', fields...} or {'ERR', code, detail}
+-- Returns {'OK', fields...} or {'ERR', code, detail} (FROZEN: task_lib.lua, step_epoch)
 local now = now_ms(ARGV[1])
-local epoch = scheduler(KEYS[2])
+local epoch, frozen = step_epoch(KEYS[2])
+if not epoch then return frozen end
 local t = load_hash(KEYS[1])
 local bad = check_holder(t, ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[7]), true, epoch,
   tonumber(ARGV[6]), ARGV[11])

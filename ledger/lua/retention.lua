@@ -18,12 +18,15 @@
 -- (creation order), KEYS[5] effectId -> taskId hash, KEYS[6] prepared index, KEYS[7] unknown
 -- index, KEYS[8] awaiting-approval index, KEYS[9] probe-due index, KEYS[10] task tombstones
 -- index, KEYS[11] effect tombstones index, KEYS[12] keyed-settled index, KEYS[13] effect ids
--- index
+-- index, KEYS[14] scheduler hash (the freeze only)
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] settled_ms,
 -- ARGV[4] tombstone_ms, ARGV[5] limit
 -- Returns {examined (tasks and keyed effects), expired tasks, expired effects (with their
 --          tasks and keyed), forgotten tombstones, reason, count, reason, count, ...} (the
---          tasks and keyed effects kept, by why_kept's and why_kept_keyed's reason)
+--          tasks and keyed effects kept, by why_kept's and why_kept_keyed's reason), or
+--          {'ERR', 'FROZEN', detail} (task_lib.lua, check_not_frozen)
+local frozen = check_not_frozen(KEYS[14])
+if frozen then return frozen end
 local settled, leases, tasks_index = KEYS[1], KEYS[2], KEYS[3]
 local effects_order, effect_tasks = KEYS[4], KEYS[5]
 local prepared, unknown, awaiting, probe_due = KEYS[6], KEYS[7], KEYS[8], KEYS[9]

@@ -5,11 +5,13 @@
 -- task's state is read inside the step that indexes it, so a task revised meanwhile is never
 -- indexed as settled; NX keeps the due_at of a task task_lib.lua indexed (or the sweep moved)
 -- already.
--- KEYS[1] tasks index, KEYS[2] settled index
+-- KEYS[1] tasks index, KEYS[2] settled index, KEYS[3] scheduler hash (the freeze only)
 -- ARGV[1] test clock (unused), ARGV[2] key prefix (see task_lib.lua), ARGV[3] the last task
 -- id of the previous batch ('' to start), ARGV[4] batch size
 -- Returns {the last task id of this batch ('' when it was empty), how many it read,
---          how many it added}
+--          how many it added}, or {'ERR', 'FROZEN', detail} (task_lib.lua, check_not_frozen)
+local frozen = check_not_frozen(KEYS[3])
+if frozen then return frozen end
 local start = '-'
 if ARGV[3] ~= '' then start = '(' .. ARGV[3] end
 local ids = redis.call('ZRANGEBYLEX', KEYS[1], start, '+', 'LIMIT', 0, tonumber(ARGV[4]))

@@ -2,8 +2,9 @@
 -- is computed inside the same script that reads the task's current revision.
 -- Checked against hashlib in tests/test_effect_ids.py.
 
-local band, bor, bxor, bnot = bit.band, bit.bor, bit.bxor, bit.bnot
-local rshift, ror, tobit, tohex = bit.rshift, bit.ror, bit.tobit, bit.tohex
+-- Bound on first use, like SHA256_K: a Redis Functions library (ledger.redis_store.
+-- library_source) has no `bit` while it loads, only when its functions run.
+local band, bor, bxor, bnot, rshift, ror, tobit, tohex
 
 -- Built on first use: the gateway usually sends the effectId (prepare.lua), and a script
 -- pays for every table it builds on every run.
@@ -11,6 +12,8 @@ local SHA256_K = nil
 
 local function sha256_hex(msg)
   if not SHA256_K then
+    band, bor, bxor, bnot = bit.band, bit.bor, bit.bxor, bit.bnot
+    rshift, ror, tobit, tohex = bit.rshift, bit.ror, bit.tobit, bit.tohex
     SHA256_K = {
       0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
       0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,

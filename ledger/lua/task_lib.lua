@@ -6,8 +6,9 @@
 -- and builds the keys of other tasks, queues and the event stream from it with `K`, the key
 -- layout rendered from ledger/keys.py just before this file (ledger.keys.lua_key_helpers;
 -- no Lua file retypes a key). That is what lets one script follow a dependency or a queue to
--- tasks it was not given in KEYS: fencegate supports a single Redis (or a primary with
--- replicas), not Cluster (see ledger/redis_store.py).
+-- tasks it was not given in KEYS. On a Redis Cluster that is one bucket's keys, in one slot
+-- (ledger/buckets.py): safe as long as the slot does not move under the script, which the
+-- freeze below sees to.
 
 local task_key, dependents_key = K.task, K.dependents
 local QUEUE_KEYS = {ready = K.queue_ready, held = K.queue_held, epochs = K.queue_epochs}
@@ -20,6 +21,66 @@ local CASCADES = K.cascades
 local SETTLED = K.settled
 local tombstone_key = K.tombstone
 local TASK_TOMBSTONES = K.task_tombstones
+
+-- --- the bucket's scheduler copy (ledger.scheduler_copies) ------------------------------------
+
+-- A bucket whose slot is moving to another node (a Redis Cluster slot migration) is frozen:
+-- the cluster store sets its scheduler copy's `frozen` field (scheduler.lua's 'freeze')
+-- before the first key moves and clears it once the slot is the new node's. A script that
+-- touches a key it did not declare in KEYS (another task, a queue index, the feed, ...)
+-- fails at that key once it has moved, after the writes it already made, and on the
+-- importing node reads a key not moved yet as missing; a declared key is safe (Redis
+-- answers TRYAGAIN or ASK before the script runs). So every task script declares its
+-- bucket's scheduler hash and refuses FROZEN while the field is set, before any write and
+-- before any key it did not declare. On one Redis the field is never set.
+local function frozen_refusal()
+  return err('FROZEN', 'the bucket is moving to another node')
+end
+
+-- The freeze check of the scripts that read nothing else of the scheduler: one HGET.
+-- Returns an error reply or nil.
+local function check_not_frozen(scheduler_key)
+  local frozen = redis.call('HGET', scheduler_key, 'frozen')
+  if frozen and frozen ~= '' then return frozen_refusal() end
+  return nil
+end
+
+-- The bucket's scheduler copy as a task step reads it, in one HMGET: the epoch (default 1),
+-- the operator's pause, the bump's barrier (ledger.scheduler_copies.Copy: barrier_target and
+-- barrier_until_ms, both or neither) and the freeze.
+local function scheduler_copy(key)
+  local v = redis.call('HMGET', key, 'epoch', 'paused', 'barrier_target', 'barrier_until_ms',
+    'frozen')
+  return {epoch = tonumber(v[1] or '1'), paused = v[2] == '1', barrier_target = num(v[3]),
+          barrier_until_ms = num(v[4]), frozen = v[5] ~= false and v[5] ~= ''}
+end
+
+-- The epoch a renew or a commit is checked against, or nil and the FROZEN refusal.
+local function step_epoch(key)
+  local copy = scheduler_copy(key)
+  if copy.frozen then return nil, frozen_refusal() end
+  return copy.epoch, nil
+end
+
+-- Mirror of ledger.scheduler_copies.claim_admission, with the freeze: what a claim (by id or
+-- from a queue) meets in its bucket before anything else is read. The operator's pause first
+-- (CLAIMS_PAUSED, the answer a caller can act on; ledger.tasks.claim's words), then a frozen
+-- bucket, then a barrier that still holds (barrier_holds: now before its deadline), answered
+-- BARRIER with the bump's target and how long it holds at most: never a client's answer, the
+-- cluster store retries the claim (RedisStore maps it to errors.BumpBarrier). Returns the
+-- epoch to claim under (Admit), or nil and the refusal.
+local function claim_admission(key, now)
+  local copy = scheduler_copy(key)
+  if copy.paused then
+    return nil, err('CLAIMS_PAUSED', 'claims are paused by an operator; retry later')
+  end
+  if copy.frozen then return nil, frozen_refusal() end
+  if copy.barrier_until_ms ~= nil and now < copy.barrier_until_ms then
+    return nil, err('BARRIER', 'an epoch bump to ' .. s(copy.barrier_target) .. ' is in progress',
+      'target', s(copy.barrier_target), 'retryAfterMs', s(copy.barrier_until_ms - now))
+  end
+  return copy.epoch, nil
+end
 
 -- States the dependency rules change (ledger.tasks._OPEN).
 local OPEN = {WAITING = true, READY = true, CLAIMED = true}
