@@ -58,7 +58,7 @@ import asyncio
 import contextlib
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -93,6 +93,7 @@ __all__ = [
     "Replies",
     "Routed",
     "RouterStats",
+    "parse_authority",
     "parse_cluster_url",
     "slot_of",
 ]
@@ -190,44 +191,52 @@ def parse_cluster_url(url: str) -> tuple[list[Address], str | None, ClusterOptio
             f"redis+cluster:// takes no database ({'/' + path!r}): a Redis Cluster has only "
             "database 0"
         )
+    nodes, username = parse_authority(authority, _DEFAULT_PORT, "redis+cluster", "node", bad)
+    if len(set(nodes)) != len(nodes):
+        raise bad("a node is listed twice")
+    return nodes, username, options
+
+
+def parse_authority(
+    authority: str, default_port: int, what: str, item: str, bad: Callable[[str], ValueError]
+) -> tuple[list[Address], str | None]:
+    """The ``[USER@]H1:P1,H2:P2,...`` of a ``redis+cluster://`` or ``redis+sentinel://`` URL
+    (``what`` names the URL, ``item`` one address in the refusals; IPv6 in brackets; a
+    missing port is ``default_port``): the addresses and the ACL user. A password is refused:
+    it comes from ``store.password_env``, never from a URL that lands in configs and logs."""
     userinfo, at, hosts = authority.rpartition("@")
     username = None
     if at:
         if ":" in userinfo:
             raise bad(
-                "a password in the redis+cluster url is refused: set store.password_env to the "
+                f"a password in the {what} url is refused: set store.password_env to the "
                 "name of an environment variable holding it"
             )
         if not _USER.fullmatch(userinfo):
             raise bad(f"{userinfo!r} is not a user name")
         username = userinfo
     if not hosts:
-        raise bad("no node is named")
-    nodes: list[Address] = []
-    for item in hosts.split(","):
-        nodes.append(_node(item, bad))
-    if len(set(nodes)) != len(nodes):
-        raise bad("a node is listed twice")
-    return nodes, username, options
+        raise bad(f"no {item} is named")
+    return [_address(one, default_port, item, bad) for one in hosts.split(",")], username
 
 
-def _node(item: str, bad: Any) -> Address:
-    host, port = item, str(_DEFAULT_PORT)
-    if item.startswith("["):
-        end = item.find("]")
+def _address(one: str, default_port: int, item: str, bad: Callable[[str], ValueError]) -> Address:
+    host, port = one, str(default_port)
+    if one.startswith("["):
+        end = one.find("]")
         if end < 0:
-            raise bad(f"node address {item!r} is not HOST:PORT")
-        host, tail = item[: end + 1], item[end + 1 :]
+            raise bad(f"{item} address {one!r} is not HOST:PORT")
+        host, tail = one[: end + 1], one[end + 1 :]
         if tail:
             if not tail.startswith(":"):
-                raise bad(f"node address {item!r} is not HOST:PORT")
+                raise bad(f"{item} address {one!r} is not HOST:PORT")
             port = tail[1:]
-    elif ":" in item:
-        host, _, port = item.rpartition(":")
+    elif ":" in one:
+        host, _, port = one.rpartition(":")
     if not host or not _HOST.fullmatch(host):
-        raise bad(f"node address {item!r} is not HOST:PORT")
+        raise bad(f"{item} address {one!r} is not HOST:PORT")
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise bad(f"node address {item!r} has no valid port")
+        raise bad(f"{item} address {one!r} has no valid port")
     return host.strip("[]"), int(port)
 
 

@@ -95,7 +95,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
 from fencegate.ledger import effects, keys, queries
-from fencegate.ledger.cluster_router import ClusterUnavailable, slot_of
+from fencegate.ledger.cluster_router import ClusterUnavailable, parse_authority, slot_of
 from fencegate.ledger.effects import (
     Action,
     Effect,
@@ -600,9 +600,7 @@ def split_pipeline_option(url: str) -> tuple[str, bool | None]:
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_FORM = "redis+sentinel://[USER@]HOST1:PORT1,HOST2:PORT2,.../MASTER_NAME[/DB]"
 _SENTINEL_PORT = 26379
-_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+")
 _MASTER_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_USER = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -633,34 +631,9 @@ def parse_sentinel_url(url: str) -> SentinelSpec:
     if "#" in rest:
         raise bad("a fragment (#...) is not part of the form")
     authority, _, path = rest.partition("/")
-    userinfo, at, hosts = authority.rpartition("@")
-    username = None
-    if at:
-        if ":" in userinfo:
-            raise bad(
-                "a password in the Redis Sentinel url is refused: set store.password_env to the "
-                "name of an environment variable holding it"
-            )
-        if not _USER.fullmatch(userinfo):
-            raise bad(f"{userinfo!r} is not a user name")
-        username = userinfo
-    sentinels: list[tuple[str, int]] = []
-    for item in hosts.split(","):
-        host, port = item, str(_SENTINEL_PORT)
-        if item.startswith("["):
-            end = item.find("]")
-            host, tail = item[: end + 1], item[end + 1 :]
-            if tail:
-                if not tail.startswith(":"):
-                    raise bad(f"sentinel address {item!r} is not HOST:PORT")
-                port = tail[1:]
-        elif ":" in item:
-            host, _, port = item.rpartition(":")
-        if not host or not _HOST.fullmatch(host):
-            raise bad(f"sentinel address {item!r} is not HOST:PORT")
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise bad(f"sentinel address {item!r} has no valid port")
-        sentinels.append((host.strip("[]"), int(port)))
+    sentinels, username = parse_authority(
+        authority, _SENTINEL_PORT, "Redis Sentinel", "sentinel", bad
+    )
     parts = path.split("/") if path else []
     if not parts or not parts[0]:
         raise bad("the master's name (as in the sentinels' `sentinel monitor`) is missing")

@@ -21,7 +21,6 @@ is waited for, with a deadline that only bounds a hang.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +29,14 @@ from pathlib import Path
 
 import redis
 
-from tests.servers import PortTaken, _Child, dies_with_us, free_port, wait_for_redis
+from tests.servers import (
+    PortTaken,
+    _Child,
+    dies_with_us,
+    free_port,
+    redis_server_binary,
+    wait_for_redis,
+)
 
 __all__ = ["NODE_TIMEOUT_MS", "SLOTS", "ClusterNode", "ClusterServers", "SlotMigration"]
 
@@ -54,15 +60,6 @@ _DATA = [
     # A restarted or orphaned node stays where the test put it.
     "cluster-allow-replica-migration no",
 ]
-
-
-def _binary() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError(
-            "redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)"
-        )
-    return binary
 
 
 class ClusterNode(_Child):
@@ -118,7 +115,7 @@ class ClusterNode(_Child):
         for _ in range(5):
             log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
             self.proc = subprocess.Popen(
-                dies_with_us([_binary(), str(self.config_path)]),
+                dies_with_us([redis_server_binary(), str(self.config_path)]),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import subprocess
 import threading
 import time
@@ -28,22 +27,20 @@ from pathlib import Path
 
 import redis
 
-from tests.servers import PortTaken, _Child, dies_with_us, free_port, wait_for_redis
+from tests.servers import (
+    PortTaken,
+    _Child,
+    dies_with_us,
+    free_port,
+    redis_server_binary,
+    wait_for_redis,
+)
 
 __all__ = ["MASTER_NAME", "MasterRelay", "SentinelCluster"]
 
 MASTER_NAME = "mymaster"
 DOWN_AFTER_MS = 1_000
 FAILOVER_TIMEOUT_MS = 5_000
-
-
-def _binary() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError(
-            "redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)"
-        )
-    return binary
 
 
 class _Node(_Child):
@@ -80,7 +77,7 @@ class _Node(_Child):
         """Start (or restart, on its port) and wait until it answers. The port was free when
         it was picked: taken meanwhile, the first start tries another one."""
         for _ in range(5):
-            args = [_binary(), str(self.config_path)]
+            args = [redis_server_binary(), str(self.config_path)]
             if self.sentinel:
                 args.append("--sentinel")
             log_from = self.log_path.stat().st_size if self.log_path.exists() else 0

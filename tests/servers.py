@@ -169,15 +169,19 @@ def _says_port_taken(log: Path, log_from: int) -> bool:
         return b"address already in use" in file.read().lower()
 
 
+def redis_server_binary() -> str:
+    """The ``redis-server`` every test server runs (plain, Sentinel and cluster nodes)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError(
+            "redis-server is not installed; .ci/run installs it (apt-get install -y redis-server)"
+        )
+    return binary
+
+
 class RedisServer(_Child):
     def __init__(self, directory: Path, *, appendonly: bool = True) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError(
-                "redis-server is not installed; .ci/run installs it (apt-get install -y "
-                "redis-server)"
-            )
-        self.binary = binary
+        self.binary = redis_server_binary()
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
