@@ -193,7 +193,8 @@ def copy(args: argparse.Namespace) -> int:
 def move_slot(args: argparse.Namespace) -> int:
     """``fencegate store move-slot SLOT --to HOST:PORT`` (``ledger.cluster_moves``): exit 0
     moved (or found there), 1 a move that stopped or a cluster unreachable (run it again: it
-    goes on, and the slot's buckets stay frozen until it ends), 2 a config, ``SLOT`` or
+    goes on, and the slot's buckets stay frozen until it ends), 2 a move refused before
+    anything was frozen (``--to`` not a primary), a config, ``SLOT`` or
     ``--to`` that cannot be used."""
     from redis.exceptions import RedisError
 
@@ -233,6 +234,9 @@ def move_slot(args: argparse.Namespace) -> int:
 
     try:
         report = _on_store(command, config, move)
+    except cluster_moves.MoveRefused as exc:
+        print(f"{command}: {exc}; nothing was frozen or moved", file=sys.stderr)
+        return 2
     except (cluster_moves.MoveFailed, RedisError) as exc:
         print(f"{command}: {exc}; run it again (it goes on from where it stopped; the "
               "slot's buckets stay frozen until it ends)", file=sys.stderr)  # fmt: skip

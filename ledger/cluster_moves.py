@@ -43,6 +43,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import ResponseError
+
 from fencegate.ledger.buckets import CLUSTER_SLOTS, bucket_tag, slot_of
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ __all__ = [
     "MIGRATE_BATCH",
     "Freeze",
     "MoveFailed",
+    "MoveRefused",
     "MoveReport",
     "buckets_in_slot",
     "move_bucket_slot",
@@ -74,8 +77,14 @@ Freeze = Callable[[bool], Awaitable[object]]
 
 
 class MoveFailed(Exception):
-    """The move cannot be made as asked (not a slot, no such primary, a node that refuses),
-    or it stopped half way: run it again (it goes on from where it is)."""
+    """The move stopped half way (a node that refuses, the cluster unreachable): run it again
+    (it goes on from where it is)."""
+
+
+class MoveRefused(MoveFailed):
+    """The move cannot be made as asked (not a slot, the target not a primary, a slot claimed
+    by several primaries), found before anything was frozen: running it again as it is will
+    not help."""
 
 
 @dataclass(slots=True)
@@ -236,7 +245,7 @@ async def move_bucket_slot(
     ``after_batch(n)``: awaited after the n-th batch (tests stop a move half way with it).
     MoveFailed, or the driver's error, leaves the move where it stopped: run it again."""
     if not 0 <= slot < CLUSTER_SLOTS:
-        raise MoveFailed(f"slot {slot} is not a slot (0..{CLUSTER_SLOTS - 1})")
+        raise MoveRefused(f"slot {slot} is not a slot (0..{CLUSTER_SLOTS - 1})")
     target = parse_node(target_node) if isinstance(target_node, str) else target_node
     name = f"{target[0]}:{target[1]}"
 
@@ -250,11 +259,13 @@ async def move_bucket_slot(
         owns = await _primaries(router, slot, target)
     except MoveFailed:
         raise
+    except ResponseError as exc:  # a node that answers but refuses: running again won't help
+        raise MoveRefused(f"{name} or a node of the cluster refused CLUSTER NODES ({exc})") from exc
     except Exception as exc:
         raise MoveFailed(f"the cluster did not answer ({type(exc).__name__}: {exc})") from exc
     to = next((own for own in owns if own.address == target), None)
     if to is None:
-        raise MoveFailed(f"{name} is not a primary of the cluster (CLUSTER NODES)")
+        raise MoveRefused(f"{name} is not a primary of the cluster (CLUSTER NODES)")
     sources = [own for own in owns if own.owns and own.node_id != to.node_id]
     pending = any(own.migrating_to or own.importing_from for own in owns)
     if not sources and to.owns and not pending:
@@ -263,7 +274,7 @@ async def move_bucket_slot(
         note(f"slot {slot} is on {name}")
         return report
     if len(sources) > 1:
-        raise MoveFailed(
+        raise MoveRefused(
             f"slot {slot} is claimed by several primaries "
             f"({', '.join(f'{s.address[0]}:{s.address[1]}' for s in sources)}): "
             "let the cluster settle (CLUSTER NODES), then run the move again"

@@ -21,7 +21,7 @@ import pytest
 
 from fencegate.ledger.buckets import bucket_of_task, bucket_tag, slot_of
 from fencegate.ledger.cluster_moves import (
-    MoveFailed,
+    MoveRefused,
     buckets_in_slot,
     move_bucket_slot,
     parse_node,
@@ -244,9 +244,9 @@ async def test_a_move_to_a_replica_or_of_no_slot_is_refused_and_changes_nothing(
     async def freeze(frozen: bool) -> None:
         calls.append(frozen)
 
-    with pytest.raises(MoveFailed, match="is not a primary"):
+    with pytest.raises(MoveRefused, match="is not a primary"):
         await move_bucket_slot(router, slot, replica.address, freeze)
-    with pytest.raises(MoveFailed, match="not a slot"):
+    with pytest.raises(MoveRefused, match="not a slot"):
         await move_bucket_slot(router, 16_384, source.address, freeze)
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_node("nowhere")

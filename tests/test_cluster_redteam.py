@@ -411,7 +411,9 @@ async def test_move_slot_to_a_replica_or_a_plain_redis_is_refused_and_moves_noth
         done = await asyncio.to_thread(
             _store_cli, "move-slot", str(slot), "--to", to, "--config", str(config)
         )
-        assert done.returncode in (1, 2), done.stderr
+        # Refused before anything was frozen: a usage error, never "run it again".
+        assert done.returncode == 2, done.stderr
+        assert "nothing was frozen or moved" in done.stderr and "run it again" not in done.stderr
         assert "Traceback" not in done.stderr
         assert redis_cluster.primary_of(slot) is before
 
