@@ -2135,9 +2135,11 @@ class RedisStore(Store):
             await self._index_old_effects()
         reply = await self._script(
             "effect_prefix",
-            [self._keys.effect_ids, self._keys.effect_tasks],
+            [self._keys.effect_ids, self._keys.effect_tasks, self._keys.scheduler],
             [self._keys.prefix, prefix, limit],
         )
+        if len(reply) == 3 and reply[0] == "ERR" and reply[1] == "FROZEN":
+            raise StoreUnavailable(f"nothing was read; {reply[2]}: retry")
         return [str(effect_id) for effect_id in reply]
 
     async def list_effects(

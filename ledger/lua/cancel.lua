@@ -5,7 +5,7 @@
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua),
 -- ARGV[3] most dependents cancelled in this step (max_cascade)
 -- Returns {'OK', fields...} (`discarded`: the attempts of the whole cascade) or
--- {'ERR', code, detail} (FROZEN: task_lib.lua, check_not_frozen)
+-- {'ERR', code, detail} (FROZEN: common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[3])
 if frozen then return frozen end
 local now = now_ms(ARGV[1])

@@ -4,7 +4,7 @@
 -- KEYS[1] leases index, KEYS[2] scheduler hash (the freeze only)
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] limit
 -- Returns how many records and cancels it handled (0: nothing was pending), or
--- {'ERR', 'FROZEN', detail} (task_lib.lua, check_not_frozen)
+-- {'ERR', 'FROZEN', detail} (common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[2])
 if frozen then return frozen end
 local now = now_ms(ARGV[1])

@@ -4,11 +4,15 @@
 -- retention removed (it did not know the index), so an id counts only while the
 -- effectId -> taskId hash still names it, or its keyed record (K.keyed_effect, which has no
 -- entry there) exists. At most SCAN_MOST index entries are read.
--- KEYS[1] effect ids index (zset, all scores 0), KEYS[2] effectId -> taskId hash
+-- KEYS[1] effect ids index (zset, all scores 0), KEYS[2] effectId -> taskId hash,
+-- KEYS[3] the bucket's scheduler hash: refused FROZEN while its slot moves (common.lua), since
+-- K.keyed_effect(id) is a key this script does not declare
 -- ARGV[1] test clock (unused: nothing here is timed), ARGV[2] key prefix (the key layout's P),
 -- ARGV[3] prefix (lowercase hex), ARGV[4] the most ids to return
--- Returns the ids
+-- Returns the ids, or {'ERR', 'FROZEN', detail}
 local ids_index, effect_tasks = KEYS[1], KEYS[2]
+local refused = check_not_frozen(KEYS[3])
+if refused then return refused end
 local prefix, want = ARGV[3], tonumber(ARGV[4])
 local low, high = '[' .. prefix, '(' .. prefix .. 'g'
 local BATCH, SCAN_MOST = 64, 1024

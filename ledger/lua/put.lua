@@ -14,7 +14,7 @@
 -- Returns {'CREATED'|'REVISED'|'UNCHANGED', fields...} (with `discarded` when attempts were
 -- superseded), {'EXPIRED', tombstone fields...} when the task expired and this is its input
 -- again (the gateway raises ledger.tasks.expired_task from the fields, so the text is the
--- model's), or {'ERR', code, detail} (FROZEN: task_lib.lua, check_not_frozen)
+-- model's), or {'ERR', code, detail} (FROZEN: common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[4])
 if frozen then return frozen end
 local task_id = ARGV[3]

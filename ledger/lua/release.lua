@@ -3,7 +3,7 @@
 -- ARGV[1] test clock (see now_ms), ARGV[2] key prefix (see task_lib.lua), ARGV[3] attemptId,
 -- ARGV[4] claimGeneration, ARGV[5] owner, ARGV[6] cancelGeneration, ARGV[7] the caller's
 -- principal ('' for none)
--- Returns {'OK', fields...} or {'ERR', code, detail} (FROZEN: task_lib.lua, check_not_frozen)
+-- Returns {'OK', fields...} or {'ERR', code, detail} (FROZEN: common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[3])
 if frozen then return frozen end
 local now = now_ms(ARGV[1])

@@ -24,7 +24,7 @@
 -- Returns {examined (tasks and keyed effects), expired tasks, expired effects (with their
 --          tasks and keyed), forgotten tombstones, reason, count, reason, count, ...} (the
 --          tasks and keyed effects kept, by why_kept's and why_kept_keyed's reason), or
---          {'ERR', 'FROZEN', detail} (task_lib.lua, check_not_frozen)
+--          {'ERR', 'FROZEN', detail} (common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[14])
 if frozen then return frozen end
 local settled, leases, tasks_index = KEYS[1], KEYS[2], KEYS[3]

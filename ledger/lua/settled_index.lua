@@ -9,7 +9,7 @@
 -- ARGV[1] test clock (unused), ARGV[2] key prefix (see task_lib.lua), ARGV[3] the last task
 -- id of the previous batch ('' to start), ARGV[4] batch size
 -- Returns {the last task id of this batch ('' when it was empty), how many it read,
---          how many it added}, or {'ERR', 'FROZEN', detail} (task_lib.lua, check_not_frozen)
+--          how many it added}, or {'ERR', 'FROZEN', detail} (common.lua, check_not_frozen)
 local frozen = check_not_frozen(KEYS[3])
 if frozen then return frozen end
 local start = '-'

@@ -24,26 +24,8 @@ local TASK_TOMBSTONES = K.task_tombstones
 
 -- --- the bucket's scheduler copy (ledger.scheduler_copies) ------------------------------------
 
--- A bucket whose slot is moving to another node (a Redis Cluster slot migration) is frozen:
--- the cluster store sets its scheduler copy's `frozen` field (scheduler.lua's 'freeze')
--- before the first key moves and clears it once the slot is the new node's. A script that
--- touches a key it did not declare in KEYS (another task, a queue index, the feed, ...)
--- fails at that key once it has moved, after the writes it already made, and on the
--- importing node reads a key not moved yet as missing; a declared key is safe (Redis
--- answers TRYAGAIN or ASK before the script runs). So every task script declares its
--- bucket's scheduler hash and refuses FROZEN while the field is set, before any write and
--- before any key it did not declare. On one Redis the field is never set.
-local function frozen_refusal()
-  return err('FROZEN', 'the bucket is moving to another node')
-end
-
--- The freeze check of the scripts that read nothing else of the scheduler: one HGET.
--- Returns an error reply or nil.
-local function check_not_frozen(scheduler_key)
-  local frozen = redis.call('HGET', scheduler_key, 'frozen')
-  if frozen and frozen ~= '' then return frozen_refusal() end
-  return nil
-end
+-- The freeze (a Redis Cluster slot migration): common.lua's frozen_refusal and
+-- check_not_frozen.
 
 -- The bucket's scheduler copy as a task step reads it, in one HMGET: the epoch (default 1),
 -- the operator's pause, the bump's barrier (ledger.scheduler_copies.Copy: barrier_target and
