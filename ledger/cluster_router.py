@@ -118,9 +118,14 @@ _SSL_PARAMS = {
 #: Redirections (MOVED, ASK) one call follows before it gives up: a slot keeps moving, or two
 #: nodes disagree about it. redis-py's ``RedisClusterRequestTTL`` is the same.
 MAX_REDIRECTS = 16
-#: TRYAGAIN backoff: first wait and cap, in seconds (the bound is the router's timeout).
+#: TRYAGAIN backoff: first wait and cap, in seconds.
 _TRYAGAIN_FIRST_S = 0.005
 _TRYAGAIN_CAP_S = 0.1
+#: The share of the router's timeout a call waits out TRYAGAIN before it answers
+#: ``ClusterUnavailable`` (it did not run). Less than all of it: the store bounds each step
+#: by the same timeout, and a step cut off by that bound is told "may or may not have been
+#: applied", which a command Redis refused to run never was.
+_TRYAGAIN_SHARE = 0.5
 
 Address = tuple[str, int]
 
@@ -505,6 +510,10 @@ class ClusterRouter:
             raise reply
         return reply
 
+    def tryagain_deadline(self) -> float:
+        """When a call (or a pipeline) sent now stops waiting out TRYAGAIN (loop time)."""
+        return asyncio.get_running_loop().time() + self._timeout_s * _TRYAGAIN_SHARE
+
     async def _route(
         self,
         slot: int,
@@ -513,12 +522,16 @@ class ClusterRouter:
         error: ResponseError | None = None,
         at: Address | None = None,
         options: Mapping[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> tuple[Any, Any]:
         """The reply (an error reply as a value) and, with ``wait``, the reply of the WAIT
         sent after it on its connection. ``error``: what a pipeline got for this command on
-        the node ``at``, to follow first."""
+        the node ``at``, to follow first. ``deadline`` (loop time): when TRYAGAIN stops being
+        waited out; a pipeline passes one for all the commands it sends again, so their
+        waits together stay within the share of the timeout."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout_s
+        if deadline is None:
+            deadline = self.tryagain_deadline()
         backoff = _TRYAGAIN_FIRST_S
         redirects = reloads = 0
         #: Where to send next (None: the slot's primary), with ASKING, with SCRIPT LOAD.
@@ -574,7 +587,7 @@ class ClusterRouter:
                 if loop.time() + backoff > deadline:
                     raise self._unavailable(
                         f"slot {slot} is being migrated and the command's keys are split "
-                        f"between two nodes (TRYAGAIN for {self._timeout_s:g} s)"
+                        f"between two nodes (TRYAGAIN for {self._timeout_s * _TRYAGAIN_SHARE:g} s)"
                     ) from error
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _TRYAGAIN_CAP_S)
@@ -675,6 +688,7 @@ class ClusterRouter:
         acked: list[Any] = [None] * len(routed)
         if not routed:
             return Replies(results, acked)
+        deadline = self.tryagain_deadline()
         slots = [slot_of(item.slot_key) for item in routed]
         groups: dict[Address, list[int]] = {}
         #: (index, what it got, from which node): sent again one by one after the groups.
@@ -736,7 +750,7 @@ class ClusterRouter:
                     waits = wait if item.writes else None
                     try:
                         results[i], acked[i] = await self._route(
-                            slots[i], item.command, waits, error, at, item.options
+                            slots[i], item.command, waits, error, at, item.options, deadline
                         )
                     except (RedisError, OSError, TimeoutError) as exc:
                         results[i] = exc

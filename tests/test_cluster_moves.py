@@ -156,7 +156,11 @@ async def test_a_slot_moved_under_load_loses_nothing_and_runs_nothing_twice(
 
     async def between(batch: int) -> None:
         if batch == 1:  # the workers meet the freeze while the slot is half moved
-            await asyncio.wait_for(load.met_freeze.wait(), 30)
+            met = asyncio.ensure_future(load.met_freeze.wait())
+            await asyncio.wait([met, running], timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            if running.done():
+                running.result()  # the workers' failure (an answer that may have run), not a hang
+            assert met.done(), "no worker met the freeze"
 
     report = await move_bucket_slot(
         router, slot, target.address, store_freeze(store, slot), batch=5, after_batch=between
