@@ -29,6 +29,7 @@ from pathlib import Path
 
 import redis
 
+from tests.sentinel_servers import DATA_NODE
 from tests.servers import (
     PortTaken,
     _Child,
@@ -48,12 +49,7 @@ SLOTS = 16_384
 MIGRATE_BATCH = 100
 
 _DATA = [
-    'save ""',
-    "appendonly yes",
-    "appendfsync always",
-    "maxmemory-policy noeviction",
-    "repl-diskless-sync no",
-    "repl-diskless-sync-delay 0",
+    *DATA_NODE,
     "cluster-enabled yes",
     "cluster-config-file nodes.conf",
     "cluster-replica-validity-factor 0",

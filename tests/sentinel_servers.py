@@ -186,7 +186,8 @@ class MasterRelay:
             self._loop.close()
 
 
-_DATA = [
+#: A durable data node's config (the cluster nodes of tests/cluster_servers.py add theirs).
+DATA_NODE = [
     'save ""',
     "appendonly yes",
     "appendfsync always",
@@ -217,14 +218,14 @@ class SentinelCluster:
         return f"redis+sentinel://{hosts}/{MASTER_NAME}/0"
 
     def start(self) -> SentinelCluster:
-        master = _Node(self.directory, "master", list(_DATA), sentinel=False)
+        master = _Node(self.directory, "master", list(DATA_NODE), sentinel=False)
         self.data.append(master.start())
         master_port = master.port
         if self.with_relay:
             self.relay = MasterRelay(master.port).start()
             master_port = self.relay.port
         for n in (1, 2):
-            lines = [*_DATA, f"replicaof 127.0.0.1 {master_port}"]
+            lines = [*DATA_NODE, f"replicaof 127.0.0.1 {master_port}"]
             self.data.append(_Node(self.directory, f"replica{n}", lines, sentinel=False).start())
         self._wait(lambda: self._replicas_online(master) == 2, "the replicas to sync")
         for n in (1, 2, 3):
