@@ -34,6 +34,7 @@ from fencegate.gateway.mcp import mcp_handler
 from fencegate.gateway.mcp_sessions import SESSION_IDS, SessionIds, session_key, wrap_answer
 from fencegate.gateway.mcp_streams import STREAMS, StreamRegistry
 from fencegate.gateway.metrics import CONTENT_TYPE, Metrics
+from fencegate.gateway.principals import REAL_TIME, WallClock
 from fencegate.gateway.problems import error_middleware
 from fencegate.gateway.proxy import proxy_answer_headers, proxy_handler
 from fencegate.gateway.reconcile import Reconciler
@@ -114,11 +115,13 @@ def create_app(
     store: Store | None = None,
     *,
     forward_clock: Callable[[], float] = time.monotonic,
+    wall_clock: WallClock = REAL_TIME,
 ) -> web.Application:
     """The gateway for ``config``. Tests pass their own ``store`` to drive its test clock, and
     may pass the clock ``/proxy`` measures a forward's window on (``FORWARD_CLOCK``): one
     that stands still lets a loaded machine's slow prepare start its forward all the same,
-    where the start limit is not what a test is about."""
+    where the start limit is not what a test is about. ``wall_clock``: what an OAuth token's
+    ``exp`` is read against and waited for (a test's stands still until it moves it)."""
     middlewares: list[Middleware] = [error_middleware]
     if config.tracing is not None:  # outermost: the request's span sees its final answer
         middlewares.insert(0, tracing.server_spans)
@@ -126,7 +129,9 @@ def create_app(
     the_console = new_console(config)
     if config.auth is not None:
         # The console's cookie stands in for the bearer credential on /console/*.
-        middlewares.append(auth_middleware(config.auth, sessions=the_console.sessions))
+        middlewares.append(
+            auth_middleware(config.auth, sessions=the_console.sessions, wall=wall_clock)
+        )
     middlewares.append(connection_vouch)  # last: server.max_connections_per_peer
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config

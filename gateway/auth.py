@@ -69,9 +69,11 @@ from fencegate.gateway.oauth import (
 )
 from fencegate.gateway.principals import (
     PRINCIPAL_KEY,
+    REAL_TIME,
     STRIP_AUTHORIZATION,
     Principal,
     Scope,
+    WallClock,
     scope_refusal,
 )
 from fencegate.gateway.problems import problem_response, requested
@@ -324,8 +326,8 @@ class Authenticator:
     """The configured principals, each by the SHA-256 of its token, and ``[auth.oauth]``'s
     token check (``oauth``, None without it)."""
 
-    def __init__(self, auth: AuthConfig, *, now: Clock = time.time) -> None:
-        self.oauth = OAuthVerifier(auth.oauth, now=now) if auth.oauth is not None else None
+    def __init__(self, auth: AuthConfig, *, wall: WallClock = REAL_TIME) -> None:
+        self.oauth = OAuthVerifier(auth.oauth, wall=wall) if auth.oauth is not None else None
         everyone = [(p, principal_from_config(p)) for p in auth.principals]
         self._all = tuple(principal for _, principal in everyone)
         self._principals = tuple(
@@ -380,11 +382,11 @@ class AuthState:
     each principal's meter (kept across a reload while its limits stay the same)."""
 
     def __init__(
-        self, auth: AuthConfig, clock: Clock = time.monotonic, now: Clock = time.time
+        self, auth: AuthConfig, clock: Clock = time.monotonic, wall: WallClock = REAL_TIME
     ) -> None:
         self._clock = clock
-        self._now = now
-        self.authenticator = Authenticator(auth, now=now)
+        self._wall = wall
+        self.authenticator = Authenticator(auth, wall=wall)
         self._meters: dict[str, _Meter] = {}
         #: OAuth principals' meters, least recently used first: anyone the issuer names may
         #: show up, so they are bounded (``max_principals``); a dropped one starts afresh.
@@ -399,7 +401,7 @@ class AuthState:
         ``jwks_url`` stay the same; ``oauth_changed`` says whether the section changed (then
         streams opened with OAuth tokens end: their roles may have)."""
         old = self.authenticator
-        authenticator = Authenticator(auth, now=self._now)
+        authenticator = Authenticator(auth, wall=self._wall)
         if authenticator.oauth is not None and old.oauth is not None:
             authenticator.oauth.adopt_cache(old.oauth)
         self.oauth_changed = (old.oauth.config if old.oauth else None) != auth.oauth
@@ -768,13 +770,14 @@ def auth_middleware(
     auth: AuthConfig,
     clock: Clock = time.monotonic,
     sessions: SessionAuth | None = None,
-    now: Clock = time.time,
+    wall: WallClock = REAL_TIME,
 ) -> Middleware:
     """The middleware for ``[auth]``: authenticate, check the role matrix and the principal's
     scope, apply its limits, set the principal. ``auth_state(app)`` finds its state.
     ``sessions``: where a browser session stands in for the bearer credential (the console).
-    ``now``: the wall clock an OAuth token's ``exp`` and ``nbf`` are read against."""
-    return _AuthMiddleware(AuthState(auth, clock, now), sessions)
+    ``wall``: the wall clock an OAuth token's ``exp`` and ``nbf`` are read against, and a
+    stream opened with it waits on to end at its ``exp``."""
+    return _AuthMiddleware(AuthState(auth, clock, wall), sessions)
 
 
 async def resource_metadata(request: web.Request) -> web.Response:

@@ -49,7 +49,7 @@ import structlog
 
 from fencegate.gateway.config import OAuthConfig, OAuthProfileConfig, is_loopback
 from fencegate.gateway.limits import Limits
-from fencegate.gateway.principals import Principal, Scope, oauth_name
+from fencegate.gateway.principals import REAL_TIME, Principal, Scope, WallClock, oauth_name
 from fencegate.ledger.errors import AuthUnavailable, Unauthenticated
 
 __all__ = [
@@ -165,7 +165,9 @@ class Verified:
     profile: str | None = None
 
 
-def _principal(name: str, profile: OAuthProfileConfig, expires_at: float) -> Principal:
+def _principal(
+    name: str, profile: OAuthProfileConfig, expires_at: float, clock: WallClock
+) -> Principal:
     downstreams = frozenset(profile.downstreams) if profile.downstreams is not None else None
     return Principal(
         name,
@@ -173,6 +175,7 @@ def _principal(name: str, profile: OAuthProfileConfig, expires_at: float) -> Pri
         Scope(downstreams, profile.task_prefixes),
         Limits(profile.rate_per_second, profile.burst, profile.max_open_requests),
         expires_at=expires_at,
+        clock=clock,
     )
 
 
@@ -193,18 +196,20 @@ class _Unreachable(Exception):
 
 
 class OAuthVerifier:
-    """``[auth.oauth]``'s token check with its JWKS cache. ``now``: wall-clock seconds for
-    ``exp``/``nbf``; ``monotonic``: what the refresh bound is measured on (tests move both)."""
+    """``[auth.oauth]``'s token check with its JWKS cache. ``wall``: what ``exp``/``nbf`` are
+    read against, and what a stream opened with the token waits on to end at its ``exp``
+    (``principals.at_expiry``); ``monotonic``: what the refresh bound is measured on (tests
+    move both)."""
 
     def __init__(
         self,
         config: OAuthConfig,
         *,
-        now: Callable[[], float] = time.time,
+        wall: WallClock = REAL_TIME,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self._now = now
+        self.wall = wall
         self.monotonic = monotonic
         self._jwks_url: str | None = config.jwks_url
         self._keys: dict[str, dict[str, Any]] = {}
@@ -406,7 +411,7 @@ class OAuthVerifier:
             raise Unauthenticated(f"the token does not verify: {exc}") from exc
         if not self._audience_fits(claims.get("aud"), audiences, any_resource):
             raise Unauthenticated(f"the token's aud is not {' or '.join(audiences)}")
-        now, leeway = self._now(), self.leeway_s
+        now, leeway = self.wall.now(), self.leeway_s
         exp, nbf = claims.get("exp"), claims.get("nbf")
         if not isinstance(exp, int | float) or isinstance(exp, bool):
             raise Unauthenticated("the token's exp is not a number")
@@ -425,7 +430,8 @@ class OAuthVerifier:
         if found is None:
             return Verified(name, None)
         profile_name, profile = found
-        return Verified(name, _principal(name, profile, float(exp) + leeway), profile_name)
+        principal = _principal(name, profile, float(exp) + leeway, self.wall)
+        return Verified(name, principal, profile_name)
 
     def session_principal(self, name: str, profile: str, expires_at: float) -> Principal | None:
         """The principal of a console session made with a token of this issuer under
@@ -437,4 +443,4 @@ class OAuthVerifier:
             return None
         if not name.startswith(oauth_name(self.config.issuer, "")):
             return None
-        return _principal(name, found, expires_at)
+        return _principal(name, found, expires_at, self.wall)

@@ -15,8 +15,8 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 
@@ -28,9 +28,11 @@ __all__ = [
     "ANONYMOUS",
     "OAUTH_PREFIX",
     "PRINCIPAL_KEY",
+    "REAL_TIME",
     "STRIP_AUTHORIZATION",
     "Principal",
     "Scope",
+    "WallClock",
     "acting_operator",
     "at_expiry",
     "caller_name",
@@ -89,6 +91,29 @@ def scope_refusal(scope: Scope, *, downstream: str | None, task_id: str | None) 
     return None
 
 
+class WallClock(Protocol):
+    """Unix seconds and a sleep on the same time line: what an OAuth token's ``exp`` and
+    ``nbf`` are read against (``oauth.OAuthVerifier``) and what ``at_expiry`` waits on, so the
+    check at the door and the end of a stream opened with the token can never disagree. In
+    production ``REAL_TIME``; a test's stands still until it moves it (``tests/clocks.py``)."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class _RealTime:
+    def now(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+#: The system's wall clock, and the event loop's sleep.
+REAL_TIME: Final[WallClock] = _RealTime()
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """A configured identity: its name (unique), its roles, and what it may reach."""
@@ -102,6 +127,8 @@ class Principal:
     #: ``leeway_ms``. None: a static principal, good until a reload removes it. A stream or
     #: long-poll opened with it ends then, as a console session does.
     expires_at: float | None = None
+    #: The clock ``expires_at`` is read on: the token check's (``at_expiry`` waits on it).
+    clock: WallClock = field(default=REAL_TIME, compare=False, repr=False)
 
     def has(self, role: str) -> bool:
         return role in self.roles
@@ -125,14 +152,20 @@ def is_oauth_name(name: str) -> bool:
     return name.startswith(OAUTH_PREFIX) and "#" in name
 
 
-def at_expiry(principal: Principal | None, then: Callable[[], None]) -> asyncio.TimerHandle | None:
+def at_expiry(principal: Principal | None, then: Callable[[], None]) -> asyncio.Task[None] | None:
     """Call ``then`` when ``principal``'s credential stops being accepted (an OAuth token's
-    ``exp`` plus leeway): a stream or long-poll opened with it ends then. None (nothing
-    scheduled) for a principal whose credential does not expire. Cancel it when done."""
+    ``exp`` plus leeway, on the clock the token was checked on): a stream or long-poll opened
+    with it ends then. None (nothing scheduled) for a principal whose credential does not
+    expire. Cancel it when done (and hold it until then: the loop keeps no task alive)."""
     if principal is None or principal.expires_at is None:
         return None
-    delay = max(0.0, principal.expires_at - time.time())
-    return asyncio.get_running_loop().call_later(delay, then)
+    clock, expires_at = principal.clock, principal.expires_at
+
+    async def expire() -> None:
+        await clock.sleep(max(0.0, expires_at - clock.now()))
+        then()
+
+    return asyncio.get_running_loop().create_task(expire(), name="principal.at_expiry")
 
 
 def principal_of(request: web.Request) -> Principal | None:

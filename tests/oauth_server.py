@@ -26,6 +26,7 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,9 +49,13 @@ class _Client:
 
 
 class AuthServer:
-    """One authorization server on 127.0.0.1 (port 0). ``issuer`` once started."""
+    """One authorization server on 127.0.0.1 (port 0). ``issuer`` once started. ``clock``:
+    what its tokens' ``iat`` and ``exp`` are counted from: the gateway's wall clock under
+    test (``create_app(..., wall_clock=)``), so a token's life is what the test says, however
+    slow the machine."""
 
-    def __init__(self, *, default_scope: str = "") -> None:
+    def __init__(self, *, default_scope: str = "", clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
         self.keys: list[RSAKey | ECKey] = [self._new_rsa("k1")]
         self.signing: RSAKey | ECKey = self.keys[0]
         self.down = False
@@ -107,7 +112,7 @@ class AuthServer:
     # --- tokens --------------------------------------------------------------------------
 
     def claims(self, **overrides: Any) -> dict[str, Any]:
-        now = int(time.time())
+        now = int(self.clock())
         claims: dict[str, Any] = {
             "iss": self.issuer,
             "sub": "agent-1",
@@ -173,7 +178,7 @@ class AuthServer:
         public = body.get("token_endpoint_auth_method") == "none"
         secret = None if public else secrets.token_urlsafe(16)
         self.clients[client_id] = _Client(secret, list(body.get("redirect_uris") or []))
-        answer = {**body, "client_id": client_id, "client_id_issued_at": int(time.time())}
+        answer = {**body, "client_id": client_id, "client_id_issued_at": int(self.clock())}
         if secret is not None:
             answer["client_secret"] = secret
         return web.json_response(answer, status=201)

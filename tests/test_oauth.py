@@ -3,6 +3,10 @@
 A local authorization server (``tests/oauth_server.py``: aiohttp, tokens signed by joserfc)
 issues the tokens; the gateway (in this process, SQLite) verifies them with PyJWT against
 the server's JWKS, found through its RFC 8414 metadata. Static principals sit beside it.
+
+The issuer and every gateway here share one wall clock (``wall``) that stands still until a
+test moves it: a token's life is what the test says, a test that needs a token to run out
+moves the clock past its ``exp`` instead of waiting, and a slow machine changes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from fencegate.gateway.console.session import COOKIE
 from fencegate.gateway.state import EVENTS
 from fencegate.ledger.errors import AuthUnavailable
 from tests.api import HANG_S, until
-from tests.clocks import ManualClock
+from tests.clocks import ManualClock, freeze_store_clock
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.oauth_server import AuthServer
@@ -53,7 +57,7 @@ def oauth_section(issuer: str, **extra: Any) -> dict[str, Any]:
             "workers": {"scopes": ["fence:worker"], "roles": ["worker"]},
             "watchers": {"scopes": ["fence:read"], "roles": ["observer"]},
             "limited": {"scopes": ["fence:limited"], "roles": ["observer"],
-                        "rate_per_second": 1.0, "burst": 2},
+                        "rate_per_second": 0.001, "burst": 2},
         },
         **extra,
     }  # fmt: skip
@@ -74,6 +78,7 @@ class Env:
     client: TestClient[Any, Any]
     issuer: AuthServer
     downstream: Downstream
+    wall: ManualClock
 
     async def call(
         self, method: str, path: str, headers: dict[str, str] | None = None, body: Any = None
@@ -111,8 +116,16 @@ def store_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-async def issuer() -> AsyncIterator[AuthServer]:
-    server = await AuthServer(default_scope="fence:read").start()
+def wall() -> ManualClock:
+    """The issuer's and the gateway's wall clock (``create_app(..., wall_clock=)``): it stands
+    still until the test moves it. It starts at the real time only for the console's session
+    cookie, which the console reads on its own (real) clock."""
+    return ManualClock(start=float(int(time.time())))
+
+
+@pytest.fixture
+async def issuer(wall: ManualClock) -> AsyncIterator[AuthServer]:
+    server = await AuthServer(default_scope="fence:read", clock=wall.now).start()
     server.add_client("agent", "agent-secret")
     yield server
     await server.stop()
@@ -137,14 +150,18 @@ def gateway_config(store_url: str, key_prefix: str, issuer: AuthServer, downstre
     )
 
 
+def gateway_app(config: Config, wall: ManualClock) -> web.Application:
+    """The gateway for ``config``, reading tokens' ``exp`` on ``wall``."""
+    return create_app(config, store=build_test_store(config), wall_clock=wall)
+
+
 @pytest.fixture
 async def env(
-    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream, wall: ManualClock
 ) -> AsyncIterator[Env]:
     config = gateway_config(store_url, key_prefix, issuer, downstream)
-    app = create_app(config, store=build_test_store(config))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        yield Env(client, issuer, downstream)
+    async with TestClient(TestServer(gateway_app(config, wall), host="127.0.0.1")) as client:
+        yield Env(client, issuer, downstream, wall)
 
 
 def bearer(token: str, header: str = "Authorization") -> dict[str, str]:
@@ -196,12 +213,11 @@ async def test_a_valid_token_is_its_profiles_principal(env: Env) -> None:
 
 
 async def test_the_configured_audience_is_accepted_too(
-    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream, wall: ManualClock
 ) -> None:
     config = gateway_config(store_url, key_prefix, issuer, downstream, audience="fencegate")
-    app = create_app(config, store=build_test_store(config))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        env = Env(client, issuer, downstream)
+    async with TestClient(TestServer(gateway_app(config, wall), host="127.0.0.1")) as client:
+        env = Env(client, issuer, downstream, wall)
         token = issuer.mint(aud=["other", "fencegate"])
         assert (await env.call("GET", "/v1/tasks", bearer(token))).status == 200
         token = issuer.mint(aud="other")
@@ -235,7 +251,7 @@ async def test_a_token_from_the_token_endpoint_works(env: Env) -> None:
     ],
 )
 async def test_a_bad_token_is_401_with_the_metadata(env: Env, claims: dict[str, Any]) -> None:
-    now = int(time.time())
+    now = int(env.wall.now())
     if "exp" in claims:
         claims = {"exp": now - 61}
     if "nbf" in claims:
@@ -250,10 +266,16 @@ async def test_a_bad_token_is_401_with_the_metadata(env: Env, claims: dict[str, 
 
 
 async def test_expiry_and_not_before_hold_within_the_leeway(env: Env) -> None:
-    now = int(time.time())
-    for claims in ({"exp": now - 30}, {"nbf": now + 30}):
+    now = int(env.wall.now())
+    # within the 60 s leeway, up to its last second; one second past it either way: refused
+    cases: list[tuple[dict[str, Any], int]] = [
+        ({"exp": now - 30}, 200), ({"nbf": now + 30}, 200),
+        ({"exp": now - 60}, 200), ({"nbf": now + 60}, 200),
+        ({"exp": now - 61}, 401), ({"nbf": now + 61}, 401),
+    ]  # fmt: skip
+    for claims, status in cases:
         token = env.issuer.mint(aud=BASE, **claims)
-        assert (await env.call("GET", "/v1/tasks", bearer(token))).status == 200, claims
+        assert (await env.call("GET", "/v1/tasks", bearer(token))).status == status, claims
 
 
 @pytest.mark.parametrize("alg", ["none", "HS256"])
@@ -457,12 +479,12 @@ async def test_an_oauth_worker_holds_its_own_lease(env: Env) -> None:
 
 
 async def test_rate_buckets_are_per_oauth_principal_and_bounded(
-    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream, wall: ManualClock
 ) -> None:
     config = gateway_config(store_url, key_prefix, issuer, downstream, max_principals=2)
-    app = create_app(config, store=build_test_store(config))
+    app = gateway_app(config, wall)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        env = Env(client, issuer, downstream)
+        env = Env(client, issuer, downstream, wall)
         one = issuer.mint(sub="one", aud=BASE, scope="fence:limited")
         codes = [(await env.call("GET", "/v1/tasks", bearer(one))).status for _ in range(3)]
         assert codes == [200, 200, 429]  # burst 2
@@ -526,57 +548,75 @@ async def test_a_reload_keeps_the_keys_and_applies_new_profiles(env: Env) -> Non
 
 @pytest.fixture
 async def strict(
-    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream, wall: ManualClock
 ) -> AsyncIterator[Env]:
     """A gateway with ``leeway_ms = 0``: a token is good until its ``exp`` exactly."""
     config = gateway_config(store_url, key_prefix, issuer, downstream, leeway_ms=0)
-    app = create_app(config, store=build_test_store(config))
-    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        yield Env(client, issuer, downstream)
+    async with TestClient(TestServer(gateway_app(config, wall), host="127.0.0.1")) as client:
+        yield Env(client, issuer, downstream, wall)
 
 
-def soon() -> int:
-    """An ``exp`` a few seconds ahead: a stream opened now outlives it. Nothing asserts how
-    soon the stream ends, only that it does (within the suite's hang bound). The token must
-    still be valid when its request reaches the gateway: 4 to 5 s leaves room for a loaded
-    machine (PyJWT reads the wall clock; there is no clock to stand still)."""
-    return int(time.time()) + 5
+#: A short-lived token's life on the test's clock: nothing waits for it in real time.
+LIFE_S = 60
+
+
+async def expiry_waits(wall: ManualClock) -> None:
+    """Return once a stream or long-poll waits for its token's ``exp`` on ``wall``
+    (``principals.at_expiry``), and show that it goes on waiting up to the last second."""
+    await asyncio.wait_for(wall.someone_asleep(), HANG_S)
+    wall.advance(LIFE_S - 1)
+    assert wall.sleepers == 1  # a second before exp: still open
 
 
 async def test_a_long_poll_answers_401_at_the_tokens_exp(strict: Env) -> None:
     sched = {"Fence-Authorization": f"Bearer {STATIC['scheduler']}"}
     await strict.call("PUT", "/v1/tasks/w1", sched, {"inputDigest": "in-1"})
-    token = strict.issuer.mint(aud=BASE, scope="fence:read", exp=soon())
+    token = strict.issuer.mint(aud=BASE, scope="fence:read", exp=int(strict.wall.now()) + LIFE_S)
     path = "/v1/tasks/w1?waitFor=COMMITTED&waitMs=60000"
-    answer = await strict.call("GET", path, bearer(token))
+    poll = asyncio.ensure_future(strict.call("GET", path, bearer(token)))
+    await expiry_waits(strict.wall)
+    assert not poll.done()
+    strict.wall.advance(1)  # exp
+    answer = await asyncio.wait_for(poll, HANG_S)
     assert answer.status == 401 and answer.code == "UNAUTHENTICATED", answer.body
+    assert "expired while waiting" in answer.json()["detail"]
     # the challenge of the middleware's own 401s: the same token, refused at the door now
     challenge = answer.headers["WWW-Authenticate"]
     assert challenge == (
         f'Bearer realm="fencegate", error="invalid_token", '
         f'resource_metadata="{BASE}/.well-known/oauth-protected-resource"'
     )
+    strict.wall.advance(1)  # past exp
     again = await strict.call("GET", path, bearer(token))
     assert again.status == 401 and again.headers["WWW-Authenticate"] == challenge
+    assert "expired" in again.json()["detail"] and "while waiting" not in again.json()["detail"]
 
 
 async def test_a_claim_long_poll_answers_401_with_the_challenge_at_the_tokens_exp(
     strict: Env,
 ) -> None:
-    token = strict.issuer.mint(aud=BASE, scope="fence:worker", exp=soon())
-    credential = bearer(token)
+    exp = int(strict.wall.now()) + LIFE_S
+    credential = bearer(strict.issuer.mint(aud=BASE, scope="fence:worker", exp=exp))
     epoch = (await strict.call("GET", "/v1/epoch", credential)).json()["schedulerEpoch"]
-    answer = await strict.call("POST", "/v1/queues/empty/claim", credential,
-                               {"owner": "w", "ttlMs": 30_000, "schedulerEpoch": epoch,
-                                "waitMs": 60_000})  # fmt: skip
+    poll = asyncio.ensure_future(
+        strict.call("POST", "/v1/queues/empty/claim", credential,
+                    {"owner": "w", "ttlMs": 30_000, "schedulerEpoch": epoch, "waitMs": 60_000})
+    )  # fmt: skip
+    await expiry_waits(strict.wall)
+    assert not poll.done()
+    strict.wall.advance(1)  # exp
+    answer = await asyncio.wait_for(poll, HANG_S)
     assert answer.status == 401 and answer.code == "UNAUTHENTICATED", answer.body
     assert 'resource_metadata="' in answer.headers["WWW-Authenticate"]
 
 
 async def test_an_event_stream_closes_at_the_tokens_exp(strict: Env) -> None:
-    token = strict.issuer.mint(aud=BASE, scope="fence:read", exp=soon())
+    token = strict.issuer.mint(aud=BASE, scope="fence:read", exp=int(strict.wall.now()) + LIFE_S)
     async with strict.client.get("/v1/events", headers=bearer(token)) as resp:
         assert resp.status == 200
+        await expiry_waits(strict.wall)
+        assert not resp.content.at_eof()
+        strict.wall.advance(1)  # exp
         async with asyncio.timeout(HANG_S):
             while await resp.content.readany():
                 pass  # heartbeats until the gateway ends the stream
@@ -587,13 +627,13 @@ async def test_an_event_stream_closes_at_the_tokens_exp(strict: Env) -> None:
 
 
 async def test_an_mcp_get_stream_ends_at_the_tokens_exp_plus_leeway(
-    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream
+    store_url: str, key_prefix: str, issuer: AuthServer, downstream: Downstream, wall: ManualClock
 ) -> None:
     """A leased session's server stream (``GET /mcp/tools``) opened with an OAuth token ends
     at its ``exp`` plus ``leeway_ms`` (``mcp_streams.hold``), logged ``token_expired``. The
     session and the lease come from long-lived tokens of the same subject; only the ``GET``
-    carries the short one, minted just before it. Nothing asserts how soon the stream ends,
-    only that it does within the suite's hang bound."""
+    carries the short one. The store's clock stands still too: the lease cannot run out
+    first however slow the machine."""
     from tests.mcp_server import McpServerProcess
     from tests.test_mcp_sessions import ACCEPT, VERSION
 
@@ -604,9 +644,10 @@ async def test_an_mcp_get_stream_ends_at_the_tokens_exp_plus_leeway(
             downstreams=[{"name": "tools", "url": server.url, "adapter": "mcp",  # type: ignore[list-item]
                           "timeout_ms": 10_000}],
         )  # fmt: skip
-        app = create_app(config, store=build_test_store(config))
+        store = freeze_store_clock(build_test_store(config))
+        app = create_app(config, store=store, wall_clock=wall)
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            env = Env(client, issuer, downstream)
+            env = Env(client, issuer, downstream, wall)
             on_api = bearer(issuer.mint(aud=BASE, scope="fence:worker", sub="streamer"))
             sched = {"Fence-Authorization": f"Bearer {STATIC['scheduler']}"}
             put = await env.call("PUT", "/v1/tasks/st1", sched, {"inputDigest": "in-1"})
@@ -624,12 +665,16 @@ async def test_an_mcp_get_stream_ends_at_the_tokens_exp_plus_leeway(
             noted = await env.call("POST", "/mcp/tools", {**ACCEPT, **on_mcp, **session}, note)
             assert noted.status == 202, noted.body
             short = bearer(issuer.mint(aud=MCP_RESOURCE, scope="fence:worker", sub="streamer",
-                                       exp=soon()))  # fmt: skip
+                                       exp=int(wall.now()) + LIFE_S))  # fmt: skip
             with capture_logs() as logs:
                 async with client.get(
                     "/mcp/tools", headers={**ACCEPT, **short, **session, **fence}
                 ) as resp:
                     assert resp.status == 200, await resp.text()
+                    await expiry_waits(wall)
+                    wall.advance(1)  # exp: the leeway still holds it
+                    assert wall.sleepers == 1 and not resp.content.at_eof()
+                    wall.advance(0.5)  # exp plus leeway_ms
                     async with asyncio.timeout(HANG_S):
                         await resp.content.read()  # until the gateway ends the stream
                     assert resp.content.at_eof()
@@ -692,7 +737,9 @@ def login(env: Env, token: str) -> Any:
 
 
 async def test_console_login_with_an_oauth_token_ends_at_its_exp(env: Env) -> None:
-    exp = int(time.time()) + 120
+    # An hour: the console reads the cookie's end on its own (real) clock, which the test's
+    # timeout keeps far from it; the token check reads ``wall``.
+    exp = int(env.wall.now()) + 3600
     token = env.issuer.mint(aud=BASE, scope="fence:read", sub="viewer", exp=exp)
     async with login(env, token) as resp:
         assert resp.status == 303, await resp.text()
@@ -742,7 +789,7 @@ class _Tokens:
 
 
 async def test_the_mcp_sdks_oauth_client_flow_through_mcp(
-    store_url: str, key_prefix: str, issuer: AuthServer
+    store_url: str, key_prefix: str, issuer: AuthServer, wall: ManualClock
 ) -> None:
     """The official ``mcp`` client with its OAuth provider (client_credentials) and no token
     of its own: the gateway's 401 names the path-suffixed metadata, the SDK finds the
@@ -767,7 +814,7 @@ async def test_the_mcp_sdks_oauth_client_flow_through_mcp(
             downstreams=[{"name": "tools", "url": server.url, "adapter": "mcp",  # type: ignore[list-item]
                           "timeout_ms": 10_000}],
         )  # fmt: skip
-        runner = web.AppRunner(create_app(config, store=build_test_store(config)))
+        runner = web.AppRunner(gateway_app(config, wall))
         await runner.setup()
         try:
             await web.SockSite(runner, sock).start()
