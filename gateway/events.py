@@ -395,7 +395,8 @@ class EventHub:
                 self._failing = False
                 log.info("events.poll_recovered")
         except EventsGone:
-            # This gateway fell behind the retained history: go on from the end. Streams
+            # This gateway fell behind the retained history, or its position is ahead of what
+            # the store now has (it lost events it had issued): go on from the end. Streams
             # notice the gap (the next batch does not continue them) and read for themselves.
             self._cursor = None
         except FencegateError as exc:

@@ -58,7 +58,13 @@ from fencegate.ledger.buckets import (
 )
 from fencegate.ledger.cluster_router import ClusterRouter, Routed
 from fencegate.ledger.cluster_store import bucket_prefix
-from fencegate.ledger.redis_store import SENTINEL_SCHEME, parse_sentinel_url, split_pipeline_option
+from fencegate.ledger.redis_store import (
+    SENTINEL_SCHEME,
+    catch_up_indexes,
+    load_script_source,
+    parse_sentinel_url,
+    split_pipeline_option,
+)
 
 __all__ = [
     "BUCKETS_FIELD",
@@ -151,6 +157,9 @@ PLACEMENT: dict[str, Place] = {
     "effect_tasks": Place.BY_DIRECTORY_ENTRY,
     "effect_ids": Place.BY_EFFECT,
     "effect_ids_indexed": Place.EVERY,
+    # Empty once the copy caught the source's creation indexes up (it does so first): the
+    # copy writes those indexes whole.
+    "effects_created": Place.NOT_COPIED,
 }
 _WHOLE = {Place.TASK, Place.KEYED, Place.EFFECT_TOMBSTONE, Place.EVERY}
 
@@ -688,6 +697,12 @@ async def copy_store(
     prefix = layout.prefix
     source_keys = keys.Keys(prefix)
     fmt, scheduler = await _check_source(source, prefix, format_version, batch)
+    # The creation indexes the copy splits may lag the feed (a gateway killed before its
+    # catch-up ran): bring them up to it first.
+    script = load_script_source("index_catch_up")
+    await catch_up_indexes(
+        source_keys, lambda keys_, args: source.eval(script, len(keys_), *keys_, "0", *args)
+    )
     before = await _snapshot(source, source_keys)
     await _check_target(router, layout, fmt, scheduler)
     report = CopyReport(buckets=layout.buckets)

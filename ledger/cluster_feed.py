@@ -28,8 +28,9 @@ hands the pages here.
   whose clock lags is not skipped, its position only moves past what was delivered. Order is
   per bucket (so per task and per task group); across buckets as good as the primaries'
   clocks.
-- **From now** (``start_vector``) and **trimmed away** (``gone``, the compare of
-  ``events_read.lua``, per bucket).
+- **From now** (``start_vector``) and **gone** (``gone``: ``events.gone``, the rule every
+  store applies, per bucket: a place trimmed away, or one ahead of the bucket's last
+  generated id, which only a loss of events it had issued makes possible).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import re
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
+from fencegate.ledger import events
 from fencegate.ledger.errors import BadRequest, EventsGone
 from fencegate.ledger.events import Event
 
@@ -269,20 +271,20 @@ def start_vector(last_ids: Sequence[str]) -> Vector:
     return tuple(parse_id(last) for last in last_ids)
 
 
-def gone(after: Vector, trimmed: Mapping[int, str]) -> EventsGone | None:
-    """``EventsGone`` (410) when a bucket's position is below its stream's max deleted id
-    (``trimmed``: bucket -> ``max-deleted-entry-id``, for the buckets read), naming the
-    lowest such bucket; None when every event after ``after`` is still kept. The compare is
-    ``events_read.lua``'s, on numbers (``9-0`` is below ``10-0``), so a bucket the store
-    refuses on its own is refused here too. Returned, not raised: the caller raises it."""
+def gone(after: Vector, trimmed: Mapping[int, str], newest: Mapping[int, str]) -> EventsGone | None:
+    """``EventsGone`` (410) when a bucket's position is gone by ``events.gone``'s rule: below
+    its stream's ``max-deleted-entry-id`` (``trimmed``) or above its ``last-generated-id``
+    (``newest``), both as ``events_read.lua`` answers them, for the buckets read (the keys of
+    ``trimmed``), naming the lowest such bucket as the cluster store does; None when every
+    event after ``after`` is still to come. On numbers (``9-0`` is below ``10-0``), as each
+    bucket's ``read_events`` decides, so a bucket the store refuses is refused here too.
+    Returned, not raised: the caller raises it."""
     for bucket in sorted(trimmed):
-        deleted = parse_id(trimmed[bucket])
-        if after[bucket] < deleted:
-            return EventsGone(
-                f"events of bucket {bucket} up to stream id {format_id(deleted)} were dropped "
-                "(the store keeps the newest ones); read the current state again and follow "
-                "from the end"
-            )
+        refused = events.gone(
+            after[bucket], dropped=parse_id(trimmed[bucket]), newest=parse_id(newest[bucket])
+        )
+        if refused is not None:
+            return EventsGone(f"bucket {bucket}: {refused.detail}")
     return None
 
 

@@ -855,6 +855,13 @@ class ClusterStore(Store):
         others = [n for n in range(self.buckets) if n != home]
         replies = await self._read([c for n in others for c in probe(n)])
         found = [n for i, n in enumerate(others) if replies[3 * i] or replies[3 * i + 1]]
+        if not found:  # or created since a bucket's last catch-up (RedisStore._task_of)
+            await self._each(lambda view: view.catch_up_indexes())
+            every = [home, *others]
+            replies = await self._read([c for n in every for c in probe(n)])
+            first = replies[:3]
+            found = [n for i, n in enumerate(every) if replies[3 * i] or replies[3 * i + 1]]
+            replies = replies[3:]
         if found:
             return self.views[found[0]]
         tombstones = [n for i, n in enumerate(others) if replies[3 * i + 2]]
@@ -1111,8 +1118,8 @@ class ClusterStore(Store):
         """Per-bucket pages merged by ``ledger.cluster_feed``. ``after`` None: the position
         of every bucket's end (``start_vector``). Otherwise every bucket's events after its
         own place in the ``c1.`` vector, interleaved in stream id order, at most ``limit``; a
-        bucket whose place was trimmed away is 410 (``EventsGone``), naming the lowest such
-        bucket.
+        bucket whose place was trimmed away or is ahead of its stream's last generated id is
+        410 (``EventsGone``), naming the lowest such bucket.
 
         What is read is bounded by ``2 x limit + B`` events, not ``B x limit``: every bucket
         first gives its share, ``ceil(2 x limit / B)`` (at least one); a bucket whose page
@@ -1162,7 +1169,9 @@ class ClusterStore(Store):
     ) -> dict[int, list[tuple[str, dict[str, Any]]]]:
         """Up to ``asks[n]`` events of each asked bucket after what ``pages`` holds of it
         (after its place in ``vector`` at first). A bucket whose events there were trimmed
-        away is 410 for the subscriber too (its place is below them), named by its place."""
+        away, or whose place is ahead of the newest id its stream issued (events lost), is 410
+        for the subscriber too (``events.gone``, decided by the bucket's ``read_events``),
+        named by the bucket."""
         gate = asyncio.Semaphore(FANOUT)
 
         async def page(n: int) -> list[Event] | EventsGone:
@@ -1180,11 +1189,7 @@ class ClusterStore(Store):
         out: dict[int, list[tuple[str, dict[str, Any]]]] = {}
         for n, found in zip(numbers, read, strict=True):
             if isinstance(found, EventsGone):
-                raise EventsGone(
-                    f"events of bucket {n} after stream id {cluster_feed.format_id(vector[n])} "
-                    "were dropped (the store keeps the newest ones); read the current state "
-                    "again and follow from the end"
-                )
+                raise EventsGone(f"bucket {n}: {found.detail}")
             out[n] = [(e.position, e.body) for e in found]
         return out
 

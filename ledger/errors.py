@@ -16,7 +16,7 @@ The tree::
     │   ├── Fenced, LeaseExpired, StaleEpoch, Cancelled, StaleInput, AlreadyCommitted,
     │   │   RuntimeExceeded        (also ClaimRefused: the claim is gone)
     │   └── EffectInFlight, EffectUnknown, EffectSettled, ApprovalRequired
-    ├── EventsGone                 410 EVENTS_GONE (an event position past retained history)
+    ├── EventsGone                 410 EVENTS_GONE (a position trimmed past, or ahead of the newest)
     ├── PayloadConflict            422 PAYLOAD_CONFLICT
     ├── PayloadTooLarge            413 PAYLOAD_TOO_LARGE
     ├── DownstreamUnreachable      502 DOWNSTREAM_UNREACHABLE
@@ -227,11 +227,13 @@ class DependenciesPending(Rejected):
 
 
 class EventsGone(FencegateError):
-    """A resume position older than the retained event history: events were dropped since."""
+    """A resume position the feed cannot go on from without a gap (``events.gone``): older
+    than the retained history (events were dropped since), or ahead of the newest event the
+    store issued (it lost events it had issued: a failover, a restore)."""
 
     code = "EVENTS_GONE"
     status = 410
-    title = "That event position is older than the retained history"
+    title = "That event position is outside the store's event history"
     about_request = True
 
 

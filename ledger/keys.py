@@ -224,6 +224,14 @@ class Keys:
         return f"{self.prefix}:effects:ids"
 
     @property
+    def effects_created(self) -> str:
+        """List: the creation-index entries (``effects_index`` members,
+        ``<createdAt>:<effectId>:<taskId>``) of the effects ``prepare.lua``'s lean path
+        created and ``index_catch_up.lua`` has not yet added to ``effects_index``,
+        ``effect_tasks`` and ``effect_ids`` (it pops them as it adds them)."""
+        return f"{self.prefix}:effects:created"
+
+    @property
     def effect_ids_indexed(self) -> str:
         """Set once every effect created before ``effect_ids`` existed has been added."""
         return f"{self.prefix}:effects:ids:indexed"

@@ -256,6 +256,18 @@ _EVENTS_HORIZON = """(SELECT COALESCE(
         pg_snapshot_xmax(snap.s))::text::bigint
     FROM (SELECT pg_current_snapshot() AS s) AS snap)"""
 
+#: The newest position issued, as a bound: every position handed out (an event's, or the end
+#: ``events_end`` names, ``(horizon - 1, 2**62)``) has its xid below the horizon of its read,
+#: which is at most that snapshot's xmax (one past the newest finished transaction id), and
+#: xmax only grows; so ``(xmax - 1, 2**62)`` is at or above all of them. Only a restore of an
+#: older copy or a failover that lost commits takes the transaction ids back below a position
+#: handed out. Not the horizon itself: a read's horizon may be below an earlier one's (a
+#: running transaction of another database that the activity views show to one read and not
+#: to the next), and a position handed out must never be refused.
+_EVENTS_NEWEST = (
+    f"SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint - 1 AS xid, {2**62} AS seq"
+)
+
 #: PostgreSQL's fragments for the shared steps (``ledger.sql_steps.Dialect``).
 _POSTGRES = sql_steps.Dialect(
     for_update=" FOR UPDATE",
@@ -267,6 +279,7 @@ _POSTGRES = sql_steps.Dialect(
     lock_dependency_graph=f"SELECT pg_advisory_xact_lock({_GRAPH_LOCK})",
     events_visible=f"xid < {_EVENTS_HORIZON}",
     events_end=f"SELECT {_EVENTS_HORIZON} - 1, {2**62}",
+    events_newest=_EVENTS_NEWEST,
     # Each table with its indexes and TOAST, found on the search path like every statement.
     table_bytes="SELECT name, COALESCE(pg_total_relation_size(to_regclass(name)), 0) "
     f"FROM unnest(ARRAY[{', '.join(repr(t) for t in sql_steps.STORE_TABLES)}]::text[]) AS name",

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -94,7 +95,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.retry import Retry
 
-from fencegate.ledger import effects, keys, queries
+from fencegate.ledger import effects, events, keys, queries
 from fencegate.ledger.cluster_router import ClusterUnavailable, parse_authority, slot_of
 from fencegate.ledger.effects import (
     Action,
@@ -108,7 +109,6 @@ from fencegate.ledger.errors import (
     ERRORS_BY_CODE,
     BadRequest,
     BumpBarrier,
-    EventsGone,
     FencegateError,
     NoSuchEffect,
     NoSuchTask,
@@ -158,6 +158,7 @@ __all__ = [
     "STORE_KIND",
     "RedisStore",
     "SentinelSpec",
+    "catch_up_indexes",
     "durability_warnings",
     "library_source",
     "load_script_source",
@@ -192,6 +193,7 @@ _SCRIPTS: dict[str, tuple[str, ...]] = {
     "settled_index": ("task_lib",),
     "stats": (),
     "effect_prefix": ("keys",),
+    "index_catch_up": ("keys",),
 }
 #: The effect steps, served as functions of one Redis Functions library (``library_source``,
 #: FCALL) instead of one script each (EVALSHA): a script defines every helper it is prepended
@@ -220,14 +222,29 @@ _HELD_KEPT = 4096
 PIPELINE_BATCH_MAX = 128
 #: Most events one run of events_trim.lua drops (trim_events runs it until it drops fewer).
 _TRIM_BATCH = 1000
+#: Most waiting entries one run of index_catch_up.lua adds, and the most runs one catch-up
+#: makes (``catch_up_indexes``; a reader then reads anyway, retention waits for the next sweep).
+_CATCH_UP_BATCH = 1000
+_CATCH_UP_RUNS = 100
+#: The lag bound of the creation indexes behind the lean prepares of one gateway
+#: (``RedisStore._created_unindexed``): a catch-up runs after this many, or this long after
+#: the first one not yet indexed, whichever comes first.
+_CATCH_UP_AFTER_EFFECTS = 256
+_CATCH_UP_AFTER_S = 0.2
 #: Tasks one run of settled_index.lua reads (the settled index's one-time backfill).
 _SETTLED_BACKFILL_BATCH = 1000
 #: The format of what this code writes under its key prefix (``{prefix}:meta`` ``format``).
 #: 1: written before formats were recorded (no meta key; no settled index, no tombstones).
-#: 2: retention (issue 17): the settled index and tombstones. A newer format is refused; an
-#: older one is served as it is (every record reads the same) and migrated by
-#: ``fencegate store migrate`` (``RedisStore.migrate``).
-FORMAT_VERSION = 2
+#: 2: retention (issue 17): the settled index and tombstones.
+#: 3: a new leased effect's creation-index entries may wait in ``Keys.effects_created`` until
+#: ``index_catch_up.lua`` adds them (issue 30): a gateway of format 2 reads those indexes
+#: without catching up, so it could miss an effect for up to the catch-up lag.
+#: A newer format is refused; an older one is served as it is (every record reads the same;
+#: at 2, new effects are indexed in their step) and migrated by ``fencegate store migrate``
+#: (``RedisStore.migrate``).
+FORMAT_VERSION = 3
+#: The format from which retention runs (the settled index and tombstones exist).
+_RETENTION_FORMAT = 2
 #: A position this store issues: a stream entry id.
 _POSITION = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
 #: Each part of a stream entry id is an unsigned 64-bit number.
@@ -254,6 +271,46 @@ def load_script_source(name: str) -> str:
         if part != "keys":
             texts.append((folder / f"{part}.lua").read_text(encoding="utf-8"))
     return "\n".join(texts)
+
+
+def _migration_notes(found: int | None) -> tuple[str, ...]:
+    """What an operator should know after ``migrate`` from format ``found``."""
+    notes: list[str] = []
+    if found is not None and found < _RETENTION_FORMAT:
+        notes.append(
+            "older gateways may keep serving while this runs; tasks they settle afterwards "
+            "are not in the settled index: run this again once the last one stopped"
+        )
+    if found is not None and found < FORMAT_VERSION:
+        notes.append(
+            "gateways of format 2 or older must be stopped now (they refuse this format when "
+            "they start): they read the effect indexes without catching up, so they may not "
+            "find an effect created moments before"
+        )
+    return tuple(notes)
+
+
+async def catch_up_indexes(
+    layout: keys.Keys, run: Callable[[list[str], list[Any]], Awaitable[Any]]
+) -> bool:
+    """index_catch_up.lua under ``layout``, through ``run`` (its keys and its arguments after
+    the test clock), until no entry waits or it made ``_CATCH_UP_RUNS`` runs:
+    ``RedisStore.catch_up_indexes``, and ``fencegate store copy`` on its source. True when
+    nothing waits any more."""
+    keys_ = [
+        layout.effects_created,
+        layout.effects_index,
+        layout.effect_tasks,
+        layout.effect_ids,
+        layout.scheduler,
+    ]
+    for _ in range(_CATCH_UP_RUNS):
+        reply = await run(keys_, [layout.prefix, _CATCH_UP_BATCH])
+        if reply[0] == "ERR":
+            raise StoreUnavailable(f"nothing was applied; {reply[2]}: retry")
+        if not int(reply[2]):
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -800,7 +857,10 @@ class _AutoPipeline:
             await asyncio.gather(*self._flushing, return_exceptions=True)
 
     async def _send(
-        self, commands: Sequence[tuple[Any, ...]], wait: bool = False, mark: bool = False
+        self,
+        commands: Sequence[tuple[Any, ...]],
+        wait: bool = False,
+        mark: bool = False,
     ) -> tuple[list[Any], Any, Any]:
         """The replies, WAIT's (None unless ``wait``: then it ends the pipeline) and the write
         mark's (None unless ``mark``: its INCR follows the commands, before WAIT, which then
@@ -885,7 +945,9 @@ class _AutoPipeline:
         try:
             async with asyncio.timeout(self._timeout_s):
                 replies, acked, marked = await self._send(
-                    [queued.command for queued in live], wait, mark
+                    [queued.command for queued in live],
+                    wait,
+                    mark,
                 )
                 marks = [marked]
                 again = [
@@ -949,7 +1011,9 @@ class _AutoPipeline:
         wait = self._wants_wait([live[i] for i in again])
         mark = self._wants_mark([live[i] for i in again])
         resent, acked_again, marked = await self._send(
-            [*loads, *(live[i].command for i in again)], wait, mark
+            [*loads, *(live[i].command for i in again)],
+            wait,
+            mark,
         )
         replies = list(replies)
         for i, reply in zip(again, resent[len(loads) :], strict=True):
@@ -1012,9 +1076,19 @@ class RedisStore(Store):
         #: Whether the keys are in this code's format: until then retention does nothing
         #: (``expire_settled``), since gateways of the older format may still serve.
         self._format_current = False
+        #: Whether the recorded format lets prepare.lua leave the creation indexes to
+        #: index_catch_up.lua (format 3); until this store read it, new effects are indexed
+        #: in their step.
+        self._feed_indexed = False
         self._tasks_indexed = False
         self._settled_indexed = False
         self._effect_ids_indexed = False
+        #: The lean prepares since the last catch-up, and the timer and the run that bound
+        #: their lag (``_created_unindexed``).
+        self._unindexed = 0
+        self._catch_up_timer: asyncio.TimerHandle | None = None
+        self._catch_up_run: asyncio.Task[None] | None = None
+        self._closing = False
         self._effect_indexes = [
             self._keys.prepared,
             self._keys.unknown,
@@ -1321,6 +1395,16 @@ class RedisStore(Store):
         return durability_warnings(config)
 
     async def close(self) -> None:
+        self._closing = True  # no catch-up is scheduled from now on; the last one runs here
+        if self._catch_up_timer is not None:
+            self._catch_up_timer.cancel()
+            self._catch_up_timer = None
+        if self._catch_up_run is not None:
+            await asyncio.gather(self._catch_up_run, return_exceptions=True)
+        if self._unindexed:  # leave no lag behind a gateway that stops
+            with contextlib.suppress(FencegateError, RedisError, OSError):
+                await self.catch_up_indexes()
+            self._unindexed = 0
         if self.pipeline is not None:
             await self.pipeline.drain()
         await self._redis.aclose()
@@ -1387,7 +1471,7 @@ class RedisStore(Store):
         self._format_current = recorded == FORMAT_VERSION or (recorded is None and not written)
         if recorded is None and not written:
             await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
-        elif (recorded or 1) < FORMAT_VERSION:
+        if not self._format_current and (recorded or 1) < FORMAT_VERSION:
             log.warning(
                 "store.migration_needed",
                 store="redis",
@@ -1397,12 +1481,16 @@ class RedisStore(Store):
                 "`fencegate store migrate` once the older gateways are stopped",
             )
         self._format_checked = True
+        self._feed_indexed = self._format_current
 
     async def migrate(self) -> Migration:
         """Format 1 -> 2: the tasks index and the settled index completed from the records (both
-        idempotent: ZADD NX of what each task's state says, in bounded steps), then the format
-        recorded. Safe while older gateways serve, but a task they settle afterwards is not
-        indexed (an older gateway does not know the index): run it again once they stopped."""
+        idempotent: ZADD NX of what each task's state says, in bounded steps). 2 -> 3: nothing
+        to rewrite (every effect is indexed; from now on new ones may wait for
+        index_catch_up.lua). Then the format recorded. Safe while older gateways serve,
+        but a task they settle afterwards is not indexed (an older gateway does not know the
+        index), and they may not find an effect created in the last moments: stop them first,
+        or run it again once they stopped."""
         await self._refuse_cluster_node()
         recorded, written = await self._format()
         if recorded is not None and recorded > FORMAT_VERSION:
@@ -1410,26 +1498,24 @@ class RedisStore(Store):
         found = recorded if recorded is not None else (1 if written else None)
         done: list[str] = []
         if found is not None and found < FORMAT_VERSION:
-            await self._index_old_tasks()
-            added = await self._index_settled(again=True)
-            done.append(f"settled index: {added} settled task(s) added (retention can see them)")
+            if found < _RETENTION_FORMAT:
+                await self._index_old_tasks()
+                added = await self._index_settled(again=True)
+                done.append(
+                    f"settled index: {added} settled task(s) added (retention can see them)"
+                )
             await self._call(lambda: self._redis.hset(self._keys.meta, "format", FORMAT_VERSION))
             done.append(f"format {FORMAT_VERSION} recorded in {self._keys.meta}")
         elif found is None:
             await self._call(lambda: self._redis.hsetnx(self._keys.meta, "format", FORMAT_VERSION))
         self._format_checked = True
-        self._format_current = True
+        self._format_current = self._feed_indexed = True
         return Migration(
             store="redis",
             found=found,
             current=FORMAT_VERSION,
             done=tuple(done),
-            notes=(
-                "older gateways may keep serving while this runs; tasks they settle afterwards "
-                "are not in the settled index: run this again once the last one stopped",
-            )
-            if done
-            else (),
+            notes=_migration_notes(found),
         )
 
     async def now_ms(self) -> int:
@@ -1770,7 +1856,9 @@ class RedisStore(Store):
     # --- the change feed (ledger.events) ----------------------------------------------------
 
     async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
-        """events_read.lua: positions are the stream's entry ids."""
+        """events_read.lua: positions are the stream's entry ids. The script answers the
+        stream's last generated id and max deleted id with the page; ``events.gone`` decides
+        410 from them (a position trimmed away, or one ahead of the last generated id)."""
         # The largest id is refused too: XADD * never issues it, and Redis cannot read after
         # it (XRANGE "(" of it is an error), which would be a 503 for a client's mistake.
         if after is not None and (
@@ -1782,15 +1870,23 @@ class RedisStore(Store):
         reply = await self._script(
             "events_read", [self._keys.events], ["" if after is None else after, limit]
         )
-        if reply[0] == "GONE":
-            raise EventsGone(
-                f"events up to position {reply[1]} were dropped (the store keeps the newest "
-                "ones); read the current state again and follow from the end"
-            )
+        newest = str(reply[0])
+        if after is None:
+            return [], newest
+
+        def numbers(stream_id: str) -> events.Position:
+            ms, _, seq = stream_id.partition("-")
+            return int(ms), int(seq)
+
+        refused = events.gone(
+            numbers(after), dropped=numbers(str(reply[1])), newest=numbers(newest)
+        )
+        if refused is not None:
+            raise refused
         found = [
             Event(position=reply[i], body=json.loads(reply[i + 1])) for i in range(2, len(reply), 2)
         ]
-        return found, str(reply[1])
+        return found, (found[-1].position if found else after)
 
     async def trim_events(
         self, keep: int, *, before: str | None = None, most: int | None = None
@@ -1913,6 +2009,8 @@ class RedisStore(Store):
         )
         new = None
         if revision is not None and not require_approval:
+            if not self._format_checked:
+                await self._check_format()
             new = _new_forward(request, fence, revision, eid, forward_deadline_ms)
         reply = await self._script(
             "prepare",
@@ -1924,6 +2022,7 @@ class RedisStore(Store):
                 self._keys.effect_tasks,
                 *self._effect_indexes,
                 self._keys.effect_ids,
+                self._keys.effects_created,
             ],
             [
                 fence.attempt_id,
@@ -1946,10 +2045,12 @@ class RedisStore(Store):
                 request.approval_digest or "",
                 request.request_json or "",
                 *(new.args if new is not None else ("", "")),
+                "1" if self._feed_indexed else "",
             ],
         )
         if reply[0] == "NEW":
             assert new is not None
+            self._created_unindexed()
             outcome, raw = new.outcome(reply[1])
             return self._hold([outcome.action.value, raw], outcome)
         if reply[0] == "ERR":
@@ -2005,6 +2106,55 @@ class RedisStore(Store):
         if reply[0] == "EXPIRED":
             raise expired_effect(_effect_tombstone(_pairs(reply[1:])))
         return self._hold(reply, _prepared(reply))
+
+    async def catch_up_indexes(self) -> bool:
+        """index_catch_up.lua until the creation indexes hold every effect waiting for them
+        (at most ``_CATCH_UP_RUNS`` runs, each one short atomic step): what a reader of those
+        indexes runs first, or on a miss. True when none waits any more."""
+        return await catch_up_indexes(
+            self._keys, lambda keys_, args: self._script("index_catch_up", keys_, args)
+        )
+
+    def _created_unindexed(self) -> None:
+        """A lean prepare created an effect the creation indexes do not hold yet: catch up
+        after ``_CATCH_UP_AFTER_EFFECTS`` of them or ``_CATCH_UP_AFTER_S``, so the indexes
+        lag this gateway's prepares by no more (a reader catches up anyway; the bound is for
+        older gateways, which do not, and for the size of a reader's catch-up)."""
+        self._unindexed += 1
+        self._schedule_catch_up()
+
+    def _schedule_catch_up(self) -> None:
+        if self._catch_up_run is not None or not self._unindexed or self._closing:
+            return
+        if self._unindexed >= _CATCH_UP_AFTER_EFFECTS:
+            self._start_catch_up()
+        elif self._catch_up_timer is None:
+            loop = asyncio.get_running_loop()
+            # In a context of its own: not a child of the request (its trace, its log fields)
+            # whose prepare happened to start the timer.
+            self._catch_up_timer = loop.call_later(
+                _CATCH_UP_AFTER_S, self._start_catch_up, context=contextvars.Context()
+            )
+
+    def _start_catch_up(self) -> None:
+        if self._catch_up_timer is not None:
+            self._catch_up_timer.cancel()
+            self._catch_up_timer = None
+        if self._catch_up_run is None:
+            self._unindexed = 0
+            self._catch_up_run = asyncio.get_running_loop().create_task(
+                self._background_catch_up(), context=contextvars.Context()
+            )
+
+    async def _background_catch_up(self) -> None:
+        try:
+            await self.catch_up_indexes()
+        except (FencegateError, RedisError, OSError) as exc:
+            # The next lean prepare (or reader) tries again; nothing is lost meanwhile.
+            log.warning("store.index_catch_up_failed", store="redis", error=str(exc))
+        finally:
+            self._catch_up_run = None
+            self._schedule_catch_up()
 
     def _hold(self, reply: Sequence[Any], outcome: PrepareOutcome) -> PrepareOutcome:
         """Keep a FORWARD's record as stored for its complete (``_held``)."""
@@ -2091,7 +2241,8 @@ class RedisStore(Store):
 
     async def _task_of(self, effect_id: str) -> str | None:
         """The effect's task id, or None for a keyed effect (its record has its own key and
-        no effectId -> taskId entry); one round trip. Refuses an effect that is neither."""
+        no effectId -> taskId entry); one round trip, two more when the directory does not
+        hold the id yet (``catch_up_indexes``). Refuses an effect that is neither."""
 
         async def read() -> Any:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -2100,6 +2251,9 @@ class RedisStore(Store):
                 return await pipe.execute()
 
         task_id, keyed = await self._call(read)
+        if task_id is None and not keyed:
+            await self.catch_up_indexes()
+            task_id, keyed = await self._call(read)
         if task_id is not None:
             return str(task_id)
         if not keyed:
@@ -2133,6 +2287,7 @@ class RedisStore(Store):
         effect_prefix_bounds(prefix)  # refuses anything but lowercase hex
         if not self._effect_ids_indexed:
             await self._index_old_effects()
+        await self.catch_up_indexes()
         reply = await self._script(
             "effect_prefix",
             [self._keys.effect_ids, self._keys.effect_tasks, self._keys.scheduler],
@@ -2166,6 +2321,7 @@ class RedisStore(Store):
 
         if task_id is not None:
             return await self._list_task_effects(task_id, after, wanted, limit)
+        await self.catch_up_indexes()
         found: list[Effect] = []
         start = "-" if after is None else f"[{after[0]:015d}:{after[1]};"
         scanned = 0
@@ -2291,6 +2447,11 @@ class RedisStore(Store):
         task_ids: Any = await self._call(
             lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
         )
+        if None in task_ids:  # keyed, or created since the last catch-up
+            await self.catch_up_indexes()
+            task_ids = await self._call(
+                lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
+            )
         refs = list(zip(task_ids, effect_ids, strict=True))
         return [e for e in await self._read_effects(refs) if e is not None]
 
@@ -2355,11 +2516,13 @@ class RedisStore(Store):
         running gateways start once the migration is done."""
         if not self._format_current:
             recorded, _ = await self._format()
-            self._format_current = recorded == FORMAT_VERSION
-            if not self._format_current:
+            self._format_current = self._feed_indexed = recorded == FORMAT_VERSION
+            if (recorded or 1) < _RETENTION_FORMAT:
                 return ExpiryReport()
         if not self._settled_indexed:
             await self._index_settled()
+        if not await self.catch_up_indexes():
+            return ExpiryReport()  # a backlog too long for one sweep: the next goes on
         reply = await self._task_script(
             "retention",
             [
@@ -2395,6 +2558,7 @@ class RedisStore(Store):
         ``bytes`` is the whole Redis's ``used_memory``: every key prefix and database on it."""
         if not self._settled_indexed:
             await self._index_settled()
+        await self.catch_up_indexes()
         detail = {
             "events": self._keys.events,
             "tasks:index": self._keys.tasks_index,

@@ -26,12 +26,11 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from fencegate.ledger import effects, queries, retention, tasks
+from fencegate.ledger import effects, events, queries, retention, tasks
 from fencegate.ledger.effects import Effect, EffectRequest, EffectState, Fence, PrepareOutcome
 from fencegate.ledger.errors import (
     BadRequest,
     EffectExpired,
-    EventsGone,
     FencegateError,
     NoSuchEffect,
     NoSuchTask,
@@ -237,6 +236,11 @@ class Dialect:
     events_visible: str
     #: SELECT of the position "after everything visible now" (two columns: xid, seq).
     events_end: str
+    #: SELECT of the newest position this store has issued, an event's or ``events_end``'s
+    #: (two columns named ``xid`` and ``seq``): a high-water mark that no trim lowers, and
+    #: only a loss of what the store had issued (a restore of an older copy, a failover that
+    #: lost commits) takes back. A position above it is ``EventsGone`` (``events.gone``).
+    events_newest: str
     #: SELECT of (table, bytes) rows, one per table of ``STORE_TABLES`` (tables and their
     #: indexes), or empty where that is not cheap to tell (``store_stats``).
     table_bytes: str
@@ -1275,17 +1279,25 @@ def read_events(d: Dialect, after: str | None, limit: int) -> Step[tuple[list[Ev
     transaction commits, so seq order alone could show a later event before an earlier one
     commits; reading in (xid, seq) order only below a horizon under which every transaction
     that could write an event has finished means nothing can later appear before a position
-    already handed out."""
+    already handed out. A position below the last trimmed one (``events_trimmed``) or above
+    the newest issued (``Dialect.events_newest``) is ``EventsGone`` (``events.gone``)."""
     if after is None:
         row = yield Sql(d.events_end, (), "one")
         return [], _position(int(row[0]), int(row[1]))
     xid, seq = _parse_position(after)
-    trimmed = yield Sql("SELECT xid, seq FROM events_trimmed WHERE id = 1", (), "one")
-    if trimmed is not None and (xid, seq) < (int(trimmed[0]), int(trimmed[1])):
-        raise EventsGone(
-            f"events up to position {_position(int(trimmed[0]), int(trimmed[1]))} were dropped "
-            "(events.retain); read the current state and follow from now"
-        )
+    ends = yield Sql(
+        f"SELECT newest.xid, newest.seq, trimmed.xid, trimmed.seq FROM ({d.events_newest}) "
+        "AS newest LEFT JOIN events_trimmed AS trimmed ON trimmed.id = 1",
+        (),
+        "one",
+    )
+    refused = events.gone(
+        (xid, seq),
+        dropped=None if ends[2] is None else (int(ends[2]), int(ends[3])),
+        newest=(int(ends[0]), int(ends[1])),
+    )
+    if refused is not None:
+        raise refused
     rows = yield Sql(
         f"SELECT xid, seq, body FROM events WHERE (xid, seq) > (?, ?) AND {d.events_visible} "
         "ORDER BY xid, seq LIMIT ?",

@@ -254,6 +254,14 @@ def _settle(answers: list[_Answer]) -> None:
             job.future.set_exception(error)
 
 
+#: The newest event position issued, which is also the end (every event is visible at once):
+#: AUTOINCREMENT's high-water mark in ``sqlite_sequence``, which no DELETE lowers (a trim of
+#: every event keeps it; ``MAX(seq)`` would fall back to 0, below ``events_trimmed``), and only
+#: a restore of an older copy of the file takes back.
+_EVENTS_NEWEST = (
+    "SELECT 0 AS xid, COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0) AS seq"
+)
+
 #: SQLite's fragments: steps run one at a time in the writer thread, so nothing is locked.
 _SQLITE = sql_steps.Dialect(
     for_update="",
@@ -264,7 +272,8 @@ _SQLITE = sql_steps.Dialect(
     for_update_skip_locked="",
     lock_dependency_graph="",
     events_visible="1 = 1",
-    events_end="SELECT 0, COALESCE(MAX(seq), 0) FROM events",
+    events_end=_EVENTS_NEWEST,
+    events_newest=_EVENTS_NEWEST,
     # Per table would need the dbstat table, which reads every page: the file's used pages.
     table_bytes="",
     store_bytes="SELECT ((SELECT page_count FROM pragma_page_count()) "

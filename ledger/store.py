@@ -301,8 +301,9 @@ class Store(abc.ABC):
     async def read_events(self, after: str | None, limit: int) -> tuple[list[Event], str]:
         """Up to ``limit`` events after position ``after``, oldest first, and the position to
         go on from. ``after`` None: from the current end (no events, just the position).
-        Raises ``EventsGone`` for a position older than the retained history, ``BadRequest``
-        for one this store never issued."""
+        Raises ``EventsGone`` for a position older than the retained history or ahead of the
+        newest this store issued (``events.gone``), ``BadRequest`` for one this store cannot
+        have issued (malformed, out of its range)."""
 
     @abc.abstractmethod
     async def trim_events(self, keep: int) -> int:

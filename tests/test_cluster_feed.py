@@ -5,8 +5,9 @@ What a subscriber relies on: the position it is handed decodes back to exactly w
 encoded, and only that (anything else is 400 naming ``Last-Event-ID``, never a 500 or a wrong
 place); resuming from any event's position gives every later event exactly once, in each
 bucket's order, however far apart the buckets' clocks are; a position some bucket has trimmed
-past is 410. Pure: the streams are lists here, read as ``events_read.lua`` reads them (the
-events after a position, at most a count).
+past, or that is ahead of the newest id some bucket issued (it lost events), is 410. Pure:
+the streams are lists here, read as ``events_read.lua`` reads them (the events after a
+position, at most a count).
 
 Deterministic: ``derandomize=True`` and no example database, so every run tries the same
 cases.
@@ -403,31 +404,53 @@ def test_from_now_is_every_buckets_last_id() -> None:
         start_vector(["1796041642452"])
 
 
-def _lua_gone(after: StreamId, deleted: StreamId) -> bool:
-    """events_read.lua: ``ams < dms or (ams == dms and aseq < dseq)``."""
-    return after[0] < deleted[0] or (after[0] == deleted[0] and after[1] < deleted[1])
-
-
 @DETERMINISTIC
-@given(st.lists(st.tuples(IDS, IDS), min_size=1, max_size=8), st.data())
-def test_gone_is_the_scripts_compare_per_bucket(
-    pairs: list[tuple[StreamId, StreamId]], data: st.DataObject
+@given(st.lists(st.tuples(IDS, IDS, IDS), min_size=1, max_size=8), st.data())
+def test_gone_is_the_rule_of_every_store_per_bucket(
+    triples: list[tuple[StreamId, StreamId, StreamId]], data: st.DataObject
 ) -> None:
-    after = tuple(a for a, _ in pairs)
-    read_buckets = data.draw(st.sets(st.integers(0, len(pairs) - 1)))
-    trimmed = {b: format_id(pairs[b][1]) for b in read_buckets}
-    expected = sorted(b for b in read_buckets if _lua_gone(pairs[b][0], pairs[b][1]))
-    found = gone(after, trimmed)
+    """``events.gone`` per bucket read: below the bucket's max deleted id (trimmed away) or
+    above its last generated id (ahead of the newest it issued); the lowest such bucket."""
+    after = tuple(a for a, _, _ in triples)
+    read_buckets = data.draw(st.sets(st.integers(0, len(triples) - 1)))
+    # A stream's max deleted id is never above its last generated id.
+    ends = {b: (min(triples[b][1:]), max(triples[b][1:])) for b in read_buckets}
+    trimmed = {b: format_id(ends[b][0]) for b in read_buckets}
+    newest = {b: format_id(ends[b][1]) for b in read_buckets}
+    expected = sorted(b for b in read_buckets if not ends[b][0] <= after[b] <= ends[b][1])
+    found = gone(after, trimmed, newest)
     if not expected:
         assert found is None
     else:
+        first = expected[0]
+        why = "events up to position" if after[first] < ends[first][0] else "is ahead of the"
         assert isinstance(found, EventsGone)
-        assert found.detail.startswith(f"events of bucket {expected[0]} up to stream id ")
+        assert found.detail.startswith(f"bucket {first}: ") and why in found.detail
 
 
 def test_gone_compares_numbers_not_text() -> None:
-    assert gone(((10, 0),), {0: "9-5"}) is None  # "10-0" < "9-5" as text
-    assert gone(((9, 5),), {0: "9-5"}) is None  # at the last dropped one: nothing is missing
-    refused = gone(((0, 0), (9, 5)), {0: "0-0", 1: "10-0"})
+    assert gone(((10, 0),), {0: "9-5"}, {0: "10-0"}) is None  # "10-0" < "9-5" as text
+    assert gone(((9, 5),), {0: "9-5"}, {0: "10-0"}) is None  # at the last dropped one
+    refused = gone(((0, 0), (9, 5)), {0: "0-0", 1: "10-0"}, {0: "0-0", 1: "11-0"})
     assert refused is not None and refused.code == "EVENTS_GONE" and refused.status == 410
-    assert "bucket 1 up to stream id 10-0" in refused.detail
+    assert refused.detail.startswith("bucket 1: events up to position 10-0 were dropped")
+    ahead = gone(((10, 0),), {0: "0-0"}, {0: "9-5"})  # "10-0" < "9-5" as text
+    assert ahead is not None and "position 10-0 is ahead of the newest" in ahead.detail
+
+
+def test_a_place_ahead_of_its_buckets_newest_id_is_gone() -> None:
+    """A bucket whose stream lost events it had issued (a failover that lost writes, an older
+    copy restored) answers a last generated id below the subscriber's place there: 410, not a
+    wait that would skip what the bucket writes next up to that place. At its last generated
+    id nothing is missing (nothing came after it yet)."""
+    none_trimmed = {0: "0-0", 1: "0-0"}
+    ends = {0: f"{NOW_MS}-0", 1: "0-0"}  # bucket 1 never written: its stream does not exist
+    assert gone(((NOW_MS, 0), (0, 0)), none_trimmed, ends) is None
+    refused = gone(((NOW_MS, 1), (0, 0)), none_trimmed, ends)
+    assert refused is not None and refused.code == "EVENTS_GONE" and refused.status == 410
+    assert refused.detail.startswith(
+        f"bucket 0: position {NOW_MS}-1 is ahead of the newest event this store has issued "
+        f"(position {NOW_MS}-0): the store lost events it had issued"
+    )
+    refused = gone(((NOW_MS, 0), (1, 0)), none_trimmed, ends)
+    assert refused is not None and refused.detail.startswith("bucket 1: position 1-0 is ahead")

@@ -43,6 +43,7 @@ from fencegate.ledger.errors import (
     StoreIncompatible,
 )
 from fencegate.ledger.queries import TaskFilter
+from fencegate.ledger.redis_store import FORMAT_VERSION
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
@@ -502,7 +503,7 @@ async def test_ping_durability_and_migrate_speak_for_the_whole_store(
     assert warnings == [w for w in warnings if "appendfsync" in w or "maxmemory" in w]
     assert len(warnings) == len(set(warnings))  # once per primary, not once per bucket
     migration = await cluster.migrate()
-    assert migration.store == "redis-cluster" and migration.found in (None, 2)
+    assert migration.store == "redis-cluster" and migration.found in (None, FORMAT_VERSION)
     assert migration.done == ()
     assert cluster.kind == "redis-cluster" and not cluster.regressed
 

@@ -1,17 +1,22 @@
 """``GET /v1/events`` on every store: server-sent events from now or from a position, a
 reconnect with ``Last-Event-ID`` that misses nothing and repeats nothing, 410 past the retained
-history, heartbeats, the subscriber bound, and two gateways on one store."""
+history and ahead of the newest event issued, heartbeats, the subscriber bound, and two
+gateways on one store."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import redis
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -19,8 +24,11 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.config import Config
 from fencegate.gateway.state import EVENTS
+from fencegate.ledger import cluster_feed
+from fencegate.ledger.errors import EventsGone
+from fencegate.ledger.keys import Keys
 from tests.api import HANG_S, Api, until
-from tests.conftest import build_test_store, make_config
+from tests.conftest import TEST_CLUSTER_BUCKETS, build_test_store, is_cluster, make_config
 
 
 def events_config(
@@ -179,6 +187,143 @@ async def test_a_position_past_the_history_is_410(api: Api) -> None:
     for query in ("?after=%01", "?from=1", "?after=a&after=b"):
         async with api.client.get(f"/v1/events{query}") as resp:
             assert resp.status == 400, query
+
+
+def ahead_of(end: str, store_url: str) -> list[str]:
+    """Well-formed positions past ``end``, the newest position the store has issued: just past
+    it and far past it, as a subscriber holds after its store lost events (a failover that lost
+    writes, a restore of an older copy)."""
+    if is_cluster(store_url):
+        vector = cluster_feed.decode(end, TEST_CLUSTER_BUCKETS)
+        written = next(n for n, at in enumerate(vector) if at != (0, 0))
+        blank = next(n for n, at in enumerate(vector) if at == (0, 0))
+
+        def moved(bucket: int, stream_id: tuple[int, int]) -> str:
+            return cluster_feed.encode(tuple(stream_id if n == bucket else at
+                                             for n, at in enumerate(vector)))  # fmt: skip
+
+        ms, seq = vector[written]
+        return [moved(written, (ms, seq + 1)), moved(written, (99999999999999, 0)),
+                moved(blank, (1, 0))]  # fmt: skip
+    first, second = (int(part) for part in end.split("-"))
+    if store_url.startswith("sqlite"):  # 0-<AUTOINCREMENT seq>
+        return [f"0-{second + 1}", "0-99999999999"]
+    if store_url.startswith("postgres"):  # <xid>-<seq>: ahead of the transaction id counter
+        return [f"{first + 10**6}-0", f"{first + 10**6}-{second}"]
+    return [f"{first}-{second + 1}", "99999999999999-0"]  # Redis: the stream id
+
+
+async def test_a_position_ahead_of_the_newest_the_store_issued_is_410(
+    api: Api, store_url: str
+) -> None:
+    """A position from before the store lost events it had issued: 410 at once, not a
+    stream that silently skips what the store writes next up to that position. The newest
+    position itself is a stream that waits for the next event, and a resume from an earlier
+    one gets every event once."""
+    _, start = await api.store.read_events(None, 1)
+    for n in range(3):  # one task group: on Redis Cluster one bucket's stream
+        await api.put(f"feed::t{n}")
+    _, end = await api.store.read_events(None, 1)
+    for ahead in ahead_of(end, store_url):
+        with pytest.raises(EventsGone, match="ahead of the newest event this store has issued"):
+            await api.store.read_events(ahead, 10)
+        for given in ({"headers": {"Last-Event-ID": ahead}}, {"params": {"after": ahead}}):
+            async with api.client.get("/v1/events", **given) as resp:
+                assert resp.status == 410, (ahead, given)
+                problem = await resp.json(content_type=None)
+            assert problem["code"] == "EVENTS_GONE"
+            assert "ahead of the newest event" in problem["detail"]
+            assert "lost events" in problem["detail"]
+    assert await api.store.read_events(end, 10) == ([], end)
+    at_end = await open_stream(api, after=end)
+    resumed = await open_stream(api, after=start)
+    await api.put("feed::next")
+    assert await at_end.task_states(1) == [("feed::next", "READY")]
+    assert await resumed.task_states(4) == [
+        *((f"feed::t{n}", "READY") for n in range(3)),
+        ("feed::next", "READY"),
+    ]
+    for stream in (at_end, resumed):  # and nothing twice: the next frame is a heartbeat
+        await stream.keep_alive()
+        stream.response.close()
+
+
+async def test_a_trim_of_every_event_keeps_the_newest_position(api: Api, store_url: str) -> None:
+    """What the store issued survives a trim of everything (Redis: the stream's last generated
+    id; SQLite: AUTOINCREMENT's high-water mark; PostgreSQL: the transaction id counter): the
+    end stays where it was, a subscriber there is not refused, one past it still is."""
+    _, start = await api.store.read_events(None, 1)
+    for n in range(3):
+        await api.put(f"feed::t{n}")
+    _, end = await api.store.read_events(None, 1)
+    await api.store.trim_events(0)
+    if not store_url.startswith("postgres"):  # there the end is a horizon, moved by anything
+        assert (await api.store.read_events(None, 1))[1] == end
+    assert await api.store.read_events(end, 10) == ([], end)
+    with pytest.raises(EventsGone, match="were dropped"):
+        await api.store.read_events(start, 10)
+    for ahead in ahead_of(end, store_url):
+        with pytest.raises(EventsGone, match="ahead of the newest event"):
+            await api.store.read_events(ahead, 10)
+    stream = await open_stream(api, after=end)
+    await api.put("feed::next")
+    assert await stream.task_states(1) == [("feed::next", "READY")]
+    stream.response.close()
+
+
+# Restored here only on SQLite and a single Redis (a file backup, a stream DUMP/RESTORE).
+@pytest.mark.parametrize("store_url", ["sqlite", "redis"], indirect=True)
+async def test_a_subscriber_from_before_a_restore_of_an_older_copy_is_told_410(
+    api: Api, store_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    """The case the 410 is for: the store goes back to an older copy of itself (here the
+    SQLite file restored with the backup API; on Redis the event stream's older DUMP restored,
+    as a failover to a replica that lacked the last writes leaves it). A subscriber that read
+    an event of the lost part resumes ahead of everything the store now has: 410 naming the
+    loss, and from now it follows again."""
+    await api.put("a")
+    if store_url.startswith("sqlite"):
+        live = store_url.removeprefix("sqlite:///")
+        with (
+            contextlib.closing(sqlite3.connect(live)) as src,
+            contextlib.closing(sqlite3.connect(tmp_path / "older.db")) as copy,
+        ):
+            src.backup(copy)
+
+        def restore() -> None:
+            with (
+                contextlib.closing(sqlite3.connect(tmp_path / "older.db")) as copy,
+                contextlib.closing(sqlite3.connect(live)) as dst,
+            ):
+                copy.backup(dst)
+    else:
+        admin = redis.Redis.from_url(store_url)
+        stream_key = Keys(key_prefix).events
+        older = admin.dump(stream_key)
+        assert isinstance(older, bytes)
+
+        def restore() -> None:
+            admin.restore(stream_key, 0, older, replace=True)
+
+    stream = await open_stream(api)
+    await api.put("lost")
+    assert await stream.task_states(1) == [("lost", "READY")]
+    held = stream.last_id
+    assert held is not None
+    stream.response.close()
+    # The gateway saw its subscriber leave before the loss: while anyone listens it reads the
+    # feed from its own position, and a store that issues that position again before its next
+    # read (SQLite counts on from the restored copy at once) leaves nothing to tell it by.
+    await until(lambda: api.client.app[EVENTS].subscribers == 0, "the closed stream leaves")
+    restore()
+    async with api.client.get("/v1/events", headers={"Last-Event-ID": held}) as resp:
+        assert resp.status == 410
+        problem = await resp.json(content_type=None)
+    assert problem["code"] == "EVENTS_GONE" and "lost events" in problem["detail"]
+    again = await open_stream(api)
+    await api.put("after")
+    assert await again.task_states(1) == [("after", "READY")]
+    again.response.close()
 
 
 async def test_heartbeats_and_the_subscriber_bound(api: Api) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from fencegate.gateway.config import EventsConfig, TasksConfig
 from fencegate.gateway.events import EventHub
+from fencegate.ledger.errors import EventsGone
 from fencegate.ledger.postgres_store import PostgresStore
 from fencegate.ledger.tasks import LeasePolicy
 from tests.api import until
@@ -95,3 +96,30 @@ async def test_a_transaction_of_the_same_database_holds_events_back_until_it_end
         assert (await store.read_events(start, 10))[0] == []
     events, _ = await store.read_events(start, 10)
     assert [e.body["taskId"] for e in events] == ["a"]
+
+
+async def test_the_newest_position_is_bounded_by_the_transaction_id_counter(
+    store: PostgresStore,
+) -> None:
+    """A position ahead of the newest the store issued is 410 (the store lost events: a
+    restore of an older copy, a failover that lost commits). On PostgreSQL the bound is the
+    transaction id counter (the snapshot's xmax), not the horizon: an end handed out while a
+    transaction of the store's own database held the horizon back stays good, and so does the
+    end after it; an xid no transaction has had yet is 410."""
+    async with holding_a_transaction(store.url):
+        await store.put_task("a", "in-1", None)
+        _, held_back = await store.read_events(None, 1)
+        assert await store.read_events(held_back, 10) == ([], held_back)
+    events, at_a = await store.read_events(held_back, 10)
+    assert [e.body["taskId"] for e in events] == ["a"]
+    assert await store.read_events(at_a, 10) == ([], at_a)
+    _, newest = await store.read_events(None, 1)
+    assert await store.read_events(newest, 10) == ([], newest)
+    conn = await asyncpg.connect(store.url)
+    try:
+        xmax = int(await conn.fetchval("SELECT pg_snapshot_xmax(pg_current_snapshot())::text"))
+    finally:
+        await conn.close()
+    for ahead in (f"{xmax + 1000}-0", f"{xmax + 1000}-{2**62}"):
+        with pytest.raises(EventsGone, match="ahead of the newest event this store has issued"):
+            await store.read_events(ahead, 10)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import tarfile
@@ -30,7 +31,7 @@ from fencegate.ledger.redis_store import FORMAT_VERSION
 from tests.api import InProcessGateway, until
 from tests.conftest import STORE_TIMEOUT_MS
 from tests.downstream import Downstream
-from tests.servers import GatewayProcess, free_port
+from tests.servers import GatewayProcess, dies_with_us
 
 FIXTURES = Path(__file__).parent / "fixtures" / "upgrade"
 #: The TTL of a claim held across the upgrade (two gateway starts and two migrations): past
@@ -47,8 +48,8 @@ class Release:
     commit: str
     #: The store format it writes (``{prefix}:meta`` ``format``; format 1 records none).
     format: int
-    #: Whether it binds port 0 and logs the port it got. One that cannot is given a port that
-    #: was free a moment ago (``GatewayProcess`` starts it again on another if that was taken).
+    #: Whether it binds port 0 and logs the port it got. One that cannot is handed a socket
+    #: the test bound to port 0 (``HandedSocket``): no port is picked before it is bound.
     binds_port_zero: bool
 
     @property
@@ -92,6 +93,56 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Release], str]
     return pythonpath
 
 
+#: ``fencegate serve`` of a release that refuses ``--listen`` port 0 (815bed5), on the socket
+#: whose descriptor is its first argument: its own ``cli._serve_one`` takes bound sockets
+#: (what its ``serve --workers`` supervisor hands each worker), so it is handed this one.
+_SERVE_ON_HANDED_SOCKET = """
+import socket, sys
+from fencegate.gateway import cli
+handed = socket.socket(fileno=int(sys.argv.pop(1)))
+serve_one = cli._serve_one
+def on_handed(config, config_path, ssl_context, loop_factory, sockets=None, listening=None):
+    return serve_one(config, config_path, ssl_context, loop_factory, [handed], listening)
+cli._serve_one = on_handed
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+class HandedSocket(GatewayProcess):
+    """A release that cannot bind port 0 and say which port it got: this process binds
+    127.0.0.1 port 0 itself and hands the bound socket down (``pass_fds``); ``--listen``
+    names that port (the release checks ``Host`` against it). Nothing else can take the port
+    between the pick and the bind: they are one step. Started once (the socket goes with it).
+    """
+
+    def start(self) -> HandedSocket:
+        if self.proc is not None or self.port:
+            raise RuntimeError("a handed-socket gateway starts once")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))  # the release's asyncio server listens on it
+            self.port = int(sock.getsockname()[1])
+            with self.log_path.open("ab") as log:
+                logged_before = log.tell()
+                self.proc = subprocess.Popen(
+                    dies_with_us([
+                        sys.executable, "-c", _SERVE_ON_HANDED_SOCKET, str(sock.fileno()),
+                        "serve", "--config", str(self.config_path),
+                        "--listen", f"127.0.0.1:{self.port}",
+                    ]),
+                    stdout=log, stderr=log, cwd=self.cwd, env=self.env,
+                    pass_fds=(sock.fileno(),),
+                )  # fmt: skip
+        # This process's copy is closed: the gateway holds the port alone.
+        try:
+            listening = self._bound_port(logged_before, timeout=30)
+        except Exception:
+            raise RuntimeError(
+                f"gateway did not start: {self.log_path.read_text()[-2000:]}"
+            ) from None
+        assert listening == self.port, (listening, self.port)
+        return self
+
+
 class Previous:
     """Previous releases' gateways, each its own ``fencegate serve`` process."""
 
@@ -100,11 +151,11 @@ class Previous:
         self.started: list[GatewayProcess] = []
 
     def start(self, release: Release, config: Path) -> GatewayProcess:
-        port = 0 if release.binds_port_zero else free_port()
         env = {"PYTHONPATH": self.staged(release)}
-        process = GatewayProcess(config, port, env=env).start()
-        self.started.append(process)
-        return process
+        kind = GatewayProcess if release.binds_port_zero else HandedSocket
+        process = kind(config, env=env)
+        self.started.append(process)  # stopped at the end even if its start failed half-way
+        return process.start()
 
 
 @pytest.fixture
@@ -586,7 +637,7 @@ KEPT = (
 )
 
 
-async def test_records_5496a14_wrote_need_no_migration_and_are_served_alike(
+async def test_records_5496a14_wrote_need_no_rewrite_and_are_served_alike(
     redis_server: Any,
     key_prefix: str,
     downstream: Downstream,
@@ -597,8 +648,9 @@ async def test_records_5496a14_wrote_need_no_migration_and_are_served_alike(
     current: list[InProcessGateway],
 ) -> None:
     """The end of a rolling upgrade from 5496a14: its last gateway stops (here: dies, with a
-    forward in flight), ``fencegate store migrate`` finds the store in this version's format
-    (nothing to do, nothing rewritten), and this version answers a duplicate of each record
+    forward in flight), ``fencegate store migrate`` records format 3 and rewrites nothing
+    (format 3 only lets new effects reach the creation indexes through the feed), and this
+    version answers a duplicate of each record
     5496a14 wrote as 5496a14 did, and renews its claim."""
     slow = f'[[downstreams]]\nname = "silent"\nurl = "{silent.url}"\ntimeout_ms = {HELD_TTL_MS}\n'
     config = write_config(tmp_path, redis_server.url, key_prefix, downstream, slow)
@@ -632,9 +684,15 @@ async def test_records_5496a14_wrote_need_no_migration_and_are_served_alike(
     assert set(stored) == {sent.effect_id for sent in before.values()}
     migrated = migrate(config)
     assert migrated.returncode == 0, migrated.stderr
-    assert f"already in format {FORMAT_VERSION}: nothing to do" in migrated.stdout
-    assert client.hget(f"{key_prefix}:meta", "format") == str(FORMAT_VERSION) == "2"
+    # Format 3 rewrites nothing: it only lets new effects wait for index_catch_up.lua.
+    assert f"migrated from format 2 to format {FORMAT_VERSION}" in migrated.stdout
+    assert "settled index" not in migrated.stdout
+    assert client.hget(f"{key_prefix}:meta", "format") == str(FORMAT_VERSION) == "3"
     assert client.hgetall(Keys(key_prefix).effects("task")) == stored
+    # An old gateway started now refuses the store: it would read the creation indexes
+    # without catching up (docs/decisions.md, "Issue 30: cheaper scripts, and format 3").
+    with pytest.raises(RuntimeError, match="newer than this gateway's 2"):
+        previous.start(FORMAT_2, config)
 
     new = Gateway(await start_current(current, config), session)
     assert (await new.renew(held))[0] == 200

@@ -4,7 +4,8 @@
 -- KEYS[1] task hash, KEYS[2] scheduler hash, KEYS[3] the task's effects hash,
 -- KEYS[4] effects index (zset, by creation), KEYS[5] effectId -> taskId hash,
 -- KEYS[6] prepared index, KEYS[7] unknown index, KEYS[8] awaiting-approval index,
--- KEYS[9] probe-due index, KEYS[10] event stream, KEYS[11] effect ids index (zset, by id)
+-- KEYS[9] probe-due index, KEYS[10] event stream, KEYS[11] effect ids index (zset, by id),
+-- KEYS[12] the list of creation-index entries not yet added (format 3, index_catch_up.lua)
 -- ARGV[1] test clock (see now_ms), ARGV[2] attemptId, ARGV[3] claimGeneration,
 -- ARGV[4] schedulerEpoch, ARGV[5] cancelGeneration, ARGV[6] node, ARGV[7] slot,
 -- ARGV[8] downstream, ARGV[9] method, ARGV[10] path, ARGV[11] payloadDigest,
@@ -22,7 +23,9 @@
 -- ARGV[21] the new record as the gateway built it (RedisStore._new_forward, mirroring the
 -- decision below for a record that does not exist yet, with no approval required), up to its
 -- times: used only when the record does not exist and its id is ARGV[18]; '' for none,
--- ARGV[22] that record's event up to its time
+-- ARGV[22] that record's event up to its time, ARGV[23] '1' when the store's format (3) lets
+-- that record's creation-index entry wait in KEYS[12] for index_catch_up.lua, '' when the
+-- indexes are written here (format 2: older gateways read them without catching up)
 -- Returns {'FORWARD'|'REPLAY', record}, {'REJECT', code, detail, retryAfterMs or '', record},
 -- {'NEW', now} when ARGV[21]'s record was stored (the gateway completes it with now), or
 -- {'ERR', code, detail} when the claim itself is refused; record is the effect record as
@@ -75,22 +78,31 @@ if ARGV[17] ~= '' and ARGV[17] == t.revision then
 else
   eid = effect_id(t.task_id, t.revision, node, slot)
 end
-local raw = redis.call('HGET', effects_key, eid)
-if not raw and ARGV[21] ~= '' and eid == ARGV[18] and not require_approval then
+if ARGV[21] ~= '' and eid == ARGV[18] and not require_approval then
   -- A new effect forwarded at once (the common case): the record the gateway built, with
-  -- this step's times, and what the general path below does for it (the creation indexes,
-  -- the prepared index, the event), without building, deciding and encoding it here.
+  -- this step's times, stored only if the effect does not exist (HSETNX: the look-up and the
+  -- write in one command), with what the general path below does for a new record (the
+  -- prepared index, the event) without building, deciding and encoding it here. At format 3
+  -- the three creation indexes are not written here: their entry waits in a list, one cheap
+  -- RPUSH, and index_catch_up.lua adds many at once, before any reader looks.
   local n = s(now)
   local deadline = s(now + tonumber(deadline_ms))
-  redis.call('ZADD', effects_order, 0, string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id)
-  redis.call('HSET', effect_tasks, eid, t.task_id)
-  redis.call('ZADD', effect_ids, 0, eid)
-  redis.call('HSET', effects_key, eid, ARGV[21] .. n .. '","updated_at":"' .. n
-    .. '","a0_started_at":"' .. n .. '","deadline_at":"' .. deadline .. '"}')
-  redis.call('ZADD', index.prepared, deadline, eid)
-  redis.call('XADD', index.events, '*', 'e', ARGV[22] .. n .. '}')
-  return {'NEW', n}
+  if redis.call('HSETNX', effects_key, eid, ARGV[21] .. n .. '","updated_at":"' .. n
+      .. '","a0_started_at":"' .. n .. '","deadline_at":"' .. deadline .. '"}') == 1 then
+    local member = string.format('%015d', now) .. ':' .. eid .. ':' .. t.task_id
+    redis.call('ZADD', index.prepared, deadline, eid)
+    if ARGV[23] == '1' then
+      redis.call('RPUSH', KEYS[12], member)
+    else
+      redis.call('ZADD', effects_order, 0, member)
+      redis.call('HSET', effect_tasks, eid, t.task_id)
+      redis.call('ZADD', effect_ids, 0, eid)
+    end
+    redis.call('XADD', index.events, '*', 'e', ARGV[22] .. n .. '}')
+    return {'NEW', n}
+  end
 end
+local raw = redis.call('HGET', effects_key, eid)
 local e
 local changed
 local prior = NEW_RECORD
