@@ -847,26 +847,26 @@ class ClusterStore(Store):
                 (n, ("HEXISTS", k.effect_tasks, effect_id)),
                 (n, ("EXISTS", k.keyed_effect(effect_id))),
                 (n, ("EXISTS", k.effect_tombstone(effect_id))),
+                # New effects whose directory entry still waits (index_catch_up.lua).
+                (n, ("LLEN", k.effects_created)),
             ]
 
         first = await self._read(probe(home))
         if first[0] or first[1]:
             return self.views[home]
         others = [n for n in range(self.buckets) if n != home]
-        replies = await self._read([c for n in others for c in probe(n)])
-        found = [n for i, n in enumerate(others) if replies[3 * i] or replies[3 * i + 1]]
-        if not found:  # or created since a bucket's last catch-up (RedisStore._task_of)
-            await self._each(lambda view: view.catch_up_indexes())
-            every = [home, *others]
-            replies = await self._read([c for n in every for c in probe(n)])
-            first = replies[:3]
-            found = [n for i, n in enumerate(every) if replies[3 * i] or replies[3 * i + 1]]
-            replies = replies[3:]
+        replies = [*first, *await self._read([c for n in others for c in probe(n)])]
+        every = [home, *others]
+        found = [n for i, n in enumerate(every) if replies[4 * i] or replies[4 * i + 1]]
+        waiting = [n for i, n in enumerate(every) if replies[4 * i + 3]]
+        if not found and waiting:  # it may be one of those (RedisStore._task_of)
+            await self._each(lambda view: view.catch_up_indexes(), waiting)
+            again = await self._read([(n, ("HEXISTS", self._keys[n].effect_tasks, effect_id))
+                                      for n in waiting])  # fmt: skip
+            found = [n for n, known in zip(waiting, again, strict=True) if known]
         if found:
             return self.views[found[0]]
-        tombstones = [n for i, n in enumerate(others) if replies[3 * i + 2]]
-        if first[2]:
-            tombstones.insert(0, home)
+        tombstones = [n for i, n in enumerate(every) if replies[4 * i + 2]]
         if tombstones:
             return self.views[tombstones[0]]  # its view refuses EFFECT_EXPIRED (or as it finds)
         raise NoSuchEffect().about_effect(effect_id)

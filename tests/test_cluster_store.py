@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from fencegate.ledger import cluster_store
+from fencegate.ledger import cluster_store, redis_store
 from fencegate.ledger.buckets import bucket_of_keyed, bucket_of_task, bucket_tag, slot_of
 from fencegate.ledger.cluster_store import (
     ClusterStore,
@@ -42,6 +42,7 @@ from fencegate.ledger.errors import (
     StaleEpoch,
     StoreIncompatible,
 )
+from fencegate.ledger.keys import Keys
 from fencegate.ledger.queries import TaskFilter
 from fencegate.ledger.redis_store import FORMAT_VERSION
 from fencegate.ledger.tasks import (
@@ -576,3 +577,31 @@ async def test_on_a_real_cluster_buckets_spread_over_primaries_and_merge_back(
     for warning in await store.durability():  # per primary, each named
         assert warning.split(": ", 1)[0] in primaries
     await store.ping()
+
+
+async def test_a_new_effect_is_found_by_its_id_before_its_bucket_caught_up(
+    cluster: ClusterStore,
+    redis_server: RedisServer,
+    key_prefix: str,
+    raw: aioredis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Format 3: a lean prepare's directory entry waits in its bucket's list
+    (``index_catch_up.lua``). A look-up by id alone through another gateway finds it all the
+    same, catching up the buckets where entries wait; an unknown id stays NO_SUCH_EFFECT."""
+    monkeypatch.setattr(redis_store, "_CATCH_UP_AFTER_S", 3600.0)
+    task = await claimed(cluster, "y-1")
+    request = EffectRequest(fence_of(task), "node", "s", "pay", "POST", "/pay", "d1")
+    eid = (await cluster.prepare_effect(request, DEADLINE)).effect.effect_id
+    bucket = bucket_of_task("y-1", BUCKETS)
+    waiting = Keys(bucket_prefix(key_prefix, bucket)).effects_created
+    assert await raw.llen(waiting) == 1
+    other = make_store(redis_server, key_prefix)
+    await other.open()
+    try:
+        assert (await other.get_effect(eid)).task_id == "y-1"
+        assert await raw.llen(waiting) == 0  # the miss caught up the one bucket waiting
+        with pytest.raises(NoSuchEffect):
+            await other.get_effect("f" * 64)
+    finally:
+        await other.close()
