@@ -311,7 +311,8 @@ def register(sub: SubParsers) -> None:
         description="Reads the single Redis store of --config ([store] url and "
         "redis_key_prefix) and writes it into the bucket layout of the Redis Cluster at --to "
         "(store.cluster_buckets buckets, the same key prefix). Refuses a store that is not "
-        "drained (a CLAIMED task, a PREPARED effect) and writes nothing then. Idempotent: run "
+        "drained (a CLAIMED task whose lease has not run out, a PREPARED effect) and writes "
+        "nothing then; a task CLAIMED past its lease is copied as it is. Idempotent: run "
         "it again after an interruption; what is there is left. The change feed is not "
         "copied (docs/stores.md, 'Moving to a cluster').",
     )

@@ -21,11 +21,22 @@ store-wide key by member:
   (a subscriber starts again from the cluster's feed); a write mark belongs to one gateway
   process and one store.
 
-The copy refuses a store that is not drained (a CLAIMED task in the leases index, a PREPARED
-effect: a claim or a forward the copy would freeze in the middle), one with a task still
-waiting on a dependency of another task group (on the cluster the dependency's commit could
-not release it), one in an older format (``fencegate store migrate`` first) or flagged as
-having lost writes. It writes nothing before every check passed.
+The copy refuses a store that is not drained (a CLAIMED task whose lease has not run out
+by the source's clock, a PREPARED effect: a claim or a forward the copy would freeze in the
+middle), one with a task still waiting on a dependency of another task group (on the
+cluster the dependency's commit could not release it), one in an older format (``fencegate
+store migrate`` first) or flagged as having lost writes. It writes nothing before every
+check passed. A CLAIMED task whose lease has run out is copied as it is (its lease expiry,
+generation, attempt; its leases and queue index entries split with the rest): nothing on
+the source would release it but a new claim, which needs the gateways the operator stopped
+to copy, and on the cluster it behaves as it would have on the source (its old attempt's
+renew and fenced calls refused as expired, a claim takes it over with the next generation).
+
+The check that the source did not change (``_Snapshot``) is read before anything else, so
+a claim, or any other step of a gateway still serving it, at any point of the run fails the
+run, a claim taking over a lease that ran out included. A run past the checks saw every
+lease run out, and a lease that ran out stays so (renew refuses it; only a claim gives the
+task a new one), so no lease can start running again under the copy.
 
 Idempotent: ``RESTORE`` without ``REPLACE`` (``BUSYKEY``: copied before, skipped) and member
 adds that leave what is there, so a run cut short is run again and finishes; each run says
@@ -279,6 +290,10 @@ class CopyReport:
     not_copied: dict[str, int] = field(default_factory=dict)
     #: Keys under the prefix that are no key of this layout (another store's?): not copied.
     unknown: list[str] = field(default_factory=list)
+    #: CLAIMED tasks whose lease had run out on the source's clock (copied as they are), and
+    #: the first ``_SHOWN`` of their ids.
+    ran_out: int = 0
+    ran_out_ids: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         lines = [
@@ -286,6 +301,13 @@ class CopyReport:
             f"{self.keys_there} already there (left as they are)",
             f"index members added: {self.members_added}; already there: {self.members_there}",
         ]
+        if self.ran_out:
+            lines.append(
+                f"CLAIMED with their lease run out: {self.ran_out} task(s) "
+                f"({_listed(self.ran_out_ids, self.ran_out)}), copied as they are: on the "
+                "cluster a claim takes each over (the next claimGeneration), and the old "
+                "attempt is refused there as it was on the old store"
+            )
         if self.gone:
             lines.append(f"gone before they were read (expired tombstones): {self.gone}")
         for name, count in sorted(self.not_copied.items()):
@@ -361,21 +383,53 @@ async def _snapshot(source: aioredis.Redis, layout: keys.Keys) -> _Snapshot:
     return _Snapshot(last, tuple(sorted(scheduler.items())))
 
 
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """What ``_check_source`` found in a source the copy takes: its format, its scheduler
+    record, and the CLAIMED tasks whose lease had run out (how many, the first ids)."""
+
+    fmt: str
+    scheduler: dict[str, str]
+    ran_out: int
+    ran_out_ids: list[str]
+
+
 async def _check_source(
     source: aioredis.Redis, prefix: str, format_version: int, batch: int
-) -> tuple[str, dict[str, str]]:
-    """Refuse (``CopyRefused``) a source the copy cannot take as it is; else its format and
-    its scheduler record."""
+) -> _Source:
+    """Refuse (``CopyRefused``) a source the copy cannot take as it is; else what it found.
+
+    A lease is live while its expiry (its leases index score) is above the source's ``TIME``
+    (``queries.is_lease_active``, as the scripts read it with the production clock): ``TIME``
+    is read first, so a lease counted as run out had run out before any of it was read, and
+    stays so: renew refuses a lease that ran out, and only a claim, which appends to the
+    change feed (``_Snapshot``), gives the task a new one."""
     layout = keys.Keys(prefix)
+    sec, usec = await source.time()
+    now = int(sec) * 1000 + int(usec) // 1000
     pipe = source.pipeline(transaction=False)
     pipe.hgetall(layout.meta)
     pipe.exists(layout.scheduler, layout.tasks_index, layout.events, layout.effect_ids)
-    pipe.zcard(layout.leases)
-    pipe.zrange(layout.leases, 0, _SHOWN - 1)
+    pipe.zcount(layout.leases, f"({now}", "+inf")
+    pipe.zrangebyscore(layout.leases, f"({now}", "+inf", start=0, num=_SHOWN)
+    pipe.zrange(layout.leases, -1, -1, withscores=True)
+    pipe.zcount(layout.leases, "-inf", now)
+    pipe.zrangebyscore(layout.leases, "-inf", now, start=0, num=_SHOWN)
     pipe.zcard(layout.prepared)
     pipe.zrange(layout.prepared, 0, _SHOWN - 1)
     pipe.hgetall(layout.scheduler)
-    meta, written, held, holders, prepared, preparing, scheduler = await pipe.execute()
+    (
+        meta,
+        written,
+        live,
+        holders,
+        last,
+        ran_out,
+        ran_out_ids,
+        prepared,
+        preparing,
+        scheduler,
+    ) = await pipe.execute()
     recorded = meta.get("format")
     if recorded is None and not written:
         raise CopyRefused(
@@ -400,19 +454,15 @@ async def _check_source(
             "`fencegate failover ack` and settle what `fencegate failover lost` lists first"
         )
     problems: list[str] = []
-    if held:
-        sec, usec = await source.time()
-        ran_out = int(await source.zcount(layout.leases, "-inf", sec * 1000 + usec // 1000))
-        late = (
-            f"; {ran_out} of them past their lease, which keeps a task CLAIMED until it is "
-            "released, committed, cancelled or claimed again"
-            if ran_out
-            else ""
-        )
+    if live:
+        expires = int(last[0][1])
         problems.append(
-            f"{held} task(s) CLAIMED (the leases index {layout.leases}: "
-            f"{_listed(holders, held)}{late}): pause claims (`fencegate claims pause`), then "
-            "let their workers commit or release them"
+            f"{live} task(s) CLAIMED with a lease still running (the leases index "
+            f"{layout.leases}: {_listed(holders, live)}; the last runs out at leaseExpiresAt "
+            f"{expires}, in {-(-(expires - now) // 1000)} s unless renewed; their workers "
+            "may still be acting): pause claims (`fencegate claims pause`), then let their "
+            "workers commit or release them, or let the leases run out (a task CLAIMED past "
+            "its lease is copied as it is, and a claim on the cluster takes it over)"
         )
     if prepared:
         problems.append(
@@ -427,7 +477,7 @@ async def _check_source(
             + "; ".join(problems)
             + ". Then run the copy again; nothing was written"
         )
-    return str(found), scheduler
+    return _Source(str(found), scheduler, int(ran_out), [str(i) for i in ran_out_ids])
 
 
 async def _cross_group_waits(source: aioredis.Redis, layout: keys.Keys, batch: int) -> list[str]:
@@ -696,16 +746,21 @@ async def copy_store(
     it; afterwards, when the source changed while it was copied."""
     prefix = layout.prefix
     source_keys = keys.Keys(prefix)
-    fmt, scheduler = await _check_source(source, prefix, format_version, batch)
+    # First, before the checks read anything: a step after it (a claim of a task the check
+    # saw READY, or one taking over a lease it saw run out) moves the feed, and the run fails.
+    before = await _snapshot(source, source_keys)
+    checked = await _check_source(source, prefix, format_version, batch)
+    fmt, scheduler = checked.fmt, checked.scheduler
     # The creation indexes the copy splits may lag the feed (a gateway killed before its
-    # catch-up ran): bring them up to it first.
+    # catch-up ran): bring them up to it first (no event: the snapshot stays).
     script = load_script_source("index_catch_up")
     await catch_up_indexes(
         source_keys, lambda keys_, args: source.eval(script, len(keys_), *keys_, "0", *args)
     )
-    before = await _snapshot(source, source_keys)
     await _check_target(router, layout, fmt, scheduler)
-    report = CopyReport(buckets=layout.buckets)
+    report = CopyReport(
+        buckets=layout.buckets, ran_out=checked.ran_out, ran_out_ids=checked.ran_out_ids
+    )
     writer = _Writer(router, report)
     await _write_meta(router, layout, fmt)
     split: dict[str, SourceKey] = {}

@@ -8,7 +8,9 @@ slot and in the bucket its task (or effect) belongs to; every key of the source 
 whole or split by member, with the same contents; and bucket views (``RedisStore`` under
 ``P:{P.b<n>}`` through ``RoutedRedis``) read back what the source store answers. A second run
 copies nothing; a store that is not drained is refused with what holds it, and nothing is
-written.
+written. A task CLAIMED past its lease (the workers died, the gateways were stopped) is
+copied as it is, and on the cluster store a claim takes it over while its old attempt is
+refused, as on the source.
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ from fencegate.ledger.effects import (
     Fence,
     keyed_effect_id,
 )
-from fencegate.ledger.errors import EffectExpired, TaskExpired
+from fencegate.ledger.errors import EffectExpired, Fenced, LeaseExpired, TaskExpired
 from fencegate.ledger.queries import TaskFilter
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.tasks import (
     ClaimRequest,
     CommitRequest,
+    Identity,
     LeasePolicy,
+    RenewRequest,
     Scheduler,
     Task,
     TaskState,
@@ -456,6 +460,18 @@ async def _read_back(
         await router.aclose()
 
 
+async def _claim_run_out(store: RedisStore, task_id: str, queue: str | None) -> Task:
+    """``task_id`` put and claimed with a lease that ran out a minute ago on the store's
+    clock (claimed on a test clock two minutes behind it, for one minute): a worker that
+    died holding it."""
+    await store.put_task(task_id, f"in-{task_id}", None, queue=queue)
+    store.clock_offset_ms = -120_000
+    try:
+        return await store.claim(task_id, ClaimRequest("died", 60_000, 1))
+    finally:
+        store.clock_offset_ms = 0
+
+
 async def test_a_store_that_is_not_drained_is_refused_and_nothing_written(
     source: RedisStore,
     redis_server: RedisServer,
@@ -468,16 +484,178 @@ async def test_a_store_that_is_not_drained_is_refused_and_nothing_written(
     request = EffectRequest(_fence(task), "node", "s", "pay", "POST", "/pay", "d" * 64)
     prepared = await source.prepare_effect(request, 30_000)
     assert prepared.action is Action.FORWARD
+    # Beside them, a claim whose lease ran out: not what holds the copy, not named.
+    await _claim_run_out(source, "dead-1", "q")
     refused = copy(_config(tmp_path, redis_server.url, prefix), redis_cluster.url)
     assert refused.returncode == 1
     assert "the store is not drained" in refused.stderr
-    assert "1 task(s) CLAIMED" in refused.stderr and "busy-1" in refused.stderr
+    assert "1 task(s) CLAIMED with a lease still running" in refused.stderr
+    assert "busy-1" in refused.stderr and "dead-1" not in refused.stderr
+    assert task.lease_expires_at is not None
+    assert f"the last runs out at leaseExpiresAt {task.lease_expires_at}" in refused.stderr
     assert "pause claims (`fencegate claims pause`)" in refused.stderr
     assert "1 effect(s) PREPARED" in refused.stderr
     assert prepared.effect.effect_id in refused.stderr
     assert "wait for their forwards to complete" in refused.stderr
     assert "nothing was written" in refused.stderr
     assert _cluster_keys(redis_cluster, prefix) == {}
+
+
+async def test_a_claim_whose_lease_ran_out_is_copied_and_taken_over_on_the_cluster(
+    source: RedisStore,
+    redis_server: RedisServer,
+    redis_cluster: ClusterServers,
+    prefix: str,
+    tmp_path: Path,
+) -> None:
+    """The gateways stopped, the workers died holding claims: nothing could release those
+    tasks but a new claim. The copy takes them as they are (CLAIMED, the same lease, attempt
+    and generation, in their bucket's leases and queue indexes), and on the cluster store
+    the old attempt is refused as on the source, and a claim takes each over."""
+    from fencegate.ledger.cluster_store import ClusterStore, RoutedBackend
+
+    queued = await _claim_run_out(source, "job-1", "jobs")
+    by_id = await _claim_run_out(source, "order-5::ship", None)
+    await source.put_task("job-2", "in-job-2", None, queue="jobs")
+    # An attempt that did something: a completed effect under the claim.
+    request = EffectRequest(_fence(queued), "node", "s0", "pay", "POST", "/pay", "d" * 64)
+    source.clock_offset_ms = -90_000  # inside the lease, on the clock it was claimed on
+    outcome = await source.prepare_effect(request, 30_000)
+    assert queued.attempt_id is not None
+    await source.complete_effect(
+        "job-1", outcome.effect.effect_id, outcome.seq, queued.attempt_id,
+        EffectState.COMMITTED, "200", None,
+    )  # fmt: skip
+    source.clock_offset_ms = 0
+    await source.set_claims_paused(True)  # the runbook
+    layout = Layout(prefix, BUCKETS)
+
+    done = copy(_config(tmp_path, redis_server.url, prefix), redis_cluster.url)
+    assert done.returncode == 0, done.stderr
+    assert "CLAIMED with their lease run out: 2 task(s) (" in done.stdout
+    assert "job-1" in done.stdout and "order-5::ship" in done.stdout
+    admin = redis_server.client()
+    try:
+        copied = _cluster_keys(redis_cluster, prefix)
+        _check_key_by_key(admin, copied, prefix, layout)
+    finally:
+        admin.close()
+    # The indexes a CLAIMED task needs, in its bucket: leases (by expiry), the queue's held
+    # (by expiry) and epochs (by claim epoch).
+    for task in (queued, by_id):
+        there = layout.keys(layout.task_bucket(task.task_id))
+        assert copied[there.leases][task.task_id] == task.lease_expires_at
+    jobs = layout.keys(layout.task_bucket("job-1"))
+    assert copied[jobs.queue_held("jobs")]["job-1"] == queued.lease_expires_at
+    assert copied[jobs.queue_epochs("jobs")]["job-1"] == 1
+
+    backend = RoutedBackend(
+        redis_cluster.url, POLICY, key_prefix=prefix, timeout_ms=STORE_TIMEOUT_MS
+    )
+    cluster = ClusterStore(
+        POLICY, backend, buckets=BUCKETS, key_prefix=prefix, timeout_ms=STORE_TIMEOUT_MS
+    )
+    await cluster.open()
+    try:
+        for task in (queued, by_id):
+            assert await cluster.get_task(task.task_id) == await source.get_task(task.task_id)
+        await cluster.set_claims_paused(False)
+        # Before any new claim: the old attempt's renew and fenced calls are refused as
+        # expired, as on the source.
+        for store in (source, cluster):
+            with pytest.raises(LeaseExpired):
+                await store.renew("job-1", RenewRequest(_identity(queued), 60_000))
+            again = EffectRequest(_fence(queued), "node", "s1", "pay", "POST", "/pay", "e" * 64)
+            with pytest.raises(LeaseExpired):
+                await store.prepare_effect(again, 30_000)
+
+        # A claim takes each over: the queue's (through its held index) and one by id.
+        taken = await cluster.claim_next("jobs", ClaimRequest("w2", 60_000, 1))
+        assert taken is not None and taken.task_id == "job-1"
+        by_claim = await cluster.claim("order-5::ship", ClaimRequest("w2", 60_000, 1))
+        for old, new in ((queued, taken), (by_id, by_claim)):
+            assert new.state is TaskState.CLAIMED and new.owner == "w2"
+            assert new.claim_generation == old.claim_generation + 1
+            assert new.attempt_id != old.attempt_id
+            assert [d.reason for d in new.discarded] == ["expired"]
+            assert new.previous_lease_expires_at == old.lease_expires_at
+            # The old attempt, fenced: renew, prepare and commit.
+            with pytest.raises(Fenced):
+                await cluster.renew(old.task_id, RenewRequest(_identity(old), 60_000))
+            fenced = EffectRequest(_fence(old), "node", "s2", "pay", "POST", "/pay", "f" * 64)
+            with pytest.raises(Fenced):
+                await cluster.prepare_effect(fenced, 30_000)
+            with pytest.raises(Fenced):
+                await cluster.commit(old.task_id, _commit(old))
+            committed, _ = await cluster.commit(new.task_id, _commit(new))
+            assert committed.state is TaskState.COMMITTED
+            assert committed.claim_generation == old.claim_generation + 1
+        # The old attempt's completed effect came along as it was.
+        record = await cluster.get_effect(outcome.effect.effect_id)
+        assert record == await source.get_effect(outcome.effect.effect_id)
+        # The other task of the queue is next.
+        other = await cluster.claim_next("jobs", ClaimRequest("w3", 60_000, 1))
+        assert other is not None and other.task_id == "job-2"
+    finally:
+        await cluster.close()
+    # The old store is left as it was.
+    assert (await source.get_task("job-1")).claim_generation == queued.claim_generation
+
+
+def _identity(task: Task) -> Identity:
+    assert task.attempt_id is not None
+    return Identity(
+        task.attempt_id, task.claim_generation, task.owner or "", 1, task.cancel_generation
+    )
+
+
+def _commit(task: Task) -> CommitRequest:
+    assert task.attempt_id is not None
+    return CommitRequest(
+        task.attempt_id, task.claim_generation, 1, task.cancel_generation, task.input_digest,
+        "r" * 64,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("when", ["after-the-checks", "during-the-indexes"])
+async def test_a_claim_taking_over_a_lease_that_ran_out_during_the_copy_is_reported(
+    source: RedisStore,
+    redis_server: RedisServer,
+    redis_cluster: ClusterServers,
+    prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+    when: str,
+) -> None:
+    """A gateway still serving the source takes over a lease the check saw run out: right
+    after the checks (as the creation indexes' catch-up starts, which writes the source), or
+    while the store-wide indexes are split. Either way its claim appends to the change feed
+    after the run's first look at it, and the run fails."""
+    from fencegate.ledger.cluster_copy import CopyRefused, copy_store, source_client
+    from fencegate.ledger.redis_store import FORMAT_VERSION
+
+    await _claim_run_out(source, "job-1", "jobs")
+    client = source_client(redis_server.url, password=None, timeout_ms=STORE_TIMEOUT_MS)
+    router = ClusterRouter.from_url(redis_cluster.url, timeout_ms=STORE_TIMEOUT_MS)
+    method = "eval" if when == "after-the-checks" else "type"
+    original = getattr(client, method)
+    claims: list[Task] = []
+
+    async def claim_first(*args: Any, **kwargs: Any) -> Any:
+        if not claims:
+            claims.append(await source.claim("job-1", ClaimRequest("gw", 60_000, 1)))
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(client, method, claim_first)
+    try:
+        with pytest.raises(CopyRefused, match="changed while it was copied"):
+            await copy_store(
+                client, router, Layout(prefix, BUCKETS), format_version=FORMAT_VERSION,
+                say=lambda line: None,
+            )  # fmt: skip
+        assert [c.claim_generation for c in claims] == [2]
+    finally:
+        await router.aclose()
+        await client.aclose()
 
 
 async def test_a_dependency_across_groups_still_open_is_refused(
