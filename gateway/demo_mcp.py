@@ -85,6 +85,10 @@ class McpToolServer:
     sessions: set[str] = field(default_factory=set)
     #: Every message received: (method, JSON-RPC id), in order.
     received: list[tuple[str, Any]] = field(default_factory=list)
+    #: Set when a tool starts to run (before ``send_delay_s``): a call the gateway records
+    #: reaches the server only once it is in the ledger, so from then on an agent that gives
+    #: up has lost only the answer, never the call.
+    started: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     url: str = ""
 
@@ -126,6 +130,7 @@ class McpToolServer:
         if name not in ("send_invoice", "get_invoice"):
             return {"content": [_text(f"Unknown tool: {name}")], "isError": True}
         self.runs.append(McpRun(name, arguments, meta.get(EFFECT_ID), meta.get(FENCING_TOKEN)))
+        self.started.set()
         if name == "send_invoice":
             number = f"inv-{len(self.invoices) + 1}"
             invoice = {"invoice": number, **arguments, "status": "sent"}

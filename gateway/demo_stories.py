@@ -48,10 +48,10 @@ SHOP_TIMEOUT_MS = 400
 SLOW_S = 1.0
 PAGES = 5
 #: The MCP tool server behind ``/mcp/invoices``: ``send_invoice`` takes MCP_SEND_MS, the
-#: agent's MCP client waits MCP_PATIENCE_MS for an answer, the gateway MCP_TIMEOUT_MS.
+#: gateway waits MCP_TIMEOUT_MS for it; the agent whose answer is lost gives up while the
+#: server is running the tool (not after a set time: see ``_given_up_once``).
 MCP_DOWNSTREAM = "invoices"
 MCP_SEND_MS = 500
-MCP_PATIENCE_MS = 250
 MCP_TIMEOUT_MS = 2000
 #: The chat agent's payment API: the shop behind a ``probe`` downstream that takes keyed
 #: calls (``client_idempotency_keys``) and looks a charge up by its effectId.
@@ -739,14 +739,27 @@ async def _call_waiting_out(agent: McpAgent, tool: str, arguments: dict[str, Any
         await asyncio.sleep(min(max(int(data.get("retryAfterMs") or 50), 10), 500) / 1000)
 
 
-async def _within(seconds: float, call: Awaitable[T]) -> T | None:
-    """The call's value, or None if it took longer than ``seconds`` (then it is cancelled: a
-    client that gives up closes its connection)."""
+async def _given_up_once(started: asyncio.Event, call: Coroutine[Any, Any, T]) -> T | None:
+    """The call's value if it is answered first; None once ``started`` is set first (the
+    server runs the tool), and the call is cancelled: a client that gives up closes its
+    connection.
+
+    Not after a set time: on a loaded machine a client that gave up after 250 ms had at
+    times given up before the gateway read its call (or before the prepare, past its
+    lease), so nothing was recorded, the retry was the first call and answered as such,
+    not REPLAYED. The server runs a recorded call only after its prepare, so giving up then
+    loses the answer and nothing else, which is the failure the story shows."""
+    answer = asyncio.create_task(call)
+    # Retrieved here too, for when the demo itself is cancelled (Ctrl-C) meanwhile.
+    answer.add_done_callback(lambda done: done.cancelled() or done.exception())
+    running = asyncio.create_task(started.wait())
     try:
-        async with asyncio.timeout(seconds):
-            return await call
-    except TimeoutError:
-        return None
+        await asyncio.wait((answer, running), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        running.cancel()
+        answer.cancel()  # nothing, once answered
+        await asyncio.wait((answer,))  # its connection is closed before the story goes on
+    return None if answer.cancelled() else answer.result()
 
 
 def _compact(value: Any) -> str:
@@ -822,9 +835,10 @@ async def story_mcp(
         n.say(
             "A",
             f"calls send_invoice(ana, 42.00 EUR); the server takes {MCP_SEND_MS} ms, "
-            f"A's client waits {MCP_PATIENCE_MS} ms",
+            "and A's client gives up while it runs",
         )
-        lost = await _within(MCP_PATIENCE_MS / 1000, a.call_tool("send_invoice", invoice))
+        tools.started.clear()
+        lost = await _given_up_once(tools.started, a.call_tool("send_invoice", invoice))
         n.result(
             "NO ANSWER" if lost is None else verdict_of(lost),
             "A gave up and closed its connection; the gateway still waits for the server, "
@@ -832,6 +846,8 @@ async def story_mcp(
             lost is None,
             "NO ANSWER (A's client gives up)",
         )
+        if lost is not None:  # answered (refused): nothing of A's to replay to B
+            return
         lost_id = a.last_id
         n.say("A", "crashes; nothing renews its lease")
         b_lease = await _take_over(n, client, task)

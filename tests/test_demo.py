@@ -152,6 +152,44 @@ def test_demo_runs_with_no_set_up_and_exits_0(tmp_path: Path) -> None:
     assert "Store: the embedded SQLite store in " in done.stdout
 
 
+#: The demo, its gateway stalled STALL_S (argv[1]) before it reads agent A's first call under
+#: a lease on /mcp (its send_invoice), as a gateway on a loaded machine can be: the one
+#: seam is the gateway's first middleware.
+STALLED_DEMO = """
+import asyncio, sys
+from aiohttp import web
+import fencegate.gateway.app as app
+from fencegate.gateway.demo_stories import run_demo
+
+guard, stalled = app.request_guard, []
+
+@web.middleware
+async def stalling_guard(request, handler):
+    if request.path.startswith("/mcp/") and "Fence-Task" in request.headers and not stalled:
+        stalled.append(request)
+        await asyncio.sleep(float(sys.argv[1]))
+    return await guard(request, handler)
+
+app.request_guard = stalling_guard
+sys.exit(asyncio.run(run_demo()))
+"""
+
+
+# Slow: the whole demo once more, with 0.3 s of A's 600 ms lease spent in the stall, so it
+# runs alone (nothing else on the cores) as the other timed demo runs do.
+@pytest.mark.slow
+def test_demo_replays_the_lost_mcp_call_when_the_gateway_is_slow_to_read_it(
+    tmp_path: Path,
+) -> None:
+    """A's lost answer is lost only once the server runs the tool, however long the gateway
+    takes to get to the call. An agent that gave up after a set 250 ms had, under load,
+    given up before the gateway read its call: nothing was recorded, B's retry was the first
+    call and the story said "expected REPLAYED, got OK"."""
+    done = run_demo([sys.executable, "-c", STALLED_DEMO, "0.3"], tmp_path)
+    check_narration(done, tmp_path)
+    assert "-> REPLAYED: A's call ran: B gets its recorded result" in done.stdout
+
+
 @pytest.mark.slow
 def test_demo_on_redis(tmp_path: Path, redis_server: RedisServer) -> None:
     done = run_demo([*demo_command(), "demo", "--store", redis_server.url], tmp_path)
