@@ -175,6 +175,11 @@ PLACEMENT: dict[str, Place] = {
 _WHOLE = {Place.TASK, Place.KEYED, Place.EFFECT_TOMBSTONE, Place.EVERY}
 
 
+#: Most rounds of ``redis_store.catch_up_indexes`` (each up to 100,000 entries) before the
+#: copy decides that something still adds new effects to the source.
+_CATCH_UP_ROUNDS = 100
+
+
 class CopyRefused(Exception):
     """The copy cannot start (or cannot go on): what is wrong and what to do, for a person."""
 
@@ -751,12 +756,21 @@ async def copy_store(
     before = await _snapshot(source, source_keys)
     checked = await _check_source(source, prefix, format_version, batch)
     fmt, scheduler = checked.fmt, checked.scheduler
-    # The creation indexes the copy splits may lag the feed (a gateway killed before its
-    # catch-up ran): bring them up to it first (no event: the snapshot stays).
+    # The creation indexes the copy splits may lack new effects whose entries still wait (a
+    # gateway killed before its catch-up ran): add them all first (no event: the snapshot
+    # stays). The list is not copied, so nothing may be left in it.
     script = load_script_source("index_catch_up")
-    await catch_up_indexes(
-        source_keys, lambda keys_, args: source.eval(script, len(keys_), *keys_, "0", *args)
-    )
+    for _ in range(_CATCH_UP_ROUNDS):
+        if await catch_up_indexes(
+            source_keys, lambda keys_, args: source.eval(script, len(keys_), *keys_, "0", *args)
+        ):
+            break
+    else:
+        raise CopyRefused(
+            f"new effects still wait to be indexed in {source_keys.effects_created} after "
+            f"{_CATCH_UP_ROUNDS} catch-ups: a gateway still serves the store; stop it and run "
+            "the copy again"
+        )
     await _check_target(router, layout, fmt, scheduler)
     report = CopyReport(
         buckets=layout.buckets, ran_out=checked.ran_out, ran_out_ids=checked.ran_out_ids

@@ -844,31 +844,49 @@ class ClusterStore(Store):
         def probe(n: int) -> list[tuple[int, tuple[Any, ...]]]:
             k = self._keys[n]
             return [
+                # New effects whose directory entry still waits (index_catch_up.lua): read
+                # before the directory, since another client's catch-up may run between two
+                # commands of the pipeline. Read after it, a catch-up in between would show
+                # the directory without the id and the list empty: an effect that existed
+                # before this look-up, unknown. Read first, an empty list means every effect
+                # created before it is in the directory read next.
+                (n, ("LLEN", k.effects_created)),
                 (n, ("HEXISTS", k.effect_tasks, effect_id)),
                 (n, ("EXISTS", k.keyed_effect(effect_id))),
                 (n, ("EXISTS", k.effect_tombstone(effect_id))),
-                # New effects whose directory entry still waits (index_catch_up.lua).
-                (n, ("LLEN", k.effects_created)),
             ]
 
         first = await self._read(probe(home))
-        if first[0] or first[1]:
+        if first[1] or first[2]:
             return self.views[home]
         others = [n for n in range(self.buckets) if n != home]
         replies = [*first, *await self._read([c for n in others for c in probe(n)])]
         every = [home, *others]
-        found = [n for i, n in enumerate(every) if replies[4 * i] or replies[4 * i + 1]]
-        waiting = [n for i, n in enumerate(every) if replies[4 * i + 3]]
+        found = [n for i, n in enumerate(every) if replies[4 * i + 1] or replies[4 * i + 2]]
+        waiting = [n for i, n in enumerate(every) if replies[4 * i]]
+        refused: list[StoreUnavailable] = []
         if not found and waiting:  # it may be one of those (RedisStore._task_of)
-            await self._each(lambda view: view.catch_up_indexes(), waiting)
+
+            async def catch_up(view: RedisStore) -> None:
+                # A bucket that cannot catch up now (its slot moving: FROZEN) must not hide
+                # an effect another bucket holds; it only keeps "unknown" from being said.
+                try:
+                    if not await view.catch_up_indexes():
+                        refused.append(redis_store.behind_refusal())
+                except StoreUnavailable as exc:
+                    refused.append(exc)
+
+            await self._each(catch_up, waiting)
             again = await self._read([(n, ("HEXISTS", self._keys[n].effect_tasks, effect_id))
                                       for n in waiting])  # fmt: skip
             found = [n for n, known in zip(waiting, again, strict=True) if known]
         if found:
             return self.views[found[0]]
-        tombstones = [n for i, n in enumerate(every) if replies[4 * i + 2]]
+        tombstones = [n for i, n in enumerate(every) if replies[4 * i + 3]]
         if tombstones:
             return self.views[tombstones[0]]  # its view refuses EFFECT_EXPIRED (or as it finds)
+        if refused:  # it may wait in a bucket that could not catch up: retry, not unknown
+            raise refused[0]
         raise NoSuchEffect().about_effect(effect_id)
 
     async def get_effect(self, effect_id: str) -> Effect:

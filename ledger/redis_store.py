@@ -158,6 +158,7 @@ __all__ = [
     "STORE_KIND",
     "RedisStore",
     "SentinelSpec",
+    "behind_refusal",
     "catch_up_indexes",
     "durability_warnings",
     "library_source",
@@ -205,6 +206,12 @@ _FUNCTIONS: tuple[str, ...] = ("prepare", "prepare_keyed", "complete", "cas_effe
 _READ_ONLY_SCRIPTS = frozenset(
     {"fence", "gauges", "events_read", "events_ids", "stats", "effect_prefix"}
 )
+#: The scripts a reader runs that are no step anyone acts on: the read-only ones, and
+#: index_catch_up.lua, which only adds index entries for records the store holds now (lost
+#: with a failover, its entries are back in the list with it). Neither refused while lost
+#: writes are flagged (reads go on: they are how an operator finds what was lost) nor followed
+#: by WAIT (a replica down must not turn a look-up or a listing into 503).
+_UNFENCED_SCRIPTS = _READ_ONLY_SCRIPTS | {"index_catch_up"}
 #: Bounds of ``[store] redis_min_replicas`` (gateway.config checks them too).
 MAX_MIN_REPLICAS = 16
 #: Rounds of read-decide-compare-and-set before update_effect gives up.
@@ -311,6 +318,15 @@ async def catch_up_indexes(
         if not int(reply[2]):
             return True
     return False
+
+
+def behind_refusal() -> StoreUnavailable:
+    """A look-up by id that missed while more entries wait than one catch-up adds
+    (``_CATCH_UP_RUNS``): the effect may be one of them, so not NO_SUCH_EFFECT."""
+    return StoreUnavailable(
+        "new effects are still being indexed (more wait than one catch-up adds); nothing "
+        "was applied: retry"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1238,9 +1254,9 @@ class RedisStore(Store):
         self, name: str, keys_: list[str], args: list[Any], *, writes: bool | None = None
     ) -> Awaitable[Any]:
         """Run one registered script: queued for this turn's pipeline, or on its own.
-        ``writes`` (default: unless the script is read-only) makes its WAIT follow."""
+        ``writes`` (default: unless it is in ``_UNFENCED_SCRIPTS``) makes its WAIT follow."""
         if writes is None:
-            writes = name not in _READ_ONLY_SCRIPTS
+            writes = name not in _UNFENCED_SCRIPTS
         if name in _FUNCTIONS:
             library = self._library
             call = ("FCALL", library.function(name), len(keys_), *keys_, *args)
@@ -1332,13 +1348,13 @@ class RedisStore(Store):
         return scheduler
 
     async def _script(self, name: str, keys_: list[str], args: list[Any]) -> Sequence[Any]:
-        if name not in _READ_ONLY_SCRIPTS:
+        if name not in _UNFENCED_SCRIPTS:
             await self._refuse_while_regressed()
         started = time.monotonic()
         clock = self._clock_arg()
         try:
             reply = await self._call(lambda: self._eval(name, keys_, [clock, *args]))
-            if name not in _READ_ONLY_SCRIPTS and self.regressed:
+            if name not in _UNFENCED_SCRIPTS and self.regressed:
                 # Checked again after the answer, before it goes out: the flag read after
                 # this script in the same pipeline, or a loss another batch of this gateway
                 # found while this one was in flight. The script ran on a store that lacks
@@ -2252,8 +2268,10 @@ class RedisStore(Store):
 
         task_id, keyed = await self._call(read)
         if task_id is None and not keyed:
-            await self.catch_up_indexes()
+            caught_up = await self.catch_up_indexes()
             task_id, keyed = await self._call(read)
+            if task_id is None and not keyed and not caught_up:
+                raise behind_refusal()  # it may wait past what one catch-up adds
         if task_id is not None:
             return str(task_id)
         if not keyed:
@@ -2448,7 +2466,11 @@ class RedisStore(Store):
             lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
         )
         if None in task_ids:  # keyed, or created since the last catch-up
-            await self.catch_up_indexes()
+            # Refused (FROZEN: a cluster bucket whose slot moves): the work lists this serves
+            # (the reconciler's, the approvals') go on without what waits, seen on their next
+            # pass, instead of failing for every bucket.
+            with contextlib.suppress(StoreUnavailable):
+                await self.catch_up_indexes()
             task_ids = await self._call(
                 lambda: self._redis.hmget(self._keys.effect_tasks, effect_ids)
             )

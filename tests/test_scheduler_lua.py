@@ -310,9 +310,9 @@ async def test_every_task_script_refuses_a_frozen_bucket_having_written_nothing(
     # The effect steps declare every key they touch: a frozen bucket does not stop them
     # (a fence check, read-only, here).
     await store.check_fence(Fence("a", held.attempt_id, 1, 1, 0))
-    # The prefix search reads keyed records it does not declare, and first brings the
-    # creation indexes up to the feed (a write, index_catch_up.lua): refused while frozen.
-    with pytest.raises(StoreUnavailable, match="nothing was applied; the bucket is moving"):
+    # The prefix search reads keyed records it does not declare: refused while frozen (its
+    # catch-up first, index_catch_up.lua, finds nothing waiting and refuses nothing).
+    with pytest.raises(StoreUnavailable, match="nothing was read; the bucket is moving"):
         await store.find_effects("ab", 10)
 
     await store.thaw_bucket()

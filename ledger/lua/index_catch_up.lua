@@ -12,17 +12,19 @@
 -- removed by hand) is skipped, so no index names an effect that does not exist.
 -- KEYS[1] the list of entries not yet added, KEYS[2] effects index, KEYS[3] effectId ->
 -- taskId hash, KEYS[4] effect ids index, KEYS[5] the bucket's scheduler hash: refused FROZEN
--- while its slot moves (common.lua), since the records read are keys this script does not
--- declare
+-- while its slot moves (common.lua) when entries wait, since the records read are keys this
+-- script does not declare
 -- ARGV[1] test clock (unused), ARGV[2] key prefix (the key layout's P), ARGV[3] most entries
 -- Returns {entries popped, effects indexed, 1 if there may be more else 0}, or {'ERR', ...}
 local created, order, directory, ids = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local refused = check_not_frozen(KEYS[5])
-if refused then return refused end
 local most = tonumber(ARGV[3])
 
+-- Nothing waiting: nothing to read, so nothing to refuse either (a reader of a bucket whose
+-- slot moves, with no new effect since its last catch-up, reads on).
+if redis.call('LLEN', created) == 0 then return {0, 0, 0} end
+local refused = check_not_frozen(KEYS[5])
+if refused then return refused end
 local entries = redis.call('LPOP', created, most)
-if not entries then return {0, 0, 0} end
 local members, fields, names = {}, {}, {}
 for _, member in ipairs(entries) do
   local a = string.find(member, ':', 1, true)
