@@ -2028,6 +2028,7 @@ class RedisStore(Store):
             if not self._format_checked:
                 await self._check_format()
             new = _new_forward(request, fence, revision, eid, forward_deadline_ms)
+        feed_indexed = self._feed_indexed  # what this step is told, and what it then owes
         reply = await self._script(
             "prepare",
             [
@@ -2061,12 +2062,13 @@ class RedisStore(Store):
                 request.approval_digest or "",
                 request.request_json or "",
                 *(new.args if new is not None else ("", "")),
-                "1" if self._feed_indexed else "",
+                "1" if feed_indexed else "",
             ],
         )
         if reply[0] == "NEW":
             assert new is not None
-            self._created_unindexed()
+            if feed_indexed:  # at format 2 the step indexed it: no catch-up owed
+                self._created_unindexed()
             outcome, raw = new.outcome(reply[1])
             return self._hold([outcome.action.value, raw], outcome)
         if reply[0] == "ERR":
