@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,19 @@ def _fence(task: Task) -> Fence:
     return Fence(task.task_id, task.attempt_id, task.claim_generation, task.claim_epoch or 1, 0)
 
 
+async def _callers(
+    calls: int, concurrency: int, fenced_call: Callable[[int, int], Awaitable[None]]
+) -> None:
+    """``calls`` fenced calls, ``fenced_call(caller, n)``, from ``concurrency`` callers."""
+    numbers = iter(range(calls))
+
+    async def caller(i: int) -> None:
+        for n in numbers:
+            await fenced_call(i, n)
+
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+
+
 async def _real(url: str, calls: int, concurrency: int) -> None:
     store = RedisStore(url, POLICY, timeout_ms=10_000)
     await store.open()
@@ -73,22 +87,18 @@ async def _real(url: str, calls: int, concurrency: int) -> None:
     for i in range(concurrency):
         await store.put_task(f"t{i}", "in", None)
         tasks.append(await store.claim(f"t{i}", ClaimRequest("w", 600_000, 1)))
-    next_call = 0
 
-    async def caller(task: Task) -> None:
-        nonlocal next_call
-        while next_call < calls:
-            n = next_call
-            next_call += 1
-            request = EffectRequest(_fence(task), "node", f"s{n}", "pay", "POST", "/p", "d" * 64)
-            outcome = await store.prepare_effect(request, 30_000)
-            assert task.attempt_id is not None
-            await store.complete_effect(
-                task.task_id, outcome.effect.effect_id, outcome.seq, task.attempt_id,
-                EffectState.COMMITTED, "200", RESPONSE,
-            )  # fmt: skip
+    async def fenced_call(i: int, n: int) -> None:
+        task = tasks[i]
+        request = EffectRequest(_fence(task), "node", f"s{n}", "pay", "POST", "/p", "d" * 64)
+        outcome = await store.prepare_effect(request, 30_000)
+        assert task.attempt_id is not None
+        await store.complete_effect(
+            task.task_id, outcome.effect.effect_id, outcome.seq, task.attempt_id,
+            EffectState.COMMITTED, "200", RESPONSE,
+        )  # fmt: skip
 
-    await asyncio.gather(*(caller(task) for task in tasks))
+    await _callers(calls, concurrency, fenced_call)
     await store.close()  # its last catch-up included
 
 
@@ -96,24 +106,19 @@ async def _floor(url: str, calls: int, concurrency: int) -> None:
     client = aioredis.Redis.from_url(url, decode_responses=True)
     record = '{"effect_id":"' + "e" * 64 + '","state":"PREPARED","pad":"' + "p" * 500 + '"}'
     event = '{"type":"effect","effectId":"' + "e" * 64 + '","state":"PREPARED","at":1}'
-    next_call = 0
 
-    async def caller(i: int) -> None:
-        nonlocal next_call
-        while next_call < calls:
-            n = next_call
-            next_call += 1
-            eid = f"{n:064x}"
-            effects = f"fb:{{t{i}}}:effects"
-            await client.fcall(
-                "floor_prepare", 5, "fb:scheduler", f"fb:{{t{i}}}:task", effects,
-                "fb:prepared", "fb:events", eid, record, event,
-            )  # fmt: skip
-            await client.fcall(
-                "floor_complete", 3, effects, "fb:prepared", "fb:events", eid, record, event
-            )
+    async def fenced_call(i: int, n: int) -> None:
+        eid = f"{n:064x}"
+        effects = f"fb:{{t{i}}}:effects"
+        await client.fcall(
+            "floor_prepare", 5, "fb:scheduler", f"fb:{{t{i}}}:task", effects,
+            "fb:prepared", "fb:events", eid, record, event,
+        )  # fmt: skip
+        await client.fcall(
+            "floor_complete", 3, effects, "fb:prepared", "fb:events", eid, record, event
+        )
 
-    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    await _callers(calls, concurrency, fenced_call)
     await client.aclose()
 
 
