@@ -411,6 +411,24 @@ def gateway_env(source: Path | None) -> dict[str, str] | None:
     return {**os.environ, "PYTHONPATH": staged + (os.pathsep + path if path else "")}
 
 
+def run_phase_in(source: Path | None, call: str) -> str:
+    """Run ``call`` (Python: a call of a function of a ``bench`` module, e.g.
+    ``bench.redis_steps._real(...)``) in a child process whose ``fencegate`` is ``source``'s
+    (``gateway_env``; the working tree's when None) while ``bench`` stays this checkout's, so
+    one benchmark measures two revisions' stores with the same driver. Its stdout."""
+    here = str(Path(__file__).resolve().parent.parent)
+    module = call.split("(", 1)[0].rsplit(".", 1)[0]
+    code = f"import asyncio, sys; sys.path.append({here!r}); import {module}; asyncio.run({call})"
+    env = gateway_env(source)
+    cwd = env["PYTHONPATH"].split(os.pathsep)[0] if env is not None else tempfile.gettempdir()
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{call} failed (exit {done.returncode}):\n{done.stderr}")
+    return done.stdout
+
+
 def gateway_origin(source: Path | None) -> str:
     """Where the gateway subprocesses import ``gateway`` from (checked, not assumed)."""
     probe = f"import importlib.util as u; print(u.find_spec({cli_module(source)!r}).origin)"

@@ -15,6 +15,13 @@ can beat without dropping a guarantee. ``--busy N`` runs N busy loops meanwhile 
 Redis slower per command, so idle figures are not comparable to loaded ones).
 
     .venv/bin/python -m bench.redis_steps --calls 4000 --busy 2
+
+``--base-src DIR`` (a ``git archive`` of another revision, as ``bench.proxy --gateway-src``)
+adds a first phase: the same fenced calls through that revision's ``RedisStore``, run in a
+child process importing from ``DIR``, on the same redis-server. Then ``floor / base`` is
+the least fraction of that revision's Redis time any layout keeping the guarantees can reach.
+
+    .venv/bin/python -m bench.redis_steps --calls 4000 --busy 2 --base-src /tmp/fg-base
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from bench._procs import align, start_redis
+from bench._procs import align, run_phase_in, start_redis
 from fencegate.ledger.effects import EffectRequest, EffectState, Fence
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.tasks import ClaimRequest, LeasePolicy, Task
@@ -80,8 +87,10 @@ async def _callers(
     await asyncio.gather(*(caller(i) for i in range(concurrency)))
 
 
-async def _real(url: str, calls: int, concurrency: int) -> None:
-    store = RedisStore(url, POLICY, timeout_ms=10_000)
+async def _real(url: str, calls: int, concurrency: int, prefix: str = "fg") -> None:
+    store = RedisStore(url, POLICY, timeout_ms=10_000, key_prefix=prefix)
+    if prefix != "fg":  # the base phase: say whose store this is
+        print(f"base store: {sys.modules[RedisStore.__module__].__file__}", file=sys.stderr)
     await store.open()
     tasks = []
     for i in range(concurrency):
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=4000, help="fenced calls per phase")
     parser.add_argument("--concurrency", type=int, default=16, help="callers at once")
     parser.add_argument("--busy", type=int, default=0, help="busy loops running meanwhile")
+    parser.add_argument("--base-src", type=Path, help="another revision's tree, measured first")
     parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
     args = parser.parse_args(argv)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
@@ -142,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         admin.function_load(FLOOR, replace=True)
         rows = [["phase", "µs per fenced call", "of which", "µs per command (per fenced call)"]]
         results: dict[str, float] = {}
-        for phase in ("real", "floor"):
+        phases = ("base", "real", "floor") if args.base_src else ("real", "floor")
+        for phase in phases:
             admin.config_resetstat()
-            if phase == "real":
+            if phase == "base":
+                print(
+                    run_phase_in(
+                        args.base_src,
+                        f"bench.redis_steps._real({url!r}, {args.calls}, {args.concurrency}, "
+                        "'fgbase')",
+                    ),
+                    end="",
+                )
+            elif phase == "real":
                 asyncio.run(_real(url, args.calls, args.concurrency))
             else:
                 asyncio.run(_floor(url, args.calls, args.concurrency))
@@ -168,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(align(rows))
         print(f"\nfloor / real: {results['floor'] / results['real']:.2f}")
+        if "base" in results:
+            print(f"real / base: {results['real'] / results['base']:.2f}")
+            print(f"floor / base: {results['floor'] / results['base']:.2f}")
     finally:
         proc.stop()
         for loop in busy:
