@@ -33,6 +33,7 @@ __all__ = [
     "GROUP_SEPARATOR",
     "MAX_BUCKETS",
     "bucket_of_keyed",
+    "bucket_of_queue",
     "bucket_of_task",
     "bucket_tag",
     "check_buckets",
@@ -89,6 +90,13 @@ def bucket_of_keyed(effect_id: str, buckets: int) -> int:
     tag, ``ledger.effects.keyed_effect_id``) modulo ``buckets``. Every request for it carries
     the key it is derived from, so the bucket is known before the step."""
     return _crc16(effect_id) % check_buckets(buckets)
+
+
+def bucket_of_queue(queue: str, buckets: int) -> int:
+    """The bucket holding a queue's hint (``Keys.queue_buckets``): CRC16 of the queue name
+    modulo ``buckets``, so every gateway finds it without a directory, and the hints of
+    many queues spread over the primaries."""
+    return _crc16(queue) % check_buckets(buckets)
 
 
 def bucket_tag(prefix: str, n: int) -> str:

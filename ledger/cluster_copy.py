@@ -138,6 +138,10 @@ PLACEMENT: dict[str, Place] = {
     "queue_ready": Place.BY_QUEUE_ENTRY,
     "queue_held": Place.BY_TASK,
     "queue_epochs": Place.BY_TASK,
+    # The queues' hints exist on a cluster only; a missing hint is rebuilt by the first
+    # queue claim (a full rescan), so a copy leaves them to it.
+    "queue_buckets": Place.NOT_COPIED,
+    "queue_owed": Place.NOT_COPIED,
     # The change feed starts empty on the cluster: the old store's positions mean nothing
     # there, and its events describe changes the copy does not make.
     "events": Place.NOT_COPIED,

@@ -19,8 +19,11 @@ buckets is the code here:
   (``durability``, memory) once per primary;
 - **sweeps** (``expire_settled``, ``continue_cascades``): ``SWEEP_BUCKETS`` buckets per call,
   round-robin;
-- **queue claims** (``claim_next``): the head of every bucket's claimable candidates in one
-  pipelined read, the best claimed by its bucket's ``claim_next``;
+- **queue claims** (``claim_next``): the head of the claimable candidates of every bucket
+  the queue's hint names (``Keys.queue_buckets``) in one pipelined read, the best claimed by
+  its bucket's ``claim_next``; the steps that make a task READY move the queue into the
+  hint after their step (``_owed_hints``), and a hint older than ``HINT_RESCAN_MS`` is
+  rebuilt from every bucket (``_rescan_hint``);
 - **the change feed** (``read_events``, ``trim_events``): per-bucket pages merged by
   ``ledger.cluster_feed``;
 - **the scheduler** (``get_scheduler``, ``set_claims_paused``, ``bump_epoch``): one copy per
@@ -52,6 +55,7 @@ from fencegate.ledger import cluster_feed, keys, redis_store, scheduler_copies, 
 from fencegate.ledger import store as store_module
 from fencegate.ledger.buckets import (
     bucket_of_keyed,
+    bucket_of_queue,
     bucket_of_task,
     bucket_tag,
     check_buckets,
@@ -102,11 +106,13 @@ from fencegate.ledger.tasks import (
     RenewRequest,
     Scheduler,
     Task,
+    TaskState,
 )
 
 __all__ = [
     "DEFAULT_BUCKETS",
     "FANOUT",
+    "HINT_RESCAN_MS",
     "STORE_KIND",
     "SWEEP_BUCKETS",
     "BucketBackend",
@@ -141,10 +147,27 @@ _TRIM_IDS_BATCH = 10_000
 #: Claimable candidates read from each of a bucket's ``held`` and ``epochs`` sets per queue
 #: claim (the ``ready`` set's head is one member).
 _MOVED_CANDIDATES = 4
+#: How long (store ms) a queue claim trusts the queue's hint before it rescans every bucket
+#: and rebuilds it: the bound on how long a READY task can go unseen by queue claims when its
+#: step's hint update was lost (its gateway killed between the step and the update, a
+#: gateway from before the hints, the update racing a rescan's removal). Each queue costs
+#: one read per bucket per this interval, whatever the number of gateways.
+HINT_RESCAN_MS = 1_000
+#: The hint's field holding the store time of its last rescan (the others are bucket numbers).
+_SCANNED_AT = "scanned_at"
 #: The meta field of bucket 0 recording the bucket count the store was created with.
 _BUCKETS_FIELD = "cluster_buckets"
 #: The queue index's member: ``%07d(1_000_000 - priority):%015d(readyAt):taskId``.
 _PRIORITY_BASE = 1_000_000
+
+
+def _fields(reply: Any) -> dict[str, str]:
+    """A hash read with ``HGETALL`` as a dict of str, whether the backend's client parsed it
+    (redis-py: a dict) or not (the cluster router: a flat list of fields and values)."""
+    if isinstance(reply, dict):
+        return {str(k): str(v) for k, v in reply.items()}
+    flat = [str(x) for x in reply]
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def bucket_prefix(prefix: str, n: int) -> str:
@@ -504,8 +527,9 @@ class ClusterStore(Store):
         return list(await asyncio.gather(*(one(view) for view in chosen)))
 
     async def _read(self, commands: Sequence[tuple[int, tuple[Any, ...]]]) -> list[Any]:
-        """Plain reads across buckets (``BucketBackend.read``); any error is the store not
-        answering (reads only: nothing may have been applied)."""
+        """Plain commands across buckets (``BucketBackend.read``): reads, and writes of what
+        no step decides on (the queues' hints, the bucket count); any error is the store not
+        answering (no step was applied)."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 replies = await self._backend.read(commands)
@@ -636,7 +660,7 @@ class ClusterStore(Store):
             if found.input_digest == input_digest:
                 return found, PutOutcome.UNCHANGED
             raise
-        return await view.put_task(
+        task, outcome = await view.put_task(
             task_id,
             input_digest,
             max_runtime_ms,
@@ -644,6 +668,9 @@ class ClusterStore(Store):
             priority=priority,
             depends_on=depends_on,
         )
+        if task.queue is not None and task.state is TaskState.READY:
+            await self._owed_hints(bucket_of_task(task_id, self.buckets))
+        return task, outcome
 
     async def get_task(self, task_id: str) -> Task:
         return await self.task_view(task_id).get_task(task_id)
@@ -678,10 +705,18 @@ class ClusterStore(Store):
         return await self.task_view(task_id).renew(task_id, request)
 
     async def release(self, task_id: str, identity: Identity) -> Task:
-        return await self.task_view(task_id).release(task_id, identity)
+        task = await self.task_view(task_id).release(task_id, identity)
+        if task.queue is not None:
+            await self._owed_hints(bucket_of_task(task_id, self.buckets))
+        return task
 
     async def commit(self, task_id: str, request: CommitRequest) -> tuple[Task, bool]:
-        return await self.task_view(task_id).commit(task_id, request)
+        """A first commit may make dependents READY (in this bucket: ``dependsOn`` stays in
+        one group), whose queues it cannot name: the bucket's owed hints are moved after."""
+        task, replayed = await self.task_view(task_id).commit(task_id, request)
+        if not replayed:
+            await self._owed_hints(bucket_of_task(task_id, self.buckets))
+        return task, replayed
 
     async def cancel(self, task_id: str) -> Task:
         return await self.task_view(task_id).cancel(task_id)
@@ -731,20 +766,17 @@ class ClusterStore(Store):
     # --- queue claims -------------------------------------------------------------------------
 
     async def claim_next(self, queue: str, request: ClaimRequest) -> Task | None:
-        """The queue's best claimable task over every bucket, claimed.
+        """The queue's best claimable task over the buckets its hint names, claimed.
 
-        One pipelined read of every bucket's candidates (one batch per node: ``B`` x 3
-        range reads per queue claim, plus the records of any claims found claimable again):
-        the head of the queue's ``ready`` set (READY tasks, in ``queue_order``), and the
-        first claims whose lease ran out (``held``) or that were granted under an older
-        epoch (``epochs``), ranked by their records. The best bucket's own ``claim_next``
-        then claims (it re-checks inside its step, so a task another step took is never
-        granted); a bucket found empty by then (a lost race) passes to the next best. With
-        no candidate anywhere, bucket 0's ``claim_next`` answers, so a paused store or a
-        stale epoch is refused even when the queue is empty, as on one Redis.
-
-        The per-queue hint of docs/decisions.md (read only the buckets that may hold READY
-        tasks of the queue) is the next step; this reads all ``B``."""
+        One pipelined read of those buckets' candidates (one batch per node: 3 range reads
+        per named bucket, plus the records of any claims found claimable again): the head of
+        the queue's ``ready`` set (READY tasks, in ``queue_order``), and the first claims
+        whose lease ran out (``held``) or that were granted under an older epoch
+        (``epochs``), ranked by their records. The best bucket's own ``claim_next`` then
+        claims (it re-checks inside its step, so a task another step took is never granted);
+        a bucket found empty by then (a lost race) passes to the next best. With no
+        candidate anywhere, bucket 0's ``claim_next`` answers, so a paused store or a stale
+        epoch is refused even when the queue is empty, as on one Redis."""
         for candidate in await self._candidates(queue, request.scheduler_epoch):
             claim = functools.partial(self.views[candidate.bucket].claim_next, queue, request)
             task = await self._past_barrier(claim)
@@ -753,52 +785,37 @@ class ClusterStore(Store):
         return await self._past_barrier(lambda: self.views[0].claim_next(queue, request))
 
     async def _candidates(self, queue: str, epoch: int) -> list[_Candidate]:
-        """Each bucket's best claimable candidate of ``queue``, best first."""
-        commands: list[tuple[int, tuple[Any, ...]]] = [(0, ("TIME",))]
-        for n, k in enumerate(self._keys):
-            commands.append((n, ("ZRANGE", k.queue_ready(queue), 0, 0)))
-        replies = await self._read(commands)
-        sec, usec = replies[0]
+        """Each hinted bucket's best claimable candidate of ``queue``, best first."""
+        home = bucket_of_queue(queue, self.buckets)
+        (sec, usec), hint = await self._read(
+            [(0, ("TIME",)), (home, ("HGETALL", self._keys[home].queue_buckets(queue)))]
+        )
         now = self._store_time(sec, usec)
+        numbers = await self._hinted(queue, _fields(hint), now)
+        if not numbers:
+            return []
+        heads = await self._read(
+            [(n, ("ZRANGE", self._keys[n].queue_ready(queue), 0, 0)) for n in numbers]
+        )
         moved_reads: list[tuple[int, tuple[Any, ...]]] = []
-        for n, k in enumerate(self._keys):
+        for n in numbers:
+            k = self._keys[n]
             moved_reads.append(
-                (
-                    n,
-                    (
-                        "ZRANGEBYSCORE",
-                        k.queue_held(queue),
-                        "-inf",
-                        now,
-                        "LIMIT",
-                        0,
-                        _MOVED_CANDIDATES,
-                    ),
-                )
-            )
+                (n, ("ZRANGEBYSCORE", k.queue_held(queue), "-inf", now, "LIMIT", 0,
+                     _MOVED_CANDIDATES))
+            )  # fmt: skip
             moved_reads.append(
-                (
-                    n,
-                    (
-                        "ZRANGEBYSCORE",
-                        k.queue_epochs(queue),
-                        "-inf",
-                        f"({epoch}",
-                        "LIMIT",
-                        0,
-                        _MOVED_CANDIDATES,
-                    ),
-                )
-            )
+                (n, ("ZRANGEBYSCORE", k.queue_epochs(queue), "-inf", f"({epoch}", "LIMIT", 0,
+                     _MOVED_CANDIDATES))
+            )  # fmt: skip
         moved = await self._read(moved_reads)
         best: dict[int, _Candidate] = {}
-        for n, head in enumerate(replies[1:]):
+        for n, head in zip(numbers, heads, strict=True):
             if head:
                 rank, ready_at, task_id = str(head[0]).split(":", 2)
                 best[n] = _Candidate(int(rank), int(ready_at), task_id, n)
         records: list[tuple[int, str]] = []
-        for i, ids in enumerate(moved):
-            n = i // 2
+        for (n, _), ids in zip(moved_reads, moved, strict=True):
             records += [(n, str(task_id)) for task_id in ids]
         records = list(dict.fromkeys(records))
         if records:
@@ -832,6 +849,81 @@ class ClusterStore(Store):
                 if n not in best or found < best[n]:
                     best[n] = found
         return sorted(best.values())
+
+    # --- the queues' hints (docs/decisions.md, "Queues: an index per bucket, a hint per
+    # queue") ----------------------------------------------------------------------------------
+
+    async def _hinted(self, queue: str, hint: dict[str, str], now: int) -> list[int]:
+        """The buckets a queue claim reads: the hint's, or, when its last rescan is older
+        than ``HINT_RESCAN_MS`` (or it has none), every bucket that holds any of the
+        queue's READY or CLAIMED tasks, found now."""
+        scanned = hint.pop(_SCANNED_AT, None)
+        named = {int(n) for n in hint}
+        if scanned is not None and 0 <= now - int(scanned) < HINT_RESCAN_MS:
+            return sorted(named)
+        return await self._rescan_hint(queue, named, now)
+
+    async def _rescan_hint(self, queue: str, named: set[int], now: int) -> list[int]:
+        """Rebuild the queue's hint from every bucket's queue sets: add the buckets that hold
+        any of its tasks, and take out the ones that hold none by check, remove, check
+        again. A step that makes a task READY in a bucket moves the bucket into the hint
+        after its step (``_owed_hints``), so one that races the removal either ran before
+        the second check (which puts the bucket back) or writes the hint after the removal:
+        no removal hides a bucket that a step filled."""
+        home = bucket_of_queue(queue, self.buckets)
+        key = self._keys[home].queue_buckets(queue)
+        live = {
+            n
+            for n, count in enumerate(
+                await self._read(self._queue_exists(queue, range(self.buckets)))
+            )
+            if int(count)
+        }
+        added = [field for n in sorted(live - named) for field in (n, 1)]
+        await self._read([(home, ("HSET", key, _SCANNED_AT, now, *added))])
+        gone = sorted(named - live)
+        if gone:
+            await self._read([(home, ("HDEL", key, *gone))])
+            again = await self._read(self._queue_exists(queue, gone))
+            back = [n for n, count in zip(gone, again, strict=True) if int(count)]
+            if back:
+                await self._read([(home, ("HSET", key, *[f for n in back for f in (n, 1)]))])
+                live.update(back)
+        return sorted(live)
+
+    def _queue_exists(
+        self, queue: str, numbers: Iterable[int]
+    ) -> list[tuple[int, tuple[Any, ...]]]:
+        """One ``EXISTS`` of the queue's three sets per bucket (they share its slot): more
+        than 0 when the bucket holds any of the queue's READY or CLAIMED tasks."""
+        return [
+            (n, ("EXISTS", k.queue_ready(queue), k.queue_held(queue), k.queue_epochs(queue)))
+            for n in numbers
+            for k in (self._keys[n],)
+        ]
+
+    async def _owed_hints(self, bucket: int) -> None:
+        """After a step that may have made tasks READY in ``bucket``: put the bucket in the
+        hint of every queue the step named in the bucket's owed set (``Keys.queue_owed``,
+        written by ``task_lib.lua`` in the step), then take those queues out of the set. The
+        step is applied whatever happens here: a failure is logged, and the queue's next
+        rescan (within ``HINT_RESCAN_MS``) finds the bucket."""
+        owed_key = self._keys[bucket].queue_owed
+        try:
+            (owed,) = await self._read([(bucket, ("SMEMBERS", owed_key))])
+            queues = sorted(str(q) for q in owed)
+            if not queues:
+                return
+            homes = [bucket_of_queue(q, self.buckets) for q in queues]
+            await self._read(
+                [
+                    (home, ("HSET", self._keys[home].queue_buckets(q), bucket, 1))
+                    for q, home in zip(queues, homes, strict=True)
+                ]
+            )
+            await self._read([(bucket, ("SREM", owed_key, *queues))])
+        except StoreUnavailable as exc:
+            log.warning("store.queue_hint_failed", store=self.kind, bucket=bucket, error=str(exc))
 
     # --- an effect by its id alone ------------------------------------------------------------
 

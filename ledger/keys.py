@@ -44,6 +44,21 @@ class Keys:
         """Sorted set: the queue's CLAIMED task ids scored by the epoch of their claim."""
         return f"{self.prefix}:queue:{{{queue}}}:epochs"
 
+    def queue_buckets(self, queue: str) -> str:
+        """Hash, on a Redis Cluster only: the queue's *hint*, the buckets that may hold its
+        claimable tasks (field: the bucket number, value ``1``) and ``scanned_at`` (store ms
+        of the last full rescan). Kept in one bucket, the queue's own (``buckets.
+        bucket_of_queue``), by ``ClusterStore`` (docs/decisions.md, "Queues: an index per
+        bucket, a hint per queue"); a queue claim reads only the buckets it names."""
+        return f"{self.prefix}:queue:{{{queue}}}:buckets"
+
+    @property
+    def queue_owed(self) -> str:
+        """Set, on a Redis Cluster bucket only: the queues a step made a task READY in since
+        ``ClusterStore`` last put this bucket in their hints (``queue_buckets``).
+        ``task_lib.lua``'s ``queue_add`` adds to it in the step; the store empties it after."""
+        return f"{self.prefix}:queue:owed"
+
     @property
     def events(self) -> str:
         """Stream: the change feed (``ledger.events``), one entry (field ``e``: the event's

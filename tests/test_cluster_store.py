@@ -18,8 +18,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from fencegate.ledger import cluster_store, redis_store
-from fencegate.ledger.buckets import bucket_of_keyed, bucket_of_task, bucket_tag, slot_of
+from fencegate.ledger.buckets import (
+    bucket_of_keyed,
+    bucket_of_queue,
+    bucket_of_task,
+    bucket_tag,
+    slot_of,
+)
 from fencegate.ledger.cluster_store import (
+    HINT_RESCAN_MS,
     ClusterStore,
     RoutedBackend,
     SingleRedisBackend,
@@ -41,6 +48,7 @@ from fencegate.ledger.errors import (
     NoSuchTask,
     StaleEpoch,
     StoreIncompatible,
+    StoreUnavailable,
 )
 from fencegate.ledger.keys import Keys
 from fencegate.ledger.queries import TaskFilter
@@ -414,6 +422,127 @@ async def test_a_queue_claim_is_refused_while_paused_even_with_the_queue_empty(
         await cluster.claim_next("jobs", ClaimRequest("w", 1_000, 1))
     await cluster.set_claims_paused(False)
     assert await cluster.claim_next("jobs", ClaimRequest("w", 1_000, 1)) is not None
+
+
+# --- the queues' hints (docs/decisions.md, "Queues: an index per bucket, a hint per queue") --
+
+
+def in_bucket(bucket: int, stem: str) -> str:
+    for i in range(1000):
+        task_id = f"{stem}-{i}"
+        if bucket_of_task(task_id, BUCKETS) == bucket:
+            return task_id
+    raise AssertionError("no id found")
+
+
+async def hinted(cluster: ClusterStore, raw: aioredis.Redis, queue: str) -> set[int]:
+    """The buckets the queue's hint names, read from Redis."""
+    home = bucket_of_queue(queue, BUCKETS)
+    key = Keys(bucket_prefix(cluster.key_prefix, home)).queue_buckets(queue)
+    return {int(field) for field in await raw.hkeys(key) if field != "scanned_at"}
+
+
+async def test_a_put_names_its_bucket_in_the_queues_hint_and_owes_nothing_after(
+    cluster: ClusterStore, raw: aioredis.Redis
+) -> None:
+    first, second = in_bucket(1, "h"), in_bucket(5, "h")
+    await put(cluster, first, queue="jobs")
+    await put(cluster, second, queue="jobs")
+    await put(cluster, in_bucket(3, "other"), queue="other")
+    assert await hinted(cluster, raw, "jobs") == {1, 5}
+    for n in range(BUCKETS):
+        assert await raw.smembers(Keys(bucket_prefix(cluster.key_prefix, n)).queue_owed) == set()
+    claimed_ids = set()
+    for _ in range(2):
+        task = await cluster.claim_next("jobs", ClaimRequest("w", 10_000, 1))
+        assert task is not None
+        claimed_ids.add(task.task_id)
+    assert claimed_ids == {first, second}
+
+
+async def test_a_queue_claim_reads_only_hinted_buckets_until_its_rescan_finds_a_lost_one(
+    cluster: ClusterStore, raw: aioredis.Redis
+) -> None:
+    """A step whose hint update was lost (its gateway died after the step; here the view's
+    own put, which no coordinator follows): queue claims do not see its bucket until the
+    hint is HINT_RESCAN_MS old, and then do."""
+    await put(cluster, in_bucket(2, "seen"), queue="jobs")
+    first = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))  # rescans now
+    assert first is not None
+    lost = in_bucket(6, "lost")
+    await cluster.views[6].put_task(lost, "in", None, queue="jobs")
+    assert await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None
+    cluster.clock_offset_ms += HINT_RESCAN_MS - 1
+    assert await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None
+    cluster.clock_offset_ms += 1
+    found = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
+    assert found is not None and found.task_id == lost
+    assert await hinted(cluster, raw, "jobs") == {2, 6}
+
+
+async def test_a_failed_hint_update_keeps_the_step_and_the_rescan_finds_its_task(
+    cluster: ClusterStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))  # the hint is new
+    real_read = cluster._read
+
+    async def failing(commands: Any) -> list[Any]:
+        if commands[0][1][0] == "SMEMBERS":
+            raise StoreUnavailable("Redis did not answer")
+        return await real_read(commands)
+
+    monkeypatch.setattr(cluster, "_read", failing)
+    task = await put(cluster, in_bucket(4, "f"), queue="jobs")
+    assert task.state is TaskState.READY  # the step answered
+    monkeypatch.setattr(cluster, "_read", real_read)
+    assert await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None
+    cluster.clock_offset_ms += HINT_RESCAN_MS
+    found = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
+    assert found is not None and found.task_id == task.task_id
+
+
+async def test_a_dependent_a_commit_made_ready_is_claimable_from_its_queue_at_once(
+    cluster: ClusterStore,
+) -> None:
+    dependency, dependent = "order-9::charge", "order-9::email"
+    await put(cluster, dependency)
+    await put(cluster, dependent, queue="mail", depends_on=(dependency,))
+    assert await cluster.claim_next("mail", ClaimRequest("w", 60_000, 1)) is None  # rescanned
+    holder = await cluster.claim(dependency, ClaimRequest("w", 60_000, 1))
+    assert holder.attempt_id is not None
+    await cluster.commit(
+        dependency,
+        CommitRequest(holder.attempt_id, holder.claim_generation, 1, 0, "in", "r1", None),
+    )
+    found = await cluster.claim_next("mail", ClaimRequest("w", 60_000, 1))
+    assert found is not None and found.task_id == dependent
+
+
+async def test_a_rescan_drops_an_emptied_bucket_but_not_one_a_step_refilled_meanwhile(
+    cluster: ClusterStore, raw: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Check, remove, check again: a put that lands between the rescan's first look and its
+    removal (here: just before the removal) keeps its bucket in the hint."""
+    for bucket in (3, 7):
+        await put(cluster, in_bucket(bucket, "e"), queue="jobs")
+    for _ in range(2):
+        task = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
+        assert task is not None
+        await cluster.cancel(task.task_id)  # the bucket's queue sets are empty again
+    assert await hinted(cluster, raw, "jobs") == {3, 7}
+    refill = in_bucket(7, "refill")
+    real_read = cluster._read
+
+    async def racing(commands: Any) -> list[Any]:
+        if commands[0][1][0] == "HDEL":
+            await cluster.views[7].put_task(refill, "in", None, queue="jobs")
+        return await real_read(commands)
+
+    monkeypatch.setattr(cluster, "_read", racing)
+    cluster.clock_offset_ms += HINT_RESCAN_MS
+    found = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
+    assert found is not None and found.task_id == refill
+    assert await hinted(cluster, raw, "jobs") == {7}
 
 
 # --- the scheduler copies ------------------------------------------------------------------

@@ -13,6 +13,11 @@
 local task_key, dependents_key = K.task, K.dependents
 local QUEUE_KEYS = {ready = K.queue_ready, held = K.queue_held, epochs = K.queue_epochs}
 local function queue_key(q, kind) return QUEUE_KEYS[kind](q) end
+-- On a Redis Cluster the prefix is a bucket's, with its hash tag in braces (key prefixes of
+-- one Redis cannot contain braces: gateway.config): a READY task then also owes its queue's
+-- hint this bucket (K.queue_owed, which ClusterStore moves into the hint after the step).
+local QUEUE_OWED = nil
+if string.find(P, '{', 1, true) then QUEUE_OWED = K.queue_owed end
 local EVENTS = K.events
 -- Set of cancelled tasks whose dependents a cascade has still to visit (continue_cascades).
 local CASCADES = K.cascades
@@ -176,6 +181,7 @@ local function queue_add(t)
   if not t.queue then return end
   if t.state == 'READY' then
     redis.call('ZADD', queue_key(t.queue, 'ready'), 0, queue_member(t))
+    if QUEUE_OWED then redis.call('SADD', QUEUE_OWED, t.queue) end
   elseif t.state == 'CLAIMED' then
     redis.call('ZADD', queue_key(t.queue, 'held'), tonumber(t.lease_expires_at), t.task_id)
     redis.call('ZADD', queue_key(t.queue, 'epochs'), tonumber(t.claim_epoch), t.task_id)
