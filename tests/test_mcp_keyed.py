@@ -84,7 +84,15 @@ async def gateway(
         }
         for name, keys in ((OPTIONAL, "optional"), (REQUIRED, "required"), (OFF, None))
     ]
-    config = make_config(store_url, key_prefix, downstreams=downstreams, auth=AUTH)
+    config = make_config(
+        store_url,
+        key_prefix,
+        downstreams=downstreams,
+        auth=AUTH,
+        # A busy machine may take over the default second between a prepare and its forward:
+        # the start limit is not what these tests are about (tests/test_forward_window.py).
+        proxy={"prepared_margin_ms": 20_000, "forward_start_limit_ms": 10_000},
+    )
     server = TestServer(create_app(config, store=build_test_store(config)), host="127.0.0.1")
     await server.start_server()
     try:

@@ -23,6 +23,7 @@ from fencegate.gateway.app import create_app
 from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.cli import reload_auth
 from fencegate.gateway.mcp_streams import STREAMS
+from fencegate.ledger.store import Store
 from tests.conftest import build_test_store, make_config
 from tests.mcp_server import McpServerProcess
 from tests.test_mcp_sessions import TOKENS, answer_of, bearer, in_session, initialize
@@ -58,6 +59,7 @@ class Env:
     base: str
     http: aiohttp.ClientSession
     config_path: Path
+    store: Store
 
     async def lease(self, who: str, task: str, ttl_ms: int = 60_000) -> dict[str, str]:
         async with self.http.put(f"{self.base}/v1/tasks/{task}", json={"inputDigest": "i"},
@@ -103,11 +105,12 @@ async def env(tmp_path: Path, mcp_process: McpServerProcess) -> AsyncIterator[En
     )  # fmt: skip
     path = tmp_path / "fencegate.toml"
     path.write_text(principals_toml())
-    server = TestServer(create_app(config, store=build_test_store(config)), host="127.0.0.1")
+    store = build_test_store(config)
+    server = TestServer(create_app(config, store=store), host="127.0.0.1")
     await server.start_server()
     try:
         async with aiohttp.ClientSession() as http:
-            yield Env(server.app, str(server.make_url("")).rstrip("/"), http, path)
+            yield Env(server.app, str(server.make_url("")).rstrip("/"), http, path, store)
     finally:
         await server.close()
 
@@ -122,11 +125,12 @@ async def ended(resp: aiohttp.ClientResponse) -> None:
 
 @pytest.mark.parametrize("how", ["epoch bump", "cancel", "expiry"])
 async def test_a_stream_ends_when_its_lease_does(env: Env, how: str) -> None:
-    fence = await env.lease("agent-a", f"s-{how.replace(' ', '-')}",
-                            ttl_ms=1_000 if how == "expiry" else 60_000)  # fmt: skip
+    fence = await env.lease("agent-a", f"s-{how.replace(' ', '-')}", ttl_ms=60_000)
     resp = await env.stream("agent-a", fence)
     with capture_logs() as logs:
-        if how == "epoch bump":
+        if how == "expiry":  # the store's clock moves past the lease, not the test's
+            env.store.clock_offset_ms += 61_000
+        elif how == "epoch bump":
             headers = {"Authorization": f"Bearer {OPERATOR}"}
             async with env.http.post(f"{env.base}/v1/epoch/bump", headers=headers) as done:
                 assert done.status == 200
