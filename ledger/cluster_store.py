@@ -113,6 +113,7 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "FANOUT",
     "HINT_RESCAN_MS",
+    "HINT_TTL_MS",
     "STORE_KIND",
     "SWEEP_BUCKETS",
     "BucketBackend",
@@ -155,6 +156,12 @@ _MOVED_CANDIDATES = 4
 HINT_RESCAN_MS = 1_000
 #: The hint's field holding the store time of its last rescan (the others are bucket numbers).
 _SCANNED_AT = "scanned_at"
+#: Every write of a hint sets its key to expire this long after (Redis time): queue names are
+#: the clients' to choose, and a claim on a queue nobody uses writes its hint, so hints of
+#: abandoned queues must not pile up. A hint that expired is missing, which a claim treats as
+#: due for a rescan: expiry never hides a bucket, it only costs the rescan it would make anyway
+#: after ``HINT_RESCAN_MS``.
+HINT_TTL_MS = 10 * HINT_RESCAN_MS
 #: The meta field of bucket 0 recording the bucket count the store was created with.
 _BUCKETS_FIELD = "cluster_buckets"
 #: The queue index's member: ``%07d(1_000_000 - priority):%015d(readyAt):taskId``.
@@ -880,14 +887,19 @@ class ClusterStore(Store):
             if int(count)
         }
         added = [field for n in sorted(live - named) for field in (n, 1)]
-        await self._read([(home, ("HSET", key, _SCANNED_AT, now, *added))])
+        await self._read(
+            [(home, ("HSET", key, _SCANNED_AT, now, *added)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
+        )
         gone = sorted(named - live)
         if gone:
             await self._read([(home, ("HDEL", key, *gone))])
             again = await self._read(self._queue_exists(queue, gone))
             back = [n for n, count in zip(gone, again, strict=True) if int(count)]
             if back:
-                await self._read([(home, ("HSET", key, *[f for n in back for f in (n, 1)]))])
+                fields = [f for n in back for f in (n, 1)]
+                await self._read(
+                    [(home, ("HSET", key, *fields)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
+                )
                 live.update(back)
         return sorted(live)
 
@@ -915,12 +927,11 @@ class ClusterStore(Store):
             if not queues:
                 return
             homes = [bucket_of_queue(q, self.buckets) for q in queues]
-            await self._read(
-                [
-                    (home, ("HSET", self._keys[home].queue_buckets(q), bucket, 1))
-                    for q, home in zip(queues, homes, strict=True)
-                ]
-            )
+            writes: list[tuple[int, tuple[Any, ...]]] = []
+            for q, home in zip(queues, homes, strict=True):
+                key = self._keys[home].queue_buckets(q)
+                writes += [(home, ("HSET", key, bucket, 1)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
+            await self._read(writes)
             await self._read([(bucket, ("SREM", owed_key, *queues))])
         except StoreUnavailable as exc:
             log.warning("store.queue_hint_failed", store=self.kind, bucket=bucket, error=str(exc))

@@ -49,7 +49,8 @@ class Keys:
         claimable tasks (field: the bucket number, value ``1``) and ``scanned_at`` (store ms
         of the last full rescan). Kept in one bucket, the queue's own (``buckets.
         bucket_of_queue``), by ``ClusterStore`` (docs/decisions.md, "Queues: an index per
-        bucket, a hint per queue"); a queue claim reads only the buckets it names."""
+        bucket, a hint per queue"); a queue claim reads only the buckets it names. Expires
+        ``HINT_TTL_MS`` after its last write (a missing hint is rebuilt)."""
         return f"{self.prefix}:queue:{{{queue}}}:buckets"
 
     @property

@@ -27,6 +27,7 @@ from fencegate.ledger.buckets import (
 )
 from fencegate.ledger.cluster_store import (
     HINT_RESCAN_MS,
+    HINT_TTL_MS,
     ClusterStore,
     RoutedBackend,
     SingleRedisBackend,
@@ -435,11 +436,15 @@ def in_bucket(bucket: int, stem: str) -> str:
     raise AssertionError("no id found")
 
 
+def hint_key(cluster: ClusterStore, queue: str) -> str:
+    home = bucket_of_queue(queue, BUCKETS)
+    return Keys(bucket_prefix(cluster.key_prefix, home)).queue_buckets(queue)
+
+
 async def hinted(cluster: ClusterStore, raw: aioredis.Redis, queue: str) -> set[int]:
     """The buckets the queue's hint names, read from Redis."""
-    home = bucket_of_queue(queue, BUCKETS)
-    key = Keys(bucket_prefix(cluster.key_prefix, home)).queue_buckets(queue)
-    return {int(field) for field in await raw.hkeys(key) if field != "scanned_at"}
+    keys = await raw.hkeys(hint_key(cluster, queue))
+    return {int(field) for field in keys if field != "scanned_at"}
 
 
 async def test_a_put_names_its_bucket_in_the_queues_hint_and_owes_nothing_after(
@@ -458,6 +463,22 @@ async def test_a_put_names_its_bucket_in_the_queues_hint_and_owes_nothing_after(
         assert task is not None
         claimed_ids.add(task.task_id)
     assert claimed_ids == {first, second}
+
+
+async def test_hints_expire_so_claims_on_made_up_queues_leave_nothing_behind(
+    cluster: ClusterStore, raw: aioredis.Redis
+) -> None:
+    """Queue names are the clients' to choose: every write of a hint sets its expiry, and a
+    hint that expired is rebuilt by the next claim (here: deleted, as expiry would)."""
+    for name in ("made-up-1", "made-up-2"):
+        assert await cluster.claim_next(name, ClaimRequest("w", 60_000, 1)) is None
+    task = await put(cluster, in_bucket(3, "x"), queue="made-up-1")
+    for name in ("made-up-1", "made-up-2"):
+        assert 0 < await raw.pttl(hint_key(cluster, name)) <= HINT_TTL_MS
+    await raw.delete(hint_key(cluster, "made-up-1"))
+    found = await cluster.claim_next("made-up-1", ClaimRequest("w", 60_000, 1))
+    assert found is not None and found.task_id == task.task_id
+    assert 0 < await raw.pttl(hint_key(cluster, "made-up-1")) <= HINT_TTL_MS
 
 
 async def test_a_queue_claim_reads_only_hinted_buckets_until_its_rescan_finds_a_lost_one(
