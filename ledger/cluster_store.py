@@ -44,8 +44,10 @@ import functools
 import heapq
 import itertools
 import math
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from importlib import resources
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -162,10 +164,27 @@ _SCANNED_AT = "scanned_at"
 #: due for a rescan: expiry never hides a bucket, it only costs the rescan it would make anyway
 #: after ``HINT_RESCAN_MS``.
 HINT_TTL_MS = 10 * HINT_RESCAN_MS
+#: Owed queues one hint update takes at once (``SPOP``), and how many times it goes on while
+#: it finds that many (a bucket owes a hint to each queue a step made a task READY in).
+_OWED_BATCH = 100
+_OWED_ROUNDS = 10
+#: The hint's two steps, sent whole with ``EVAL`` (Redis keeps each compiled by its digest).
+_HINT_ADD = (resources.files("fencegate.ledger") / "lua" / "queue_hint_add.lua").read_text(
+    encoding="utf-8"
+)
+_HINT_RESCAN = (resources.files("fencegate.ledger") / "lua" / "queue_hint_rescan.lua").read_text(
+    encoding="utf-8"
+)
 #: The meta field of bucket 0 recording the bucket count the store was created with.
 _BUCKETS_FIELD = "cluster_buckets"
 #: The queue index's member: ``%07d(1_000_000 - priority):%015d(readyAt):taskId``.
 _PRIORITY_BASE = 1_000_000
+
+
+def _token() -> str:
+    """A value no earlier write of a hint field held (``queue_hint_rescan.lua`` removes a
+    field only while it holds the token the rescan read)."""
+    return secrets.token_hex(8)
 
 
 def _fields(reply: Any) -> dict[str, str]:
@@ -865,42 +884,29 @@ class ClusterStore(Store):
         than ``HINT_RESCAN_MS`` (or it has none), every bucket that holds any of the
         queue's READY or CLAIMED tasks, found now."""
         scanned = hint.pop(_SCANNED_AT, None)
-        named = {int(n) for n in hint}
         if scanned is not None and 0 <= now - int(scanned) < HINT_RESCAN_MS:
-            return sorted(named)
-        return await self._rescan_hint(queue, named, now)
+            return sorted(int(n) for n in hint)
+        return await self._rescan_hint(queue, hint, now)
 
-    async def _rescan_hint(self, queue: str, named: set[int], now: int) -> list[int]:
-        """Rebuild the queue's hint from every bucket's queue sets: add the buckets that hold
-        any of its tasks, and take out the ones that hold none by check, remove, check
-        again. A step that makes a task READY in a bucket moves the bucket into the hint
-        after its step (``_owed_hints``), so one that races the removal either ran before
-        the second check (which puts the bucket back) or writes the hint after the removal:
-        no removal hides a bucket that a step filled."""
+    async def _rescan_hint(self, queue: str, read: dict[str, str], now: int) -> list[int]:
+        """Rebuild the queue's hint from every bucket's queue sets (``read``: its bucket
+        fields as the claim read them, before it looked at the buckets). One step writes it
+        (``queue_hint_rescan.lua``): the buckets found full added, the ones found empty
+        taken out only if their field still holds the token read, and the new stamp. A step
+        that filled a bucket after the look writes a new token into the hint after its step
+        (``_owed_hints``), before or after this write: either way its bucket stays named.
+        A rescan that fails before the write changes nothing."""
         home = bucket_of_queue(queue, self.buckets)
+        counts = await self._read(self._queue_exists(queue, range(self.buckets)))
+        live = {n for n, count in enumerate(counts) if int(count)}
+        named = {int(n): token for n, token in read.items()}
+        gone = sorted(set(named) - live)
+        args: list[Any] = [now, HINT_TTL_MS, _token(), len(gone)]
+        for n in gone:
+            args += [n, named[n]]
+        args += sorted(live - set(named))
         key = self._keys[home].queue_buckets(queue)
-        live = {
-            n
-            for n, count in enumerate(
-                await self._read(self._queue_exists(queue, range(self.buckets)))
-            )
-            if int(count)
-        }
-        added = [field for n in sorted(live - named) for field in (n, 1)]
-        await self._read(
-            [(home, ("HSET", key, _SCANNED_AT, now, *added)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
-        )
-        gone = sorted(named - live)
-        if gone:
-            await self._read([(home, ("HDEL", key, *gone))])
-            again = await self._read(self._queue_exists(queue, gone))
-            back = [n for n, count in zip(gone, again, strict=True) if int(count)]
-            if back:
-                fields = [f for n in back for f in (n, 1)]
-                await self._read(
-                    [(home, ("HSET", key, *fields)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
-                )
-                live.update(back)
+        await self._read([(home, ("EVAL", _HINT_RESCAN, 1, key, *args))])
         return sorted(live)
 
     def _queue_exists(
@@ -915,24 +921,28 @@ class ClusterStore(Store):
         ]
 
     async def _owed_hints(self, bucket: int) -> None:
-        """After a step that may have made tasks READY in ``bucket``: put the bucket in the
-        hint of every queue the step named in the bucket's owed set (``Keys.queue_owed``,
-        written by ``task_lib.lua`` in the step), then take those queues out of the set. The
-        step is applied whatever happens here: a failure is logged, and the queue's next
-        rescan (within ``HINT_RESCAN_MS``) finds the bucket."""
+        """After a step that may have made tasks READY in ``bucket``: take the queues the
+        bucket owes a hint (``Keys.queue_owed``, written by ``task_lib.lua`` in the step)
+        and name the bucket in each one's hint with a fresh token (``queue_hint_add.lua``).
+        Taking before writing makes every owed entry, whichever step added it (a step adding
+        a queue already owed adds nothing), lead to one hint write after that step. The step
+        is applied whatever happens here: a failure is logged, and the queue's next rescan
+        (within ``HINT_RESCAN_MS``) finds the bucket."""
         owed_key = self._keys[bucket].queue_owed
         try:
-            (owed,) = await self._read([(bucket, ("SMEMBERS", owed_key))])
-            queues = sorted(str(q) for q in owed)
-            if not queues:
-                return
-            homes = [bucket_of_queue(q, self.buckets) for q in queues]
-            writes: list[tuple[int, tuple[Any, ...]]] = []
-            for q, home in zip(queues, homes, strict=True):
-                key = self._keys[home].queue_buckets(q)
-                writes += [(home, ("HSET", key, bucket, 1)), (home, ("PEXPIRE", key, HINT_TTL_MS))]
-            await self._read(writes)
-            await self._read([(bucket, ("SREM", owed_key, *queues))])
+            for _ in range(_OWED_ROUNDS):
+                (owed,) = await self._read([(bucket, ("SPOP", owed_key, _OWED_BATCH))])
+                queues = sorted(str(q) for q in owed or ())
+                writes: list[tuple[int, tuple[Any, ...]]] = []
+                for q in queues:
+                    home = bucket_of_queue(q, self.buckets)
+                    key = self._keys[home].queue_buckets(q)
+                    args = (bucket, _token(), HINT_TTL_MS)
+                    writes.append((home, ("EVAL", _HINT_ADD, 1, key, *args)))
+                if writes:
+                    await self._read(writes)
+                if len(queues) < _OWED_BATCH:
+                    return
         except StoreUnavailable as exc:
             log.warning("store.queue_hint_failed", store=self.kind, bucket=bucket, error=str(exc))
 

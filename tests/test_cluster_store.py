@@ -508,7 +508,7 @@ async def test_a_failed_hint_update_keeps_the_step_and_the_rescan_finds_its_task
     real_read = cluster._read
 
     async def failing(commands: Any) -> list[Any]:
-        if commands[0][1][0] == "SMEMBERS":
+        if commands[0][1][0] == "SPOP":
             raise StoreUnavailable("Redis did not answer")
         return await real_read(commands)
 
@@ -539,11 +539,12 @@ async def test_a_dependent_a_commit_made_ready_is_claimable_from_its_queue_at_on
     assert found is not None and found.task_id == dependent
 
 
-async def test_a_rescan_drops_an_emptied_bucket_but_not_one_a_step_refilled_meanwhile(
+async def test_a_rescan_drops_an_emptied_bucket_but_not_one_a_put_refilled_meanwhile(
     cluster: ClusterStore, raw: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Check, remove, check again: a put that lands between the rescan's first look and its
-    removal (here: just before the removal) keeps its bucket in the hint."""
+    """The rescan's write takes out a bucket it found empty only while the bucket's field
+    holds the token read before the look: a put that lands (step and hint update) between
+    the look and the write keeps its bucket."""
     for bucket in (3, 7):
         await put(cluster, in_bucket(bucket, "e"), queue="jobs")
     for _ in range(2):
@@ -555,15 +556,18 @@ async def test_a_rescan_drops_an_emptied_bucket_but_not_one_a_step_refilled_mean
     real_read = cluster._read
 
     async def racing(commands: Any) -> list[Any]:
-        if commands[0][1][0] == "HDEL":
-            await cluster.views[7].put_task(refill, "in", None, queue="jobs")
+        command = commands[0][1]
+        if command[0] == "EVAL" and command[1] == cluster_store._HINT_RESCAN:
+            monkeypatch.setattr(cluster, "_read", real_read)
+            await put(cluster, refill, queue="jobs")
         return await real_read(commands)
 
     monkeypatch.setattr(cluster, "_read", racing)
     cluster.clock_offset_ms += HINT_RESCAN_MS
+    assert await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None  # looked first
+    assert await hinted(cluster, raw, "jobs") == {7}
     found = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
     assert found is not None and found.task_id == refill
-    assert await hinted(cluster, raw, "jobs") == {7}
 
 
 # --- the scheduler copies ------------------------------------------------------------------
