@@ -96,6 +96,24 @@ def add_run_options(
     )
 
 
+def add_store_bench_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that drive a store in-process against its own
+    redis-server (``redis_steps``, ``queue_claims``): ``--base-src`` (another revision's
+    store, measured first in a child process: ``_procs.run_phase_in``) and
+    ``--redis-server``."""
+    parser.add_argument(
+        "--base-src",
+        metavar="DIR",
+        type=Path,
+        help="also measure this source tree's store (e.g. a `git archive` of a commit), first",
+    )
+    parser.add_argument(
+        "--redis-server",
+        default=shutil.which("redis-server") or "redis-server",
+        help="redis-server binary (default: from PATH)",
+    )
+
+
 def parse_stores(
     parser: argparse.ArgumentParser,
     raw: str,

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from bench._args import add_store_bench_options
 from bench._procs import align, run_phase_in, start_redis
 from fencegate.ledger.cluster_store import ClusterStore, SingleRedisBackend
 from fencegate.ledger.tasks import ClaimRequest, CommitRequest, LeasePolicy
@@ -91,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=1000, help="tasks put and claimed per phase")
     parser.add_argument("--groups", type=int, default=8, help="task groups the tasks spread over")
     parser.add_argument("--concurrency", type=int, default=4, help="workers claiming at once")
-    parser.add_argument("--base-src", type=Path, help="another revision's tree, measured first")
-    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
+    add_store_bench_options(parser)
     args = parser.parse_args(argv)
     top = Path(tempfile.mkdtemp(prefix="fencegate-bench-queue-"))
     proc, url, version = start_redis(args.redis_server, top / "redis", "everysec")

@@ -39,6 +39,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
+from bench._args import add_store_bench_options
 from bench._procs import align, run_phase_in, start_redis
 from fencegate.ledger.effects import EffectRequest, EffectState, Fence
 from fencegate.ledger.redis_store import RedisStore
@@ -141,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=4000, help="fenced calls per phase")
     parser.add_argument("--concurrency", type=int, default=16, help="callers at once")
     parser.add_argument("--busy", type=int, default=0, help="busy loops running meanwhile")
-    parser.add_argument("--base-src", type=Path, help="another revision's tree, measured first")
-    parser.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server")
+    add_store_bench_options(parser)
     args = parser.parse_args(argv)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     top = Path(tempfile.mkdtemp(prefix="fencegate-bench-steps-"))
