@@ -80,6 +80,7 @@ def build_store(config: Config) -> Store:
         redis_min_replicas=config.store.redis_min_replicas,
         redis_replica_timeout_ms=config.store.redis_replica_timeout_ms,
         cluster_buckets=config.store.cluster_buckets,
+        cluster_queue_rescan_ms=config.store.cluster_queue_rescan_ms,
     )
 
 

@@ -255,6 +255,12 @@ class StoreConfig(_Section):
     #: over. Recorded when the store is created; a different value later is a start-up error
     #: (changing it is a ``fencegate store copy``). docs/stores.md, "Redis Cluster".
     cluster_buckets: int = 256
+    #: redis+cluster:// only: how old (store ms) a queue's hint of buckets may be before a
+    #: queue claim rebuilds it from every bucket: the longest a task whose gateway died
+    #: between its step and the hint's update stays unseen by queue claims (by id: never),
+    #: and each queue claimed from costs one read per bucket this often. docs/decisions.md,
+    #: "Queues: an index per bucket, a hint per queue".
+    cluster_queue_rescan_ms: Annotated[int, Field(ge=100, le=_MINUTE_MS)] = 1_000
 
     @model_validator(mode="after")
     def _replica_timeout_within_timeout(self) -> StoreConfig:

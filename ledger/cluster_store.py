@@ -22,7 +22,7 @@ buckets is the code here:
 - **queue claims** (``claim_next``): the head of the claimable candidates of every bucket
   the queue's hint names (``Keys.queue_buckets``) in one pipelined read, the best claimed by
   its bucket's ``claim_next``; the steps that make a task READY move the queue into the
-  hint after their step (``_owed_hints``), and a hint older than ``HINT_RESCAN_MS`` is
+  hint after their step (``_owed_hints``), and a hint older than ``cluster_queue_rescan_ms`` is
   rebuilt from every bucket (``_rescan_hint``);
 - **the change feed** (``read_events``, ``trim_events``): per-bucket pages merged by
   ``ledger.cluster_feed``;
@@ -150,7 +150,8 @@ _TRIM_IDS_BATCH = 10_000
 #: Claimable candidates read from each of a bucket's ``held`` and ``epochs`` sets per queue
 #: claim (the ``ready`` set's head is one member).
 _MOVED_CANDIDATES = 4
-#: How long (store ms) a queue claim trusts the queue's hint before it rescans every bucket
+#: How long (store ms) a queue claim trusts the queue's hint before it rescans every bucket,
+#: unless ``[store] cluster_queue_rescan_ms`` says
 #: and rebuilds it: the bound on how long a READY task can go unseen by queue claims when its
 #: step's hint update was lost (its gateway killed between the step and the update, a
 #: gateway from before the hints, the update racing a rescan's removal). Each queue costs
@@ -158,7 +159,8 @@ _MOVED_CANDIDATES = 4
 HINT_RESCAN_MS = 1_000
 #: The hint's field holding the store time of its last rescan (the others are bucket numbers).
 _SCANNED_AT = "scanned_at"
-#: Every write of a hint sets its key to expire this long after (Redis time): queue names are
+#: Every write of a hint sets its key to expire this long after (Redis time; ten times
+#: ``cluster_queue_rescan_ms``): queue names are
 #: the clients' to choose, and a claim on a queue nobody uses writes its hint, so hints of
 #: abandoned queues must not pile up. A hint that expired is missing, which a claim treats as
 #: due for a rescan: expiry never hides a bucket, it only costs the rescan it would make anyway
@@ -449,8 +451,13 @@ class ClusterStore(Store):
         timeout_ms: int = 2000,
         max_dependents: int = 1_000,
         max_cascade: int = 1_000,
+        queue_rescan_ms: int = HINT_RESCAN_MS,
     ) -> None:
         super().__init__(policy)
+        #: ``HINT_RESCAN_MS`` unless ``[store] cluster_queue_rescan_ms`` says; hints expire
+        #: ten times that after their last write (``HINT_TTL_MS`` for the default).
+        self._rescan_ms = queue_rescan_ms
+        self._hint_ttl_ms = 10 * queue_rescan_ms
         self.buckets = check_buckets(buckets)
         self._max_dependents = max_dependents
         self._max_cascade = max_cascade
@@ -881,10 +888,10 @@ class ClusterStore(Store):
 
     async def _hinted(self, queue: str, hint: dict[str, str], now: int) -> list[int]:
         """The buckets a queue claim reads: the hint's, or, when its last rescan is older
-        than ``HINT_RESCAN_MS`` (or it has none), every bucket that holds any of the
-        queue's READY or CLAIMED tasks, found now."""
+        than ``[store] cluster_queue_rescan_ms`` (or it has none), every bucket that holds
+        any of the queue's READY or CLAIMED tasks, found now."""
         scanned = hint.pop(_SCANNED_AT, None)
-        if scanned is not None and 0 <= now - int(scanned) < HINT_RESCAN_MS:
+        if scanned is not None and 0 <= now - int(scanned) < self._rescan_ms:
             return sorted(int(n) for n in hint)
         return await self._rescan_hint(queue, hint, now)
 
@@ -901,7 +908,7 @@ class ClusterStore(Store):
         live = {n for n, count in enumerate(counts) if int(count)}
         named = {int(n): token for n, token in read.items()}
         gone = sorted(set(named) - live)
-        args: list[Any] = [now, HINT_TTL_MS, _token(), len(gone)]
+        args: list[Any] = [now, self._hint_ttl_ms, _token(), len(gone)]
         for n in gone:
             args += [n, named[n]]
         args += sorted(live - set(named))
@@ -927,7 +934,7 @@ class ClusterStore(Store):
         Taking before writing makes every owed entry, whichever step added it (a step adding
         a queue already owed adds nothing), lead to one hint write after that step. The step
         is applied whatever happens here: a failure is logged, and the queue's next rescan
-        (within ``HINT_RESCAN_MS``) finds the bucket."""
+        (within ``cluster_queue_rescan_ms``) finds the bucket."""
         owed_key = self._keys[bucket].queue_owed
         try:
             for _ in range(_OWED_ROUNDS):
@@ -937,7 +944,7 @@ class ClusterStore(Store):
                 for q in queues:
                     home = bucket_of_queue(q, self.buckets)
                     key = self._keys[home].queue_buckets(q)
-                    args = (bucket, _token(), HINT_TTL_MS)
+                    args = (bucket, _token(), self._hint_ttl_ms)
                     writes.append((home, ("EVAL", _HINT_ADD, 1, key, *args)))
                 if writes:
                     await self._read(writes)
@@ -1548,6 +1555,7 @@ def _create(url: str, policy: LeasePolicy, options: StoreOptions) -> Store:
         timeout_ms=options.timeout_ms,
         max_dependents=options.max_dependents,
         max_cascade=options.max_cascade,
+        queue_rescan_ms=options.cluster_queue_rescan_ms,
     )
 
 

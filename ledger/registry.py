@@ -103,6 +103,7 @@ def open_store(
     redis_min_replicas: int = 0,
     redis_replica_timeout_ms: int = 500,
     cluster_buckets: int = 256,
+    cluster_queue_rescan_ms: int = 1_000,
 ) -> Store:
     """Build (not yet open) the store a URL names: ``sqlite:///rel.db``,
     ``sqlite:////abs.db``, ``redis://host:port/db`` (``rediss://`` for TLS,
@@ -124,5 +125,6 @@ def open_store(
         redis_min_replicas=redis_min_replicas,
         redis_replica_timeout_ms=redis_replica_timeout_ms,
         cluster_buckets=cluster_buckets,
+        cluster_queue_rescan_ms=cluster_queue_rescan_ms,
     )
     return kind.create(url, policy, options)

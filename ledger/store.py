@@ -82,6 +82,9 @@ class StoreOptions:
     redis_replica_timeout_ms: int = 500
     #: Redis Cluster: the buckets the keys are spread over (``[store] cluster_buckets``).
     cluster_buckets: int = 256
+    #: Redis Cluster: the age of a queue's hint that makes a claim rescan every bucket
+    #: (``[store] cluster_queue_rescan_ms``).
+    cluster_queue_rescan_ms: int = 1_000
 
 
 @dataclass(frozen=True, slots=True)

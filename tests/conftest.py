@@ -243,6 +243,7 @@ def build_test_store(config: Config) -> Store:
         max_dependents=config.tasks.max_dependents,
         max_cascade=config.tasks.max_cascade,
         cluster_buckets=config.store.cluster_buckets,
+        cluster_queue_rescan_ms=config.store.cluster_queue_rescan_ms,
     )
 
 

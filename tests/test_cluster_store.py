@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+from fencegate.gateway.config import ConfigError, load_config
 from fencegate.ledger import cluster_store, redis_store
 from fencegate.ledger.buckets import (
     bucket_of_keyed,
@@ -568,6 +570,41 @@ async def test_a_rescan_drops_an_emptied_bucket_but_not_one_a_put_refilled_meanw
     assert await hinted(cluster, raw, "jobs") == {7}
     found = await cluster.claim_next("jobs", ClaimRequest("w", 60_000, 1))
     assert found is not None and found.task_id == refill
+
+
+@pytest.mark.parametrize("bad", [99, 60_001])
+def test_the_rescan_interval_is_a_setting_bounded_and_named_when_wrong(
+    tmp_path: Path, bad: int
+) -> None:
+    path = tmp_path / "fencegate.toml"
+    path.write_text(
+        f'[store]\nurl = "redis+cluster://127.0.0.1:7000"\ncluster_queue_rescan_ms = {bad}\n'
+    )
+    with pytest.raises(ConfigError, match=r"store\.cluster_queue_rescan_ms"):
+        load_config(path)
+
+
+async def test_a_longer_rescan_interval_trusts_the_hint_longer(
+    redis_server: RedisServer, key_prefix: str
+) -> None:
+    backend = SingleRedisBackend(redis_server.url, POLICY, timeout_ms=10_000)
+    store = ClusterStore(
+        POLICY, backend, buckets=BUCKETS, key_prefix=key_prefix, timeout_ms=10_000,
+        queue_rescan_ms=5_000,
+    )  # fmt: skip
+    store.clock_pinned_ms = time.time_ns() // 1_000_000
+    await store.open()
+    try:
+        assert await store.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None
+        lost = in_bucket(6, "lost")
+        await store.views[6].put_task(lost, "in", None, queue="jobs")  # no hint update
+        store.clock_offset_ms += 4_999
+        assert await store.claim_next("jobs", ClaimRequest("w", 60_000, 1)) is None
+        store.clock_offset_ms += 1
+        found = await store.claim_next("jobs", ClaimRequest("w", 60_000, 1))
+        assert found is not None and found.task_id == lost
+    finally:
+        await store.close()
 
 
 # --- the scheduler copies ------------------------------------------------------------------
