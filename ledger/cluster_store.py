@@ -150,21 +150,20 @@ _TRIM_IDS_BATCH = 10_000
 #: Claimable candidates read from each of a bucket's ``held`` and ``epochs`` sets per queue
 #: claim (the ``ready`` set's head is one member).
 _MOVED_CANDIDATES = 4
-#: How long (store ms) a queue claim trusts the queue's hint before it rescans every bucket,
-#: unless ``[store] cluster_queue_rescan_ms`` says
-#: and rebuilds it: the bound on how long a READY task can go unseen by queue claims when its
-#: step's hint update was lost (its gateway killed between the step and the update, a
-#: gateway from before the hints, the update racing a rescan's removal). Each queue costs
-#: one read per bucket per this interval, whatever the number of gateways.
+#: How long (store ms) a queue claim trusts the queue's hint before it rescans every bucket
+#: and rebuilds it (the default of ``[store] cluster_queue_rescan_ms``): the bound on how
+#: long a READY task can go unseen by queue claims when its step's hint update was lost (its
+#: gateway killed between the step and the update, the update failed, a gateway from before
+#: the hints). Each queue costs one read per bucket per this interval, whatever the number
+#: of gateways.
 HINT_RESCAN_MS = 1_000
 #: The hint's field holding the store time of its last rescan (the others are bucket numbers).
 _SCANNED_AT = "scanned_at"
-#: Every write of a hint sets its key to expire this long after (Redis time; ten times
-#: ``cluster_queue_rescan_ms``): queue names are
-#: the clients' to choose, and a claim on a queue nobody uses writes its hint, so hints of
-#: abandoned queues must not pile up. A hint that expired is missing, which a claim treats as
-#: due for a rescan: expiry never hides a bucket, it only costs the rescan it would make anyway
-#: after ``HINT_RESCAN_MS``.
+#: Every write of a hint sets its key to expire this long after (Redis time; ten times the
+#: rescan interval): queue names are the clients' to choose, and a claim on a queue nobody
+#: uses writes its hint, so hints of abandoned queues must not pile up. A hint that expired
+#: is missing, which a claim treats as due for a rescan: expiry never hides a bucket, it only
+#: costs the rescan it would make anyway.
 HINT_TTL_MS = 10 * HINT_RESCAN_MS
 #: Owed queues one hint update takes at once (``SPOP``), and how many times it goes on while
 #: it finds that many (a bucket owes a hint to each queue a step made a task READY in).
@@ -827,29 +826,26 @@ class ClusterStore(Store):
         numbers = await self._hinted(queue, _fields(hint), now)
         if not numbers:
             return []
-        heads = await self._read(
-            [(n, ("ZRANGE", self._keys[n].queue_ready(queue), 0, 0)) for n in numbers]
-        )
-        moved_reads: list[tuple[int, tuple[Any, ...]]] = []
+        # One batch: each bucket's ready head, then its first held and epochs candidates.
+        reads: list[tuple[int, tuple[Any, ...]]] = []
         for n in numbers:
             k = self._keys[n]
-            moved_reads.append(
+            reads += [
+                (n, ("ZRANGE", k.queue_ready(queue), 0, 0)),
                 (n, ("ZRANGEBYSCORE", k.queue_held(queue), "-inf", now, "LIMIT", 0,
-                     _MOVED_CANDIDATES))
-            )  # fmt: skip
-            moved_reads.append(
+                     _MOVED_CANDIDATES)),
                 (n, ("ZRANGEBYSCORE", k.queue_epochs(queue), "-inf", f"({epoch}", "LIMIT", 0,
-                     _MOVED_CANDIDATES))
-            )  # fmt: skip
-        moved = await self._read(moved_reads)
+                     _MOVED_CANDIDATES)),
+            ]  # fmt: skip
+        replies = await self._read(reads)
         best: dict[int, _Candidate] = {}
-        for n, head in zip(numbers, heads, strict=True):
+        records: list[tuple[int, str]] = []
+        for i, n in enumerate(numbers):
+            head, held, epochs = replies[3 * i : 3 * i + 3]
             if head:
                 rank, ready_at, task_id = str(head[0]).split(":", 2)
                 best[n] = _Candidate(int(rank), int(ready_at), task_id, n)
-        records: list[tuple[int, str]] = []
-        for (n, _), ids in zip(moved_reads, moved, strict=True):
-            records += [(n, str(task_id)) for task_id in ids]
+            records += [(n, str(task_id)) for task_id in (*held, *epochs)]
         records = list(dict.fromkeys(records))
         if records:
             fields = await self._read(
@@ -904,7 +900,14 @@ class ClusterStore(Store):
         (``_owed_hints``), before or after this write: either way its bucket stays named.
         A rescan that fails before the write changes nothing."""
         home = bucket_of_queue(queue, self.buckets)
-        counts = await self._read(self._queue_exists(queue, range(self.buckets)))
+        # One EXISTS of the queue's three sets per bucket (they share its slot): more than 0
+        # when the bucket holds any of the queue's READY or CLAIMED tasks.
+        counts = await self._read(
+            [
+                (n, ("EXISTS", k.queue_ready(queue), k.queue_held(queue), k.queue_epochs(queue)))
+                for n, k in enumerate(self._keys)
+            ]
+        )
         live = {n for n, count in enumerate(counts) if int(count)}
         named = {int(n): token for n, token in read.items()}
         gone = sorted(set(named) - live)
@@ -915,17 +918,6 @@ class ClusterStore(Store):
         key = self._keys[home].queue_buckets(queue)
         await self._read([(home, ("EVAL", _HINT_RESCAN, 1, key, *args))])
         return sorted(live)
-
-    def _queue_exists(
-        self, queue: str, numbers: Iterable[int]
-    ) -> list[tuple[int, tuple[Any, ...]]]:
-        """One ``EXISTS`` of the queue's three sets per bucket (they share its slot): more
-        than 0 when the bucket holds any of the queue's READY or CLAIMED tasks."""
-        return [
-            (n, ("EXISTS", k.queue_ready(queue), k.queue_held(queue), k.queue_epochs(queue)))
-            for n in numbers
-            for k in (self._keys[n],)
-        ]
 
     async def _owed_hints(self, bucket: int) -> None:
         """After a step that may have made tasks READY in ``bucket``: take the queues the
