@@ -372,6 +372,7 @@ async def failover_run(
         f"({executions} executions of {len(downstream.per_key)} keys); wrong answers: "
         f"{fig.wrong}"
     )
+    print(f"  verdict reads answered 503 and asked again: {found.reads_asked_again}")
     if found.lost() or found.duplicates:
         print(f"  lost by kind: {found.counts()}")
         print(f"  duplicates: {dict(list(found.duplicates.items())[:10])}")

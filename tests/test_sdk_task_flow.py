@@ -67,21 +67,43 @@ async def test_a_pipeline_step_waits_for_the_first_commit(env: Env) -> None:
 
 
 async def test_events_follow_the_gateway(env: Env) -> None:
+    """A stream opened "from now" gets every change made after it opened, in order per task.
+    When it opened is learnt from the stream itself (the first marker task it shows), not
+    from a sleep, which a loaded machine outlasts."""
     client = env.client
     seen: list[tuple[str, str]] = []
+    opened = asyncio.Event()
+    done = asyncio.Event()
 
     async def follow() -> None:
         async for event in client.events():
-            if event.type == "task":
-                seen.append((event.data["taskId"], event.data["state"]))
-                if len(seen) == 2:
-                    return
+            if event.type != "task":
+                continue
+            task_id, state = event.data["taskId"], event.data["state"]
+            if task_id.startswith("mark-"):
+                opened.set()
+                continue
+            seen.append((task_id, state))
+            if len(seen) == 2:
+                done.set()
+                return
 
     following = asyncio.ensure_future(follow())
-    await asyncio.sleep(0.3)
-    await client.put_task("t1", "in-1")
-    await client.cancel_task("t1")
-    await asyncio.wait_for(following, 5)
+    try:
+        for n in range(300):  # a minute at most
+            await client.put_task(f"mark-{n}", "in-1")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(opened.wait(), 0.2)
+                break
+        else:
+            pytest.fail("the stream showed none of 300 tasks put after it was asked for")
+        await client.put_task("t1", "in-1")
+        await client.cancel_task("t1")
+        await asyncio.wait_for(done.wait(), 60)
+    finally:
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
     assert seen == [("t1", "READY"), ("t1", "CANCELLED")]
 
 
