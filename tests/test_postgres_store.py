@@ -215,7 +215,13 @@ async def test_an_epoch_bump_answers_only_after_the_claims_that_read_the_old_epo
         claim = asyncio.create_task(
             claimer.claim("x", ClaimRequest(owner="w", ttl_ms=30_000, scheduler_epoch=1))
         )
-        await asyncio.sleep(0.3)  # the claim has read epoch 1 and waits for the row
+        # The claim has read epoch 1 and waits for the row: seen in PostgreSQL, not guessed.
+        async with asyncio.timeout(30):
+            while not await blocker.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            ):
+                await asyncio.sleep(0.01)
         bump = asyncio.create_task(bumper.bump_epoch())
         await asyncio.sleep(0.3)
         assert not bump.done(), "the bump answered while a claim of the old epoch was pending"

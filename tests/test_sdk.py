@@ -707,12 +707,15 @@ async def test_body_without_commit_hands_the_task_back(env: Env) -> None:
     record = await env.client.get_task("t1")
     assert record.state == "READY" and record.claim_generation == 2
 
+    held = asyncio.Event()
+
     async def body() -> None:
         async with env.client.claim("t1", owner="w1", ttl_ms=10_000):
+            held.set()
             await asyncio.sleep(30)
 
     running = asyncio.create_task(body())
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(held.wait(), 10)  # cancelled inside the claim, not while asking
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running  # someone else's cancellation is not a LeaseLost

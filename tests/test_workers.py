@@ -261,8 +261,10 @@ async def test_sigterm_drains_every_worker_then_the_supervisor_exits_0(
             )
             for i in range(8)
         ]
-        await asyncio.wait_for(downstream.arrived.wait(), timeout=10)
-        await asyncio.sleep(0.3)  # the others reach the downstream too
+        # Every call is in flight at the downstream (its 1.5 s sleep) before the signal.
+        async with asyncio.timeout(10):
+            while len(downstream.received) < len(calls):
+                await asyncio.sleep(0.01)
         assert gateway.proc is not None
         gateway.proc.send_signal(signal.SIGTERM)
         answers = await asyncio.wait_for(asyncio.gather(*calls), timeout=15)
