@@ -6,6 +6,7 @@ Its behaviour is chosen by path, so one server serves every proxy test:
 |---|---|
 | ``/ok/...`` | 200 JSON ``{"calls": n}`` (n = calls so far with this Idempotency-Key) |
 | ``/slow/{ms}/...`` | sleeps ``ms`` then answers like ``/ok`` (the effect happens) |
+| ``/held/...`` | waits for ``release`` (set by the test) then answers like ``/ok`` |
 | ``/status/{code}`` | that status, JSON body |
 | ``/big/{bytes}`` | 200 with a body of that many bytes |
 | ``/reset`` | reads the request, then drops the connection without answering |
@@ -39,6 +40,8 @@ class Downstream:
     per_key: Counter[str] = field(default_factory=Counter)
     #: Set whenever a call arrives.
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What a ``/held/...`` call waits for before it answers.
+    release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -62,6 +65,8 @@ class Downstream:
         answer: dict[str, Any] = {"calls": self.per_key[key], "path": request.path_qs}
         if kind == "slow":
             await asyncio.sleep(int(parts[1]) / 1000)
+        elif kind == "held":
+            await self.release.wait()
         elif kind == "status":
             return web.json_response(answer, status=int(parts[1]))
         elif kind == "big":

@@ -28,6 +28,7 @@ from fencegate.ledger.errors import Cancelled, StoreUnavailable
 from fencegate.ledger.queries import TaskFilter
 from fencegate.ledger.redis_store import RedisStore
 from fencegate.ledger.tasks import LeasePolicy, RenewRequest, Task, TaskState
+from tests.api import until
 from tests.cluster_servers import ClusterNode, ClusterServers
 from tests.conftest import DEFAULT_MAX_RUNTIME_MS, MAX_TTL_MS, STORE_TIMEOUT_MS
 from tests.test_task_flow import claim_as, commit_of, identity_of
@@ -291,7 +292,14 @@ async def test_a_migration_of_the_buckets_slot_under_load_loses_nothing_runs_not
     while await asyncio.to_thread(migration.move_keys, 5):
         await asyncio.sleep(0.01)  # the callers run between batches: ASK, TRYAGAIN
     await asyncio.to_thread(migration.finish)
-    await asyncio.sleep(0.2)  # and after it: MOVED
+    # And after it: MOVED. The callers have run on after the move (counted, not a sleep a
+    # loaded machine outlasts) before they are told to stop.
+    assert store.pipeline is not None
+    moved_at = store.pipeline.calls
+    await until(
+        lambda: load.done() or store.pipeline is None or store.pipeline.calls >= moved_at + 40,
+        "40 store calls after the move",
+    )
     done.set()
     forwarded, errors = await load
     assert errors == []

@@ -57,7 +57,7 @@ from fencegate.gateway.http_client import ResendRefused
 from fencegate.gateway.state import STORE
 from fencegate.ledger.effects import EffectState
 from fencegate.ledger.errors import StoreUnavailable
-from tests.api import Api, Lease
+from tests.api import HANG_S, Api, Lease
 from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.test_proxy import fence_headers
@@ -116,7 +116,7 @@ class FaultServer:
         assert self._server is not None
         self._server.close()
         self._stopping.set()
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(HANG_S):
             while self.open:
                 await asyncio.sleep(0.01)
         await self._server.wait_closed()
@@ -356,7 +356,7 @@ async def test_pool_wait_is_busy_and_sends_nothing(
             g.api.client.get(f"/proxy/hold{HOLD_PATH}", headers=fence_headers(holder, None))
         )
         try:
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(HANG_S):  # a bound on a hang only
                 while not fault.open:
                     await asyncio.sleep(0.01)
             proxy, mcp = await both(g)

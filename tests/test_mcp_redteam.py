@@ -35,7 +35,7 @@ from fencegate.adapters import mcp
 from fencegate.gateway.app import create_app
 from fencegate.ledger.errors import BadRequest
 from fencegate.ledger.payloads import MAX_JSON_DEPTH, canonical_body, json_depth
-from tests.api import Api, ServeLikeServer, mcp_lease, mcp_post, task_effects
+from tests.api import HANG_S, Api, ServeLikeServer, mcp_lease, mcp_post, task_effects
 from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
@@ -376,7 +376,7 @@ async def test_an_agent_that_does_not_read_does_not_hold_the_forward_past_its_de
         # The server's connection is closed (the forward is over) within the window, plus
         # a generous slack; before, the gateway sat on its write to the agent for good.
         await asyncio.wait_for(server.flood_over.wait(), window_s + 5)
-        effect = await _settled(gw, task, within_s=5)
+        effect = await _settled(gw, task, within_s=HANG_S)  # a bound on a hang only
         # The gateway recorded the forward's own outcome (not the store's "deadline passed"
         # of a PREPARED record whose forward was still running).
         assert effect["state"] in ("UNKNOWN", "COMMITTED"), effect

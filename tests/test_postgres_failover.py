@@ -73,6 +73,10 @@ MAX_REDOS = 2
 LOAD_BEFORE_S = 2.5
 DEAD_BEFORE_PROMOTE_S = 0.75
 LOAD_AFTER_PROMOTE_S = 3.0
+#: ...and then on, at most this much longer, until what the verdict asks of the time after
+#: the promotion has happened (``recovered_after_promotion``): a loaded machine may take
+#: longer than LOAD_AFTER_PROMOTE_S to reconnect, which is no failure.
+RECOVERY_BOUND_S = 30.0
 #: store.timeout_ms: a request waits at most this long for the store before a 503.
 STORE_TIMEOUT_MS = 1_500
 #: ``stalled``: how long the standby receives nothing before the primary dies; longer than
@@ -493,12 +497,35 @@ async def run_failover(rig: Rig, session: aiohttp.ClientSession, run: str, failu
     record.promote_started_at = load.now()
     await asyncio.to_thread(rig.standby.promote)
     record.promoted_at = load.now()
-    await asyncio.sleep(LOAD_AFTER_PROMOTE_S)
+    await load_after_promotion(load)
     load.stopping = True
     async with asyncio.timeout(2 * CLIENT_TIMEOUT_S):
         await asyncio.gather(*agents)
     assert not rig.standby.in_recovery()
     return record
+
+
+def recovered_after_promotion(record: Record, gateways: int) -> bool:
+    """Every gateway acknowledged a call asked after the promotion, a claim and an effect
+    among them (what ``failover_run`` asserts of the time after it)."""
+    after = [r for r in record.replies if r.started > record.promoted_at]
+    return (
+        {r.gateway for r in after if r.status in (200, 201)} == set(range(gateways))
+        and any(r.op == "claim" and r.status == 200 for r in after)
+        and any(r.op == "effect" and r.status == 200 for r in after)
+    )
+
+
+async def load_after_promotion(load: Load, for_s: float = LOAD_AFTER_PROMOTE_S) -> None:
+    """The load goes on ``for_s`` after the promotion, then until the gateways
+    have recovered (``recovered_after_promotion``; RECOVERY_BOUND_S bounds a hang only: the
+    verdict's assertions then say what is missing)."""
+    await asyncio.sleep(for_s)
+    deadline = time.monotonic() + RECOVERY_BOUND_S
+    while not recovered_after_promotion(load.record, len(load.gateways)):
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.1)
 
 
 # --- the verdict -----------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from tests.clocks import still
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.relay import Blackhole
+from tests.servers import refused_port
 from tests.test_proxy import fence_headers
 
 #: Every code the gateway answers with.
@@ -108,18 +108,11 @@ class Env:
         return json.loads(text), headers
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @contextlib.asynccontextmanager
 async def gateway(
     tmp_path: Any, downstream: Downstream, *, auth: bool = False, **sections: Any
 ) -> AsyncIterator[Env]:
-    dead = f"http://127.0.0.1:{_closed_port()}"
+    dead = f"http://127.0.0.1:{refused_port()}"  # held bound: nobody can take it meanwhile
     common = {"timeout_ms": 300, "connect_timeout_ms": 10_000}
     config = make_config(
         f"sqlite:///{tmp_path / f'fg-{len(list(tmp_path.iterdir()))}.db'}",

@@ -16,6 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from fencegate.gateway.app import create_app
 from fencegate.ledger.errors import StoreRegressed
-from tests.api import Answer, Api
+from tests.api import HANG_S, Answer, Api
 from tests.conftest import build_test_store, make_config
 from tests.servers import RedisServer
 
@@ -55,23 +56,27 @@ def restart(server: RedisServer, aof: Path | None = None) -> None:
     server.start()
 
 
-async def until(check: Callable[[], object], seconds: float = 5.0) -> None:
-    for _ in range(int(seconds / 0.1)):
-        if await check():  # type: ignore[misc]
-            return
+async def until(check: Callable[[], object], seconds: float = HANG_S) -> None:
+    """Until ``check()`` holds; ``seconds`` bounds a hang only (a loaded machine is slow)."""
+    deadline = time.monotonic() + seconds
+    while not await check():  # type: ignore[misc]
+        if time.monotonic() > deadline:
+            raise AssertionError("not within the time")
         await asyncio.sleep(0.1)
-    raise AssertionError("not within the time")
 
 
 async def after_restart(api: Api, method: str, path: str, body: object = None) -> Answer:
     """A call's answer, retried while the store answers "did not answer" (the restart
-    dropped the pooled connections: a connection error, not the refusal under test)."""
-    for _ in range(20):
+    dropped the pooled connections: a connection error, not the refusal under test). The
+    deadline bounds a hang only: a loaded machine may take seconds to reconnect."""
+    deadline = time.monotonic() + HANG_S
+    while True:
         answer = await api.call(method, path, body)
         if answer.status != 503 or "did not answer" not in str(answer.body):
             return answer
+        if time.monotonic() > deadline:
+            return answer
         await asyncio.sleep(0.1)
-    return answer
 
 
 async def first_answer(api: Api, method: str, path: str, body: object = None) -> int:

@@ -56,6 +56,7 @@ from tests.test_postgres_failover import (
     Record,
     examine,
     figures,
+    load_after_promotion,
     wait_ready,
 )
 from tests.test_redis_regression import restart
@@ -347,7 +348,7 @@ async def failover_run(
     record.killed_at = record.promote_started_at = load.now()
     await asyncio.to_thread(cluster.wait_promoted, old)
     record.promoted_at = load.now()
-    await asyncio.sleep(LOAD_AFTER_PROMOTE_S)
+    await load_after_promotion(load, LOAD_AFTER_PROMOTE_S)
     load.stopping = True
     async with asyncio.timeout(2 * CLIENT_TIMEOUT_S):
         await asyncio.gather(*agents)

@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from fencegate.gateway.app import create_app
 from fencegate.gateway.config import Config, ConfigError, load_config, with_listen
 from fencegate.gateway.request_guard import host_allowed, origin_allowed
+from tests.api import HANG_S
 from tests.conftest import build_test_store, make_config
 
 
@@ -52,8 +53,9 @@ async def _problem(resp: Any, status: int, code: str) -> dict[str, Any]:
     return body
 
 
-async def raw(port: int, data: bytes, *, wait: float = 5.0) -> tuple[int, dict[str, str], bytes]:
-    """Send ``data`` as is over a new connection; the status, headers and body of the answer."""
+async def raw(port: int, data: bytes, *, wait: float = HANG_S) -> tuple[int, dict[str, str], bytes]:
+    """Send ``data`` as is over a new connection; the status, headers and body of the answer
+    (``wait`` bounds a hang only)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)

@@ -28,6 +28,7 @@ from fencegate.gateway.auth import token_sha256
 from fencegate.gateway.config import AuthReloadError, PrincipalConfig, load_auth
 from fencegate.gateway.limits import OpenRequests, TokenBucket, retry_after_seconds
 from fencegate.gateway.principals import Scope, scope_refusal
+from tests.api import until
 from tests.conftest import build_test_store, make_config
 from tests.downstream import Downstream
 from tests.servers import GatewayProcess
@@ -299,25 +300,26 @@ async def test_over_max_open_requests_is_429_retry_after_1(
         key_prefix,
         auth=_section({"worker-a": {"max_open_requests": 1}}),
         reconciler={"enabled": False},
-        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 5000}],  # type: ignore[list-item]
+        downstreams=[{"name": "api", "url": downstream.url, "timeout_ms": 30_000}],  # type: ignore[list-item]
     )
     app = create_app(config, store=build_test_store(config))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         env = Env(client, downstream)
         lease = await env.lease("t-open")
         fence = _fence(lease.task_id, lease.attempt_id, lease.claim_generation)
+        # Held at the downstream until released (not a sleep a loaded machine outlasts):
+        # it is still open while the calls below are asked.
         slow = asyncio.create_task(
-            env.call("POST", "/proxy/api/slow/800/x", "worker-a", {"a": 1}, fence)
+            env.call("POST", "/proxy/api/held/x", "worker-a", {"a": 1}, fence)
         )
-        for _ in range(100):
-            if downstream.received:
-                break
-            await asyncio.sleep(0.01)
-        assert downstream.received, "the slow call never reached the downstream"
-        limited = await env.call("GET", "/v1/epoch", "worker-a")
-        assert (limited.status, limited.code) == (429, "RATE_LIMITED"), limited.body
-        assert limited.headers["Retry-After"] == "1"
-        assert (await env.call("GET", "/v1/epoch", "worker-b")).status == 200
+        try:
+            await until(lambda: bool(downstream.received), "the slow call reaches the downstream")
+            limited = await env.call("GET", "/v1/epoch", "worker-a")
+            assert (limited.status, limited.code) == (429, "RATE_LIMITED"), limited.body
+            assert limited.headers["Retry-After"] == "1"
+            assert (await env.call("GET", "/v1/epoch", "worker-b")).status == 200
+        finally:
+            downstream.release.set()
         assert (await slow).status == 200
         assert (await env.call("GET", "/v1/epoch", "worker-a")).status == 200
 

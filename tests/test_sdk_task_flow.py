@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 import fencegate
 from fencegate import Client
 from fencegate.client import MIN_POLL_S
+from tests.api import HANG_S
 from tests.conftest import make_config
 from tests.downstream import Downstream
 from tests.test_sdk import Env, env, gateway_config, running_gateway
@@ -53,11 +54,12 @@ async def test_a_pipeline_step_waits_for_the_first_commit(env: Env) -> None:
         await client.acquire("pipe::step2", owner="w1", ttl_ms=10_000)
     with pytest.raises(TimeoutError):
         await client.wait_committed("pipe::step1", timeout=0.3)
-    waiting = asyncio.ensure_future(client.wait_committed("pipe::step1", timeout=5))
+    # Bounds on a hang only: the claim and commit below may take long on a loaded machine.
+    waiting = asyncio.ensure_future(client.wait_committed("pipe::step1", timeout=HANG_S))
     lease = await client.claim_next("pipe", owner="w1", ttl_ms=10_000)
     assert lease is not None and lease.task_id == "pipe::step1"
     done = await lease.commit({"rows": 3})
-    record = await asyncio.wait_for(waiting, 3)
+    record = await asyncio.wait_for(waiting, HANG_S)
     assert record.state == "COMMITTED" and record.commit is not None
     step2 = await client.claim_next("pipe", owner="w2", ttl_ms=10_000)
     assert step2 is not None and step2.task_id == "pipe::step2"
