@@ -165,15 +165,28 @@ def refuse_method_override(
         return
     where = method if method in SAFE_METHODS else f"{method} to a downstream that requires approval"
     for name, _ in headers:
-        if name.lower() in METHOD_OVERRIDE_HEADERS:
+        if _same_for_cgi(name) in METHOD_OVERRIDE_HEADERS:
             raise BadRequest(f"{name}: a method override is refused on {where}; "
                              "send the method itself")  # fmt: skip
     query = path_and_query.partition("?")[2]
     for part in re.split(r"[&;]", query):
-        name = unquote_plus(part.partition("=")[0]).strip().lower()
-        if name == METHOD_OVERRIDE_PARAM:
+        raw = unquote_plus(part.partition("=")[0])
+        if METHOD_OVERRIDE_PARAM in (raw.strip().lower(), _as_php_reads(raw)):
             raise BadRequest(f"query parameter {METHOD_OVERRIDE_PARAM}: a method override is "
                              f"refused on {where}; send the method itself")  # fmt: skip
+
+
+def _as_php_reads(name: str) -> str:
+    """A query parameter's name as PHP reads it into ``$_GET`` (Laravel and Symfony take
+    ``_method`` from there): cut at a NUL, leading spaces gone, ``name[...]`` an array under
+    ``name``, and a space, ``.`` or unmatched ``[`` read as ``_``; so ``.method``,
+    ``[method`` and ``_method[]`` all reach the server as ``_method``. Lowercased: the check
+    is in any case."""
+    name = name.partition("\x00")[0].lstrip(" ")
+    base, bracket, rest = name.partition("[")
+    if bracket and "]" in rest:
+        name = base
+    return re.sub(r"[ .\[]", "_", name).lower()
 
 
 def upstream_response_headers(downstream_headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import json
 import re
 import ssl
@@ -432,8 +433,28 @@ def _busy_bytes(detail: str) -> bytes:
 def _peer_host(transport: asyncio.BaseTransport) -> str | None:
     peername = transport.get_extra_info("peername")
     if isinstance(peername, tuple) and peername and isinstance(peername[0], str):
-        return peername[0]
+        return peer_group(peername[0])
     return None
+
+
+def peer_group(host: str) -> str:
+    """The peer ``server.max_connections_per_peer`` counts for a TCP peer address. Loopback
+    is one peer: any local process may bind any of 127.0.0.0/8 as its source without
+    privilege, so counted apart it would be millions of peers, and a same-host process
+    could hold every slot (the default deployment listens on loopback). IPv6 counts per /64,
+    a host's usual allocation from which it may pick addresses at will. Anything else (IPv4,
+    a Unix socket's name) is itself."""
+    try:
+        address = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback:
+        return "loopback"
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _refuse_connection(transport: asyncio.BaseTransport, answer: bytes) -> None:

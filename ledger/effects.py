@@ -178,11 +178,17 @@ def approval_digest(payload_digest: str, headers: Iterable[tuple[str, str]]) -> 
     """What an operator's approval names: the payload digest, and the ``APPROVAL_HEADERS``
     of the request (as they reach the downstream: the caller leaves out the ones its
     ``Connection`` header removes). Lowercase hex SHA-256 of ``payloadDigest\n`` then the
-    compact JSON list of ``[name, value]`` pairs (names lowercased, sorted by name, the values
-    of one name in the order sent); ``payload_digest`` itself when none of them was sent, so an
-    approval of the payload digest alone still means exactly that request (and records bound
-    before approval digests existed keep matching). The payload digest never changes."""
-    pairs = [[name.lower(), value] for name, value in headers if name.lower() in APPROVAL_HEADERS]
+    compact JSON list of ``[name, value]`` pairs (names lowercased with ``_`` read as ``-``,
+    as CGI, WSGI, PHP and Rack servers read them, so ``If_Match`` is no way around an
+    approval; sorted by name, the values of one name in the order sent); ``payload_digest``
+    itself when none of them was sent, so an approval of the payload digest alone still means
+    exactly that request (and records bound before approval digests existed keep matching).
+    The payload digest never changes."""
+    pairs = [
+        [folded, value]
+        for name, value in headers
+        if (folded := name.lower().replace("_", "-")) in APPROVAL_HEADERS
+    ]
     if not pairs:
         return payload_digest
     pairs.sort(key=lambda pair: pair[0])  # stable: one name's values keep their order

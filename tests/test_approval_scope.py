@@ -112,6 +112,10 @@ async def env(store_url: str, key_prefix: str) -> AsyncIterator[Env]:
         ({"X-Method-Override": "delete"}, "mailer/ok/mail"),
         ({}, "mailer/ok/mail?_method=DELETE"),
         ({}, "mailer/ok/mail?a=1;%5Fmethod=DELETE"),
+        # Spelled as a CGI, WSGI, PHP or Rack server reads it (a second red-team pass):
+        ({"X_HTTP_Method_Override": "DELETE"}, "mailer/ok/mail"),
+        ({}, "mailer/ok/mail?.method=DELETE"),
+        ({}, "mailer/ok/mail?_method[]=DELETE"),
     ],
 )
 async def test_an_approved_call_cannot_go_out_as_another_method(
@@ -178,6 +182,12 @@ async def test_an_approval_covers_the_effect_changing_headers(env: Env) -> None:
     assert rebound["approvalDigest"] == other["approvalDigest"]
     assert rebound["payloadDigest"] == record["payloadDigest"]
     assert env.downstream.calls() == []
+    # Spelled as a CGI, WSGI, PHP or Rack server reads it (If_Match): the same precondition,
+    # not a way around the approval (a second red-team pass).
+    status, cgi = await env.send(lease, {**JSON, "If_Match": '"v7"'})
+    assert (status, cgi["code"]) == (409, "APPROVAL_REQUIRED"), cgi
+    assert cgi["approvalDigest"] == other["approvalDigest"]
+    assert env.downstream.calls() == []
 
     # Trace context is never digested: the approved request, with a traceparent, goes once.
     trace = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
@@ -241,6 +251,12 @@ def test_the_approval_digest_covers_exactly_the_listed_headers() -> None:
     for name in APPROVAL_HEADERS:
         more = approval_digest(payload, [("Content-Type", "application/json"), (name, "x")])
         assert more != base, name
+        # The name as a CGI, WSGI, PHP or Rack server reads it (If_Match): the same field.
+        cgi = name.replace("-", "_").title()
+        assert (
+            cgi != name
+            and approval_digest(payload, [("content_type", "application/json"), (cgi, "x")]) == more
+        ), cgi
     assert approval_digest(payload, [("Content-Type", "text/plain")]) != base
     assert approval_digest("cd" * 32, [("Content-Type", "application/json")]) != base
     two = [("If-Match", '"a"'), ("If-Match", '"b"')]

@@ -284,6 +284,18 @@ def test_client_claims_are_dropped_and_the_peer_is_appended() -> None:
         ([], "/items/1?a=1;_method=DELETE"),
         ([], "/items/1?%5Fmethod=DELETE"),
         ([], "/items/1?_method"),
+        # As a CGI, WSGI, PHP or Rack server reads field names (HTTP_X_HTTP_METHOD_OVERRIDE):
+        ([("X_HTTP_Method_Override", "DELETE")], "/items/1"),
+        ([("x-http_method", "DELETE")], "/items/1"),
+        ([("X-Method_Override", "DELETE")], "/items/1"),
+        # As PHP reads query names into $_GET (where Laravel and Symfony look):
+        ([], "/items/1?.method=DELETE"),
+        ([], "/items/1?[method=DELETE"),
+        ([], "/items/1?_method[]=DELETE"),
+        ([], "/items/1?_method[x]=DELETE"),
+        ([], "/items/1?_method%00=DELETE"),
+        ([], "/items/1?%20_method=DELETE"),
+        ([], "/items/1?_METHOD%5B%5D=DELETE"),
     ],
 )
 def test_a_method_override_on_a_safe_method_is_refused(
@@ -294,6 +306,10 @@ def test_a_method_override_on_a_safe_method_is_refused(
     refuse_method_override("POST", headers, target)  # a recorded effect either way
 
 
-@pytest.mark.parametrize("target", ["/items?method=x", "/items?x_method=1", "/_method?a=1", "/"])
+@pytest.mark.parametrize(
+    "target",
+    ["/items?method=x", "/items?x_method=1", "/_method?a=1", "/", "/items?_methods=1",
+     "/items?_method_=1", "/items?a[_method]=1", "/items?x.method=1"],
+)  # fmt: skip
 def test_near_misses_are_not_overrides(target: str) -> None:
     refuse_method_override("GET", [("X-HTTP-Method-Overrides", "x")], target)

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from fencegate.gateway.auth import token_sha256
-from fencegate.gateway.request_guard import ConnectionSlots
+from fencegate.gateway.request_guard import ConnectionSlots, peer_group
 from tests.servers import GatewayProcess
 
 #: Protocol-layer rules, the same on every store: SQLite only (docs/stores.md).
@@ -53,6 +53,27 @@ def test_slots_count_unvouched_connections_per_peer() -> None:
         slots.vouched("10.0.0.1")
     slots.vouched("10.0.0.2")
     assert slots.unvouched == {}  # nothing left behind for addresses that went away
+
+
+@pytest.mark.parametrize(
+    ("address", "peer"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.3.2.1", "loopback"),
+        ("::1", "loopback"),
+        ("::ffff:127.0.0.9", "loopback"),
+        ("10.0.0.1", "10.0.0.1"),
+        ("::ffff:10.0.0.1", "10.0.0.1"),
+        ("2001:db8:1:2:aaaa::1", "2001:db8:1:2::/64"),
+        ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
+        ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("not-an-address", "not-an-address"),
+    ],
+)
+def test_a_peer_is_an_address_all_of_loopback_or_an_ipv6_64(address: str, peer: str) -> None:
+    """What a local process or an IPv6 host can pick freely counts as one peer."""
+    assert peer_group(address) == peer
 
 
 @pytest.mark.parametrize("authenticated", [True, False])
@@ -197,9 +218,10 @@ def test_idle_healthz_connections_of_one_client_cannot_hold_every_slot(
         assert _ask(sock, HEALTHZ) == 200  # answered, and kept open
     detail = _refused(group.open())
     assert "server.max_connections_per_peer = 3" in detail and "authenticated" in detail
-    # Another address is not held to this one's bound ...
-    other = group.open(source="127.0.0.2")
-    assert _ask(other, HEALTHZ) == 200
+    # Another loopback address is the same peer: any local process may bind all of 127/8
+    # (the second red-team pass held 550 connections from 127.0.0.2-12) ...
+    for source in ("127.0.0.2", "127.255.255.254"):
+        assert _refused(group.open(source=source))
     # ... and a connection that carried an authenticated request no longer counts: the
     # address may open one more.
     assert _ask(held[0], EPOCH) == 200
@@ -212,7 +234,7 @@ def test_idle_healthz_connections_of_one_client_cannot_hold_every_slot(
     held[1].close()
     _admitted_within(group)
     events = [e for e in authed.log_events() if e["event"] == "http.peer_connections_refused"]
-    assert events and events[0]["limit"] == PER_PEER and events[0]["peer"] == "127.0.0.1"
+    assert events and events[0]["limit"] == PER_PEER and events[0]["peer"] == "loopback"
 
 
 def test_without_auth_a_complete_request_vouches_for_its_connection(
