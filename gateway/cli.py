@@ -405,6 +405,7 @@ async def _run(
             server.max_connections,
             server.max_connections_per_peer,
             authenticated=app[CONFIG].auth is not None,
+            per_principal=server.principal_connection_limit,
         )
         factory = handler_factory(runner.server, slots, **options)
         # A handshake is not yet a counted connection: bound how long one may take.

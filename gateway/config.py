@@ -139,6 +139,11 @@ class ServerConfig(_Section):
     #: request (without ``[auth]``: a complete request); past it a new one from that address
     #: is answered 503 and closed. Behind a reverse proxy the peer is the proxy.
     max_connections_per_peer: Annotated[int, Field(ge=1, le=100_000)] = 50
+    #: Open connections that last carried one principal's authenticated requests; past it
+    #: that principal's request on another connection is answered 503 and the connection
+    #: closed, so one token cannot hold every slot with idle keep-alives. Default: half of
+    #: max_connections (at least 1). At most max_connections. Without [auth]: not applied.
+    max_connections_per_principal: Annotated[int, Field(ge=1, le=100_000)] | None = None
     #: TLS (docs/security.md, "mTLS"): PEM certificate chain and private key; with both the
     #: listener speaks HTTPS only (TLS 1.2+). A relative path is from the working directory.
     tls_cert_file: str | None = None
@@ -206,7 +211,19 @@ class ServerConfig(_Section):
                 "tls_client_ca_file needs tls_cert_file and tls_key_file (client certificates "
                 "are only asked for over TLS)"
             )
+        if self.principal_connection_limit > self.max_connections:
+            raise ValueError(
+                f"max_connections_per_principal ({self.principal_connection_limit}) must be "
+                f"at most max_connections ({self.max_connections})"
+            )
         return self
+
+    @property
+    def principal_connection_limit(self) -> int:
+        """``max_connections_per_principal``, or its default."""
+        if self.max_connections_per_principal is not None:
+            return self.max_connections_per_principal
+        return max(1, self.max_connections // 2)
 
     @property
     def tls(self) -> bool:

@@ -21,8 +21,10 @@ page, with the same status and code (a form over ``server.max_body_bytes`` is a 
 At the connection (``GuardedSite``, what ``fencegate serve`` listens with): at most
 ``server.max_connections`` open connections (one more is answered 503
 ``TOO_MANY_CONNECTIONS`` and closed), at most ``server.max_connections_per_peer`` from one
-peer address that have not yet carried an authenticated request (``connection_vouch``; the
-same 503, naming that limit), and requests aiohttp's parser refuses (malformed
+peer (``peer_group``) that have not yet carried an authenticated request
+(``connection_vouch``; the same 503, naming that limit), at most
+``server.max_connections_per_principal`` carrying one principal's requests (the same 503 to
+its request on one more, then closed), and requests aiohttp's parser refuses (malformed
 request line or headers) are answered problem+json and logged as one ``http.malformed_request``
 info event, with no traceback and without the client's bytes (``parser_complaint``).
 """
@@ -273,10 +275,12 @@ async def connection_vouch(request: web.Request, handler: Handler) -> web.Stream
     complete when there is no ``[auth]``, vouches for its connection, which then no longer
     counts against ``server.max_connections_per_peer`` (``ConnectionSlots``)."""
     protocol = request.protocol
-    if isinstance(protocol, _GuardedHandler) and (
-        request.app[CONFIG].auth is None or principal_of(request) is not None
-    ):
-        protocol.vouch()
+    principal = principal_of(request)
+    if isinstance(protocol, _GuardedHandler):
+        if principal is not None and not protocol.carry(principal.name):
+            return _refuse(request, protocol.principal_busy(principal.name), close=True)
+        if request.app[CONFIG].auth is None or principal is not None:
+            protocol.vouch()
     return await handler(request)
 
 
@@ -353,12 +357,25 @@ class ConnectionSlots:
     bound, so one client cannot hold every slot with connections that never authenticate
     (idle ``GET /healthz`` keep-alives, or headers that never finish)."""
 
-    def __init__(self, limit: int, per_peer: int = 50, *, authenticated: bool = False) -> None:
+    def __init__(
+        self,
+        limit: int,
+        per_peer: int = 50,
+        *,
+        authenticated: bool = False,
+        per_principal: int | None = None,
+    ) -> None:
         self.limit = limit
         self.per_peer = per_peer
+        #: ``server.max_connections_per_principal`` (None: not bounded).
+        self.per_principal = per_principal
         self.open = 0
         #: Peer address -> its open connections not yet vouched for.
         self.unvouched: dict[str, int] = {}
+        #: Principal name -> the open connections whose last request was its.
+        self.carried: dict[str, int] = {}
+        self._principal_refused = 0
+        self._last_principal_report = 0.0
         self._refused = 0
         self._last_report = 0.0
         self._peer_refused = 0
@@ -378,6 +395,29 @@ class ConnectionSlots:
             return False
         self.unvouched[peer] = held + 1
         return True
+
+    def carry(self, principal: str) -> bool:
+        """Whether a connection may carry ``principal``'s requests; counts it if so."""
+        held = self.carried.get(principal, 0)
+        if self.per_principal is not None and held >= self.per_principal:
+            self._principal_refused += 1
+            now = time.monotonic()
+            if now - self._last_principal_report >= 1.0:
+                log.warning("http.principal_connections_refused", principal=principal,
+                            refused=self._principal_refused, limit=self.per_principal)  # fmt: skip
+                self._principal_refused = 0
+                self._last_principal_report = now
+            return False
+        self.carried[principal] = held + 1
+        return True
+
+    def dropped(self, principal: str) -> None:
+        """A connection that carried ``principal``'s requests closed or changed principal."""
+        held = self.carried.get(principal, 0) - 1
+        if held > 0:
+            self.carried[principal] = held
+        else:
+            self.carried.pop(principal, None)
 
     def vouched(self, peer: str) -> None:
         """One of ``peer``'s counted connections carried what vouches for it, or closed."""
@@ -475,6 +515,9 @@ class _GuardedHandler(web.RequestHandler):
         self._over_limit = False
         #: The peer address while this connection counts against its per-peer bound.
         self._unvouched: str | None = None
+        #: The principal whose request this connection last carried (counted against
+        #: ``server.max_connections_per_principal``).
+        self._principal: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._slots.open >= self._slots.limit:
@@ -500,11 +543,35 @@ class _GuardedHandler(web.RequestHandler):
             self._slots.vouched(self._unvouched)
             self._unvouched = None
 
+    def carry(self, principal: str) -> bool:
+        """This connection carries a request of ``principal``: counted as one of its
+        connections (``connection_vouch``); False when it already has its bound of them."""
+        if self._principal == principal:
+            return True
+        if self._principal is not None:  # another principal's until now: not any more
+            self._slots.dropped(self._principal)
+            self._principal = None
+        if not self._slots.carry(principal):
+            return False
+        self._principal = principal
+        return True
+
+    def principal_busy(self, principal: str) -> TooManyConnections:
+        limit = self._slots.per_principal
+        return TooManyConnections(
+            f"{limit} connections are open carrying {principal}'s requests "
+            f"(server.max_connections_per_principal = {limit}): use one of them, or close one",
+            retryAfterMs=1000,
+        )
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._over_limit:
             return
         self._slots.open -= 1
         self.vouch()  # closed before it was vouched for: its place is free again
+        if self._principal is not None:
+            self._slots.dropped(self._principal)
+            self._principal = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

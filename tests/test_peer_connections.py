@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from fencegate.gateway.auth import token_sha256
+from fencegate.gateway.config import ConfigError, load_config
 from fencegate.gateway.request_guard import ConnectionSlots, peer_group
 from tests.servers import GatewayProcess
 
@@ -30,7 +31,9 @@ from tests.servers import GatewayProcess
 pytestmark = pytest.mark.one_store
 
 PER_PEER = 3
+PER_PRINCIPAL = 4
 TOKEN = "tok-peer-observer-0123456789"
+OTHER_TOKEN = "tok-peer-other-0123456789ab"
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 EPOCH = (
     b"GET /v1/epoch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -97,12 +100,15 @@ def _gateway(tmp_path: Path, auth: bool) -> GatewayProcess:
     text = (
         f'[server]\nlisten = "127.0.0.1:{port}"\nmax_connections = 50\n'
         f"max_connections_per_peer = {PER_PEER}\nidle_timeout_ms = 60000\n"
+        f"max_connections_per_principal = {PER_PRINCIPAL}\n"
         f'[store]\nurl = "sqlite:///{tmp_path / "gw.db"}"\n'
     )
     if auth:
         text += (
             '[[auth.principals]]\nname = "watcher"\nroles = ["observer", "operator"]\n'
             f'token_sha256 = "{token_sha256(TOKEN)}"\n'
+            '[[auth.principals]]\nname = "other"\nroles = ["observer"]\n'
+            f'token_sha256 = "{token_sha256(OTHER_TOKEN)}"\n'
         )
     path.write_text(text)
     return GatewayProcess(path, port).start()
@@ -250,3 +256,67 @@ def test_without_auth_a_complete_request_vouches_for_its_connection(
     # A request whose headers never finish does not vouch.
     idle[1].sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert _refused(group.open())
+
+
+def _epoch(token: str) -> bytes:
+    return (
+        b"GET /v1/epoch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        + f"Fence-Authorization: Bearer {token}\r\n\r\n".encode()
+    )
+
+
+def test_one_principal_cannot_hold_every_slot_with_authenticated_connections(
+    authed: GatewayProcess, connections: Any
+) -> None:
+    """The second red-team pass: one worker token opened 500 keep-alive connections, one
+    authenticated request on each, and every other client (even ``/healthz``) got 503 until
+    they idled out. Now a principal's requests ride at most
+    ``server.max_connections_per_principal`` open connections: one more connection carrying
+    its request is answered 503 (naming the limit) and closed; others are not held to it."""
+    group: Connections = connections(authed.port)
+    held = [group.open() for _ in range(PER_PRINCIPAL)]
+    for sock in held:
+        assert _ask(sock, EPOCH) == 200
+    extra = group.open()
+    extra.sendall(EPOCH)
+    status, headers, body = _answer(extra)
+    assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
+    problem = json.loads(body)
+    assert problem["code"] == "TOO_MANY_CONNECTIONS"
+    assert f"server.max_connections_per_principal = {PER_PRINCIPAL}" in problem["detail"]
+    assert extra.recv(1) == b""  # closed
+    # Another principal, and the held connections themselves, are served as before.
+    assert _ask(group.open(), _epoch(OTHER_TOKEN)) == 200
+    assert _ask(held[0], EPOCH) == 200
+    # A connection that carried another principal's request counts for the one it carries
+    # now: watcher's bound is full, so it is refused too.
+    switching = group.open()
+    assert _ask(switching, _epoch(OTHER_TOKEN)) == 200
+    switching.sendall(EPOCH)
+    assert _answer(switching)[0] == 503
+    # Closing one of them frees its place (the gateway sees the close asynchronously).
+    held[1].close()
+    deadline = time.monotonic() + 10
+    while True:
+        sock = group.open()
+        sock.sendall(EPOCH)
+        status = _answer(sock)[0]
+        if status == 200 or time.monotonic() > deadline:
+            assert status == 200
+            break
+        time.sleep(0.05)
+    events = [e for e in authed.log_events() if e["event"] == "http.principal_connections_refused"]
+    assert events and events[0]["principal"] == "watcher"
+    assert events[0]["limit"] == PER_PRINCIPAL
+
+
+def test_the_per_principal_bound_is_checked_at_start_up(tmp_path: Path) -> None:
+    path = tmp_path / "fencegate.toml"
+    path.write_text(
+        "[server]\nmax_connections = 10\nmax_connections_per_principal = 11\n"
+        f'[store]\nurl = "sqlite:///{tmp_path / "gw.db"}"\n'
+    )
+    with pytest.raises(ConfigError, match="max_connections_per_principal"):
+        load_config(path)
+    path.write_text(f'[server]\nmax_connections = 10\n[store]\nurl = "sqlite:///{tmp_path}/g.db"\n')
+    assert load_config(path).server.principal_connection_limit == 5  # half, by default
