@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from fencegate.ledger.payloads import server_field_name
+
 __all__ = ["connection_listed", "makes_resend_safe", "reaching"]
 
 #: ``entity-tag`` characters (RFC 9110 8.8.3: ``%x21 / %x23-7E / obs-text``); no DQUOTE.
@@ -36,12 +38,14 @@ _STRONG_TAGS = re.compile(rf'[ \t]*"{_ETAGC}*"(?:[ \t]*,[ \t]*"{_ETAGC}*")*[ \t]
 
 
 def connection_listed(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """Lowercase names the request's ``Connection`` field(s) nominate: hop-by-hop, removed
-    before the request goes on (with ``Connection`` itself)."""
+    """The names (``server_field_name``) the request's ``Connection`` field(s) nominate:
+    hop-by-hop, removed before the request goes on (with ``Connection`` itself)."""
     listed: set[str] = set()
     for name, value in headers:
         if name.lower() == "connection":
-            listed.update(token.strip().lower() for token in value.split(",") if token.strip())
+            listed.update(
+                server_field_name(token.strip()) for token in value.split(",") if token.strip()
+            )
     return listed
 
 
@@ -53,8 +57,8 @@ def reaching(
     """The ``pairs`` (name, value) of a request with ``headers`` that reach the downstream:
     not nominated by its ``Connection``, not one of the ``replaced`` names the gateway sets
     itself (credentials, the idempotency key and fencing token headers)."""
-    gone = connection_listed(headers) | {name.lower() for name in replaced} | {"connection"}
-    return tuple((name, value) for name, value in pairs if name.lower() not in gone)
+    gone = connection_listed(headers) | {server_field_name(n) for n in replaced} | {"connection"}
+    return tuple((name, value) for name, value in pairs if server_field_name(name) not in gone)
 
 
 def makes_resend_safe(preconditions: Sequence[tuple[str, str]]) -> bool:

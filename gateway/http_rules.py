@@ -4,6 +4,7 @@ is. No I/O here, so every rule is tested without a socket (tests/test_http_rules
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Set
 from urllib.parse import unquote_plus
@@ -18,6 +19,7 @@ from fencegate.ledger.payloads import (
     canonical_body,
     is_json,
     no_constant,
+    server_field_name,
     unique_keys,
 )
 
@@ -88,13 +90,6 @@ _ALWAYS_DROPPED = HOP_BY_HOP | CLIENT_CLAIMS | {"host", "content-length", "expec
                                                "x-forwarded-for"}  # fmt: skip
 
 
-def _same_for_cgi(name: str) -> str:
-    """A field name as a CGI, WSGI, PHP or Rack server reads it (``HTTP_FENCING_TOKEN``):
-    case and ``_`` versus ``-`` do not count, so ``Fencing_Token`` or ``Fence_Task`` is the
-    gateway's own field to such a downstream and is dropped like it."""
-    return name.lower().replace("_", "-")
-
-
 def downstream_request_headers(
     agent_headers: Iterable[tuple[str, str]],
     identity: dict[str, str],
@@ -115,9 +110,11 @@ def downstream_request_headers(
     values (joined) with ``peer`` appended (``unknown`` when the peer has no address).
     """
     pairs = list(agent_headers)
-    listed = {_same_for_cgi(name) for name in _connection_listed(pairs)}
+    listed = {server_field_name(name) for name in _connection_listed(pairs)}
     drop = listed | _ALWAYS_DROPPED
-    drop |= {_same_for_cgi(name) for name in identity} | {_same_for_cgi(n) for n in reserved}
+    drop |= {server_field_name(name) for name in identity} | {
+        server_field_name(n) for n in reserved
+    }
     if not forward_authorization:
         drop.add("authorization")
     # One pass: filter (as ``_without``) and collect the agent's X-Forwarded-For hops.
@@ -125,7 +122,7 @@ def downstream_request_headers(
     chain: list[str] = []
     keep_chain = "x-forwarded-for" not in listed
     for name, value in pairs:
-        lower = _same_for_cgi(name)
+        lower = server_field_name(name)
         if lower == "x-forwarded-for":
             if keep_chain:
                 chain.extend(hop.strip() for hop in value.split(",") if hop.strip())
@@ -151,6 +148,7 @@ def refuse_method_override(
     method: str,
     headers: Iterable[tuple[str, str]],
     path_and_query: str,
+    body: bytes = b"",
     *,
     approval_required: bool = False,
 ) -> None:
@@ -159,13 +157,14 @@ def refuse_method_override(
     effect ledger. Nor may a mutation to a downstream that requires approval
     (``approval_required``): the operator approved its method, and a ``POST`` carrying
     ``X-HTTP-Method-Override: DELETE`` would delete. ``BadRequest`` if it does (any value,
-    any case; ``_method`` also percent-encoded, and separated by ``&`` or ``;``). Other
-    mutations are left alone: they are recorded either way."""
+    any case; ``_method`` also percent-encoded, and separated by ``&`` or ``;``, in the query
+    or in a form or JSON body, where Rails and Laravel look for it; an operator sees the
+    query, never the body). Other mutations are left alone: they are recorded either way."""
     if method not in SAFE_METHODS and not approval_required:
         return
     where = method if method in SAFE_METHODS else f"{method} to a downstream that requires approval"
     for name, _ in headers:
-        if _same_for_cgi(name) in METHOD_OVERRIDE_HEADERS:
+        if server_field_name(name) in METHOD_OVERRIDE_HEADERS:
             raise BadRequest(f"{name}: a method override is refused on {where}; "
                              "send the method itself")  # fmt: skip
     query = path_and_query.partition("?")[2]
@@ -174,6 +173,35 @@ def refuse_method_override(
         if METHOD_OVERRIDE_PARAM in (raw.strip().lower(), _as_php_reads(raw)):
             raise BadRequest(f"query parameter {METHOD_OVERRIDE_PARAM}: a method override is "
                              f"refused on {where}; send the method itself")  # fmt: skip
+    content_type = next((v for n, v in headers if n.lower() == "content-type"), "")
+    for raw in _body_field_names(content_type, body):
+        if METHOD_OVERRIDE_PARAM in (raw.strip().lower(), _as_php_reads(raw)):
+            raise BadRequest(f"body field {METHOD_OVERRIDE_PARAM}: a method override is "
+                             f"refused on {where}; send the method itself")  # fmt: skip
+
+
+#: A multipart part's field name (RFC 7578 4.2), as frameworks read it.
+_PART_NAME = re.compile(rb'(?im)^content-disposition:[^\r\n]*?\bname="([^"]*)"')
+
+
+def _body_field_names(content_type: str, body: bytes) -> list[str]:
+    """The field names a framework reads from a body of ``content_type``: a form's
+    (urlencoded or multipart) or a JSON object's top-level keys; none for anything else."""
+    if not body:
+        return []
+    media = content_type.partition(";")[0].strip().lower()
+    if media == "application/x-www-form-urlencoded":
+        text = body.decode("latin-1")
+        return [unquote_plus(part.partition("=")[0]) for part in re.split(r"[&;]", text)]
+    if media == "multipart/form-data":
+        return [name.decode("latin-1") for name in _PART_NAME.findall(body)]
+    if is_json(content_type):
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            return []  # not JSON (or nested past Python's parser): no framework reads it
+        return [str(key) for key in parsed] if isinstance(parsed, dict) else []
+    return []
 
 
 def _as_php_reads(name: str) -> str:

@@ -280,7 +280,6 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
         raise NoSuchDownstream(f"{name!r} is an MCP server: its calls go to /mcp/{name}")
     _check_framing(request)
     approval = request.app[ADAPTERS][name].require_approval  # an approval covers the method
-    refuse_method_override(method, request.headers.items(), tail, approval_required=approval)
     principal = principal_of(request)  # the lease's holder must be the caller (with [auth])
     fence, key, node, slot = _caller(request, downstream, method)
     limit = downstream.max_body_bytes
@@ -290,6 +289,7 @@ async def _parse(request: web.Request, progress: _Progress) -> _Call:
             f"{requested(request)}: a body of {len(body)} bytes is over "
             f"downstreams.{name}.max_body_bytes = {limit}"
         )
+    refuse_method_override(method, request.headers.items(), tail, body, approval_required=approval)
     enforcement = downstream.enforcement or config.proxy.enforcement
     return _Call(
         downstream,

@@ -518,6 +518,9 @@ class _GuardedHandler(web.RequestHandler):
         #: The principal whose request this connection last carried (counted against
         #: ``server.max_connections_per_principal``).
         self._principal: str | None = None
+        #: The connection closed: aiohttp may still start a request it had buffered
+        #: (pipelined before the close), which must not be counted for anyone any more.
+        self._lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._slots.open >= self._slots.limit:
@@ -546,8 +549,8 @@ class _GuardedHandler(web.RequestHandler):
     def carry(self, principal: str) -> bool:
         """This connection carries a request of ``principal``: counted as one of its
         connections (``connection_vouch``); False when it already has its bound of them."""
-        if self._principal == principal:
-            return True
+        if self._principal == principal or self._lost:
+            return True  # a closed connection's request answers nobody: nothing to count
         if self._principal is not None:  # another principal's until now: not any more
             self._slots.dropped(self._principal)
             self._principal = None
@@ -567,6 +570,7 @@ class _GuardedHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._over_limit:
             return
+        self._lost = True
         self._slots.open -= 1
         self.vouch()  # closed before it was vouched for: its place is free again
         if self._principal is not None:

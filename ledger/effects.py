@@ -50,6 +50,7 @@ from fencegate.ledger.errors import (
     NoSuchEffect,
     PayloadConflict,
 )
+from fencegate.ledger.payloads import server_field_name
 from fencegate.ledger.tasks import Scheduler, Task, TaskState, check_holder
 
 __all__ = [
@@ -178,16 +179,15 @@ def approval_digest(payload_digest: str, headers: Iterable[tuple[str, str]]) -> 
     """What an operator's approval names: the payload digest, and the ``APPROVAL_HEADERS``
     of the request (as they reach the downstream: the caller leaves out the ones its
     ``Connection`` header removes). Lowercase hex SHA-256 of ``payloadDigest\n`` then the
-    compact JSON list of ``[name, value]`` pairs (names lowercased with ``_`` read as ``-``,
-    as CGI, WSGI, PHP and Rack servers read them, so ``If_Match`` is no way around an
-    approval; sorted by name, the values of one name in the order sent); ``payload_digest``
-    itself when none of them was sent, so an approval of the payload digest alone still means
-    exactly that request (and records bound before approval digests existed keep matching).
-    The payload digest never changes."""
+    compact JSON list of ``[name, value]`` pairs (names as ``server_field_name`` reads them,
+    so ``If_Match`` or ``If.Match`` is no way around an approval; sorted by name, the values
+    of one name in the order sent); ``payload_digest`` itself when none of them was sent, so
+    an approval of the payload digest alone still means exactly that request (and records
+    bound before approval digests existed keep matching). The payload digest never changes."""
     pairs = [
         [folded, value]
         for name, value in headers
-        if (folded := name.lower().replace("_", "-")) in APPROVAL_HEADERS
+        if (folded := server_field_name(name)) in APPROVAL_HEADERS
     ]
     if not pairs:
         return payload_digest

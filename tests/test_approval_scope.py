@@ -138,6 +138,25 @@ async def test_an_approved_call_cannot_go_out_as_another_method(
     assert record["attempts"] == [] and record["approval"] is not None  # nothing used
 
 
+async def test_an_approved_form_cannot_carry_a_method_override_in_its_body(env: Env) -> None:
+    """The operator sees the path and query of what it approves, never the body: a form body
+    with ``_method=DELETE`` (Rails, Laravel) is refused like the query parameter (a third
+    red-team pass had it approved and forwarded)."""
+    lease = await env.lease()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    status, body = await env.send(lease, form, body=b"to=alice")
+    assert (status, body["code"]) == (409, "APPROVAL_REQUIRED")
+    status, _ = await env.approve(body["effectId"], approvalDigest=body["approvalDigest"])
+    assert status == 200
+    status, refused = await env.send(lease, form, body=b"to=alice&_method=DELETE")
+    assert (status, refused["code"]) == (400, "BAD_REQUEST"), refused
+    assert "body field _method" in refused["detail"]
+    assert env.downstream.calls() == []
+    status, sent = await env.send(lease, form, body=b"to=alice")
+    assert status == 200, sent
+    assert len(env.downstream.calls()) == 1
+
+
 async def test_a_method_override_still_passes_where_no_approval_is_needed(env: Env) -> None:
     """A plain downstream records every mutation anyway: its overrides are the agent's."""
     lease = await env.lease()
@@ -253,6 +272,10 @@ def test_the_approval_digest_covers_exactly_the_listed_headers() -> None:
         assert more != base, name
         # The name as a CGI, WSGI, PHP or Rack server reads it (If_Match): the same field.
         cgi = name.replace("-", "_").title()
+        dotted = name.replace("-", ".")
+        assert (
+            approval_digest(payload, [("Content.Type", "application/json"), (dotted, "x")]) == more
+        )
         assert (
             cgi != name
             and approval_digest(payload, [("content_type", "application/json"), (cgi, "x")]) == more

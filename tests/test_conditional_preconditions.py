@@ -80,6 +80,10 @@ def test_a_precondition_counts_only_if_it_reaches_the_downstream() -> None:
     two_lines = [("Connection", "close"), ("connection", " if-none-match ,if-match")]
     assert reaching(pairs, two_lines) == ()
     assert connection_listed(two_lines) == {"close", "if-none-match", "if-match"}
+    # Nominated in another spelling (a red-team pass): the proxy drops If-Match for it, so
+    # it does not reach the downstream, and must not count as a precondition that does.
+    for spelling in ("If_Match", "if.match", "IF~MATCH"):
+        assert reaching(pairs, [("Connection", spelling)]) == (("If-None-Match", "*"),)
     # A name the gateway sets itself replaces the agent's value.
     assert reaching(pairs, [], replaced=("if-match",)) == (("If-None-Match", "*"),)
 
@@ -210,8 +214,18 @@ async def api(store_url: str, key_prefix: str, documents: Documents) -> AsyncIte
 
 @pytest.mark.parametrize(
     "headers",
-    [{"If-Match": "*"}, {"If-None-Match": '"v0"'}, {"If-Match": '"v1"', "Connection": "If-Match"}],
-    ids=["if-match-star", "if-none-match-tag", "if-match-stripped-by-connection"],
+    [
+        {"If-Match": "*"},
+        {"If-None-Match": '"v0"'},
+        {"If-Match": '"v1"', "Connection": "If-Match"},
+        {"If-Match": '"v1"', "Connection": "If_Match"},
+    ],
+    ids=[
+        "if-match-star",
+        "if-none-match-tag",
+        "if-match-stripped-by-connection",
+        "if-match-stripped-by-connection-spelled-with-underscore",
+    ],
 )
 async def test_a_precondition_that_passes_again_is_never_resent(
     api: Api, documents: Documents, headers: dict[str, str]

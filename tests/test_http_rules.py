@@ -288,6 +288,10 @@ def test_client_claims_are_dropped_and_the_peer_is_appended() -> None:
         ([("X_HTTP_Method_Override", "DELETE")], "/items/1"),
         ([("x-http_method", "DELETE")], "/items/1"),
         ([("X-Method_Override", "DELETE")], "/items/1"),
+        # Any other separator: lighttpd's CGI reads every non-alphanumeric as _, PHP a ".".
+        ([("X.HTTP.Method.Override", "DELETE")], "/items/1"),
+        ([("X~HTTP~Method~Override", "DELETE")], "/items/1"),
+        ([("x!http*method", "DELETE")], "/items/1"),
         # As PHP reads query names into $_GET (where Laravel and Symfony look):
         ([], "/items/1?.method=DELETE"),
         ([], "/items/1?[method=DELETE"),
@@ -313,3 +317,49 @@ def test_a_method_override_on_a_safe_method_is_refused(
 )  # fmt: skip
 def test_near_misses_are_not_overrides(target: str) -> None:
     refuse_method_override("GET", [("X-HTTP-Method-Overrides", "x")], target)
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"to=a&_method=DELETE"),
+        ("application/x-www-form-urlencoded; charset=utf-8", b"to=a;%5Fmethod=DELETE"),
+        ("Application/X-WWW-Form-Urlencoded", b"_METHOD[]=delete"),
+        ("application/json", b'{"to": "a", "_method": "DELETE"}'),
+        ("application/merge-patch+json", b'{"_Method": "DELETE"}'),
+        (
+            "multipart/form-data; boundary=b",
+            b'--b\r\nContent-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n--b--\r\n',
+        ),
+    ],
+)
+def test_a_method_override_in_the_body_is_refused_where_overrides_are(
+    content_type: str, body: bytes
+) -> None:
+    """Rails and Laravel read ``_method`` from a form (and Laravel from JSON); an operator
+    approving a POST sees its query, never its body (a third red-team pass)."""
+    headers = [("Content-Type", content_type)]
+    with pytest.raises(BadRequest, match="body field _method"):
+        refuse_method_override("POST", headers, "/send", body, approval_required=True)
+    with pytest.raises(BadRequest, match="body field _method"):
+        refuse_method_override("GET", headers, "/items", body)
+    refuse_method_override("POST", headers, "/send", body)  # recorded as what it is anyway
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body"),
+    [
+        ("application/x-www-form-urlencoded", b"method=DELETE&x_method=1"),
+        ("text/plain", b"_method=DELETE"),
+        ("application/octet-stream", b"_method=DELETE"),
+        ("application/json", b'{"a": {"_method": "DELETE"}}'),
+        ("application/json", b'["_method"]'),
+        ("application/json", b"{not json"),
+        ("application/json", b"[" * 100_000 + b"]" * 100_000),
+        ("multipart/form-data; boundary=b", b'--b\r\nX: name="_method"\r\n\r\n1\r\n--b--'),
+    ],
+)
+def test_body_near_misses_are_not_overrides(content_type: str, body: bytes) -> None:
+    refuse_method_override(
+        "POST", [("Content-Type", content_type)], "/send", body, approval_required=True
+    )

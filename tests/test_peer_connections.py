@@ -320,3 +320,36 @@ def test_the_per_principal_bound_is_checked_at_start_up(tmp_path: Path) -> None:
         load_config(path)
     path.write_text(f'[server]\nmax_connections = 10\n[store]\nurl = "sqlite:///{tmp_path}/g.db"\n')
     assert load_config(path).server.principal_connection_limit == 5  # half, by default
+
+
+def _holds_all_its_places(group: Connections, token: str, seconds: float = 10.0) -> bool:
+    """Whether the principal can hold PER_PRINCIPAL connections at once, within a bounded
+    wait (the gateway sees closed connections asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        socks = [group.open() for _ in range(PER_PRINCIPAL)]
+        statuses = [_ask(sock, _epoch(token)) for sock in socks]
+        for sock in socks:
+            sock.close()
+        if statuses == [200] * PER_PRINCIPAL:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def test_a_request_pipelined_behind_a_close_counts_for_nobody(
+    authed: GatewayProcess, connections: Any
+) -> None:
+    """The third red-team pass: a request whose body is still due, then the body's tail, a
+    pipelined request of the principal and the FIN in one write. aiohttp started the second
+    request after the connection was lost, and the principal was counted on a closed
+    connection for good: a few rounds locked it out of the gateway with nothing open."""
+    group: Connections = connections(authed.port)
+    for _ in range(2 * PER_PRINCIPAL):
+        sock = group.open()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\n")
+        time.sleep(0.05)  # (to make the race likely: the test passes either way with the fix)
+        sock.sendall(b"hello" + EPOCH)
+        sock.close()
+    assert _holds_all_its_places(group, TOKEN)
