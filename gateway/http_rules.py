@@ -180,22 +180,26 @@ def refuse_method_override(
                              f"refused on {where}; send the method itself")  # fmt: skip
 
 
-#: A multipart part's field name (RFC 7578 4.2), as frameworks read it.
-_PART_NAME = re.compile(rb'(?im)^content-disposition:[^\r\n]*?\bname="([^"]*)"')
+#: A multipart part's header line that names ``_method`` in any way a parser might read
+#: (quoted or not, single quotes, spaces, ``name*=``): matched loosely on purpose, since
+#: parsers differ and a refused upload of a field so named costs nothing.
+_PART_NAMING_METHOD = re.compile(rb"(?im)^[ \t]*content-disposition[ \t]*:[^\r\n]*_method")
 
 
 def _body_field_names(content_type: str, body: bytes) -> list[str]:
-    """The field names a framework reads from a body of ``content_type``: a form's
-    (urlencoded or multipart) or a JSON object's top-level keys; none for anything else."""
+    """The field names a framework may read from a body of ``content_type``: a form's
+    (urlencoded, or no media type at all: Rack reads such a POST as a form; multipart:
+    ``_method`` itself when a part's header names it), or a JSON object's top-level keys
+    (any media type with ``json`` in it: Laravel's test is that loose); none otherwise."""
     if not body:
         return []
     media = content_type.partition(";")[0].strip().lower()
-    if media == "application/x-www-form-urlencoded":
+    if media in ("", "application/x-www-form-urlencoded"):
         text = body.decode("latin-1")
         return [unquote_plus(part.partition("=")[0]) for part in re.split(r"[&;]", text)]
-    if media == "multipart/form-data":
-        return [name.decode("latin-1") for name in _PART_NAME.findall(body)]
-    if is_json(content_type):
+    if media.startswith("multipart/"):
+        return [METHOD_OVERRIDE_PARAM] if _PART_NAMING_METHOD.search(body) else []
+    if "json" in media:
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError):

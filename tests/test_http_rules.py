@@ -327,6 +327,20 @@ def test_near_misses_are_not_overrides(target: str) -> None:
         ("Application/X-WWW-Form-Urlencoded", b"_METHOD[]=delete"),
         ("application/json", b'{"to": "a", "_method": "DELETE"}'),
         ("application/merge-patch+json", b'{"_Method": "DELETE"}'),
+        ("text/json", b'{"_method": "DELETE"}'),
+        ("", b"to=a&_method=DELETE"),  # Rack reads a POST without a media type as a form
+        (
+            "multipart/form-data; boundary=b",
+            b"--b\r\nContent-Disposition: form-data; name=_method\r\n\r\nDELETE",
+        ),
+        (
+            "multipart/form-data; boundary=b",
+            b"--b\r\ncontent-disposition : form-data; NAME = '_method'\r\n",
+        ),
+        (
+            "multipart/form-data; boundary=b",
+            b"--b\r\nContent-Disposition: form-data; name*=utf-8''_method\r\n",
+        ),
         (
             "multipart/form-data; boundary=b",
             b'--b\r\nContent-Disposition: form-data; name="_method"\r\n\r\nDELETE\r\n--b--\r\n',
