@@ -413,19 +413,11 @@ class ConnectionSlots:
 
     def dropped(self, principal: str) -> None:
         """A connection that carried ``principal``'s requests closed or changed principal."""
-        held = self.carried.get(principal, 0) - 1
-        if held > 0:
-            self.carried[principal] = held
-        else:
-            self.carried.pop(principal, None)
+        _count_down(self.carried, principal)
 
     def vouched(self, peer: str) -> None:
         """One of ``peer``'s counted connections carried what vouches for it, or closed."""
-        held = self.unvouched.get(peer, 0) - 1
-        if held > 0:
-            self.unvouched[peer] = held
-        else:
-            self.unvouched.pop(peer, None)
+        _count_down(self.unvouched, peer)
 
     def refused(self) -> None:
         """Count a refused connection; report at most once a second (a flood must not flood
@@ -447,6 +439,15 @@ class ConnectionSlots:
                         limit=self.per_peer)  # fmt: skip
             self._peer_refused = 0
             self._last_peer_report = now
+
+
+def _count_down(counts: dict[str, int], key: str) -> None:
+    """One fewer for ``key``; gone at zero, so names that went away leave nothing behind."""
+    held = counts.get(key, 0) - 1
+    if held > 0:
+        counts[key] = held
+    else:
+        counts.pop(key, None)
 
 
 def _peer_detail(per_peer: int, authenticated: bool) -> str:
