@@ -110,7 +110,7 @@ def downstream_request_headers(
     values (joined) with ``peer`` appended (``unknown`` when the peer has no address).
     """
     pairs = list(agent_headers)
-    listed = {server_field_name(name) for name in _connection_listed(pairs)}
+    listed = _connection_listed(pairs)  # already as server_field_name reads them
     drop = listed | _ALWAYS_DROPPED
     drop |= {server_field_name(name) for name in identity} | {
         server_field_name(n) for n in reserved
@@ -167,17 +167,20 @@ def refuse_method_override(
         if server_field_name(name) in METHOD_OVERRIDE_HEADERS:
             raise BadRequest(f"{name}: a method override is refused on {where}; "
                              "send the method itself")  # fmt: skip
-    query = path_and_query.partition("?")[2]
-    for part in re.split(r"[&;]", query):
-        raw = unquote_plus(part.partition("=")[0])
-        if METHOD_OVERRIDE_PARAM in (raw.strip().lower(), _as_php_reads(raw)):
-            raise BadRequest(f"query parameter {METHOD_OVERRIDE_PARAM}: a method override is "
-                             f"refused on {where}; send the method itself")  # fmt: skip
     content_type = next((v for n, v in headers if n.lower() == "content-type"), "")
-    for raw in _body_field_names(content_type, body):
-        if METHOD_OVERRIDE_PARAM in (raw.strip().lower(), _as_php_reads(raw)):
-            raise BadRequest(f"body field {METHOD_OVERRIDE_PARAM}: a method override is "
-                             f"refused on {where}; send the method itself")  # fmt: skip
+    fields = (
+        ("query parameter", _form_names(path_and_query.partition("?")[2])),
+        ("body field", _body_field_names(content_type, body)),
+    )
+    for place, names in fields:
+        if any(METHOD_OVERRIDE_PARAM in (n.strip().lower(), _as_php_reads(n)) for n in names):
+            raise BadRequest(f"{place} {METHOD_OVERRIDE_PARAM}: a method override is refused "
+                             f"on {where}; send the method itself")  # fmt: skip
+
+
+def _form_names(text: str) -> list[str]:
+    """The field names of a query or urlencoded form, separated by ``&`` or ``;``."""
+    return [unquote_plus(part.partition("=")[0]) for part in re.split(r"[&;]", text)]
 
 
 #: A multipart part's header line that names ``_method`` in any way a parser might read
@@ -195,8 +198,7 @@ def _body_field_names(content_type: str, body: bytes) -> list[str]:
         return []
     media = content_type.partition(";")[0].strip().lower()
     if media in ("", "application/x-www-form-urlencoded"):
-        text = body.decode("latin-1")
-        return [unquote_plus(part.partition("=")[0]) for part in re.split(r"[&;]", text)]
+        return _form_names(body.decode("latin-1"))
     if media.startswith("multipart/"):
         return [METHOD_OVERRIDE_PARAM] if _PART_NAMING_METHOD.search(body) else []
     if "json" in media:
