@@ -374,10 +374,12 @@ class ConnectionSlots:
         self.unvouched: dict[str, int] = {}
         #: Principal name -> the open connections whose last request was its.
         self.carried: dict[str, int] = {}
-        #: Refusals of each kind since their last log line (at most one a second each).
-        self._refusals = _Refusals("http.connections_refused")
-        self._peer_refusals = _Refusals("http.peer_connections_refused")
-        self._principal_refusals = _Refusals("http.principal_connections_refused")
+        self._principal_refused = 0
+        self._last_principal_report = 0.0
+        self._refused = 0
+        self._last_report = 0.0
+        self._peer_refused = 0
+        self._last_peer_report = 0.0
         self.peer_busy = _busy_bytes(_peer_detail(per_peer, authenticated))
         self.busy = _busy_bytes(
             f"{limit} connections are open (server.max_connections = {limit}): try again shortly"
@@ -398,7 +400,13 @@ class ConnectionSlots:
         """Whether a connection may carry ``principal``'s requests; counts it if so."""
         held = self.carried.get(principal, 0)
         if self.per_principal is not None and held >= self.per_principal:
-            self._principal_refusals.count(principal=principal, limit=self.per_principal)
+            self._principal_refused += 1
+            now = time.monotonic()
+            if now - self._last_principal_report >= 1.0:
+                log.warning("http.principal_connections_refused", principal=principal,
+                            refused=self._principal_refused, limit=self.per_principal)  # fmt: skip
+                self._principal_refused = 0
+                self._last_principal_report = now
             return False
         self.carried[principal] = held + 1
         return True
@@ -414,30 +422,23 @@ class ConnectionSlots:
     def refused(self) -> None:
         """Count a refused connection; report at most once a second (a flood must not flood
         the log too)."""
-        self._refusals.count(open=self.open, limit=self.limit)
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._last_report >= 1.0:
+            log.warning("http.connections_refused", refused=self._refused, open=self.open,
+                        limit=self.limit)  # fmt: skip
+            self._refused = 0
+            self._last_report = now
 
     def peer_refused(self, peer: str) -> None:
         """Count a connection refused for its peer's bound; at most one line a second."""
-        self._peer_refusals.count(peer=peer, limit=self.per_peer)
-
-
-class _Refusals:
-    """Refusals of one kind, logged as ``event`` at most once a second with how many came
-    since the last line (a flood must not flood the log too)."""
-
-    def __init__(self, event: str) -> None:
-        self.event = event
-        self.since_report = 0
-        self.reported_at = 0.0
-
-    def count(self, **fields: object) -> None:
-        """One more; ``fields`` (the last refusal's) go on the line when one is due."""
-        self.since_report += 1
+        self._peer_refused += 1
         now = time.monotonic()
-        if now - self.reported_at >= 1.0:
-            log.warning(self.event, refused=self.since_report, **fields)
-            self.since_report = 0
-            self.reported_at = now
+        if now - self._last_peer_report >= 1.0:
+            log.warning("http.peer_connections_refused", refused=self._peer_refused, peer=peer,
+                        limit=self.per_peer)  # fmt: skip
+            self._peer_refused = 0
+            self._last_peer_report = now
 
 
 def _count_down(counts: dict[str, int], key: str) -> None:

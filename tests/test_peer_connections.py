@@ -274,9 +274,9 @@ def test_one_principal_cannot_hold_every_slot_with_authenticated_connections(
     ``server.max_connections_per_principal`` open connections: one more connection carrying
     its request is answered 503 (naming the limit) and closed; others are not held to it."""
     group: Connections = connections(authed.port)
-    held = [group.open() for _ in range(PER_PRINCIPAL)]
-    for sock in held:
-        assert _ask(sock, EPOCH) == 200
+    # One at a time: each is vouched for before the next opens (PER_PEER < PER_PRINCIPAL).
+    held = _opened_and_asked(group, EPOCH, PER_PRINCIPAL)
+    assert [status for status, _ in held] == [200] * PER_PRINCIPAL
     extra = group.open()
     extra.sendall(EPOCH)
     status, headers, body = _answer(extra)
@@ -287,7 +287,7 @@ def test_one_principal_cannot_hold_every_slot_with_authenticated_connections(
     assert extra.recv(1) == b""  # closed
     # Another principal, and the held connections themselves, are served as before.
     assert _ask(group.open(), _epoch(OTHER_TOKEN)) == 200
-    assert _ask(held[0], EPOCH) == 200
+    assert _ask(held[0][1], EPOCH) == 200
     # A connection that carried another principal's request counts for the one it carries
     # now: watcher's bound is full, so it is refused too.
     switching = group.open()
@@ -295,12 +295,10 @@ def test_one_principal_cannot_hold_every_slot_with_authenticated_connections(
     switching.sendall(EPOCH)
     assert _answer(switching)[0] == 503
     # Closing one of them frees its place (the gateway sees the close asynchronously).
-    held[1].close()
+    held[1][1].close()
     deadline = time.monotonic() + 10
     while True:
-        sock = group.open()
-        sock.sendall(EPOCH)
-        status = _answer(sock)[0]
+        ((status, _),) = _opened_and_asked(group, EPOCH, 1)
         if status == 200 or time.monotonic() > deadline:
             assert status == 200
             break
@@ -322,14 +320,30 @@ def test_the_per_principal_bound_is_checked_at_start_up(tmp_path: Path) -> None:
     assert load_config(path).server.principal_connection_limit == 5  # half, by default
 
 
+def _opened_and_asked(
+    group: Connections, request: bytes, count: int
+) -> list[tuple[int, socket.socket]]:
+    """``count`` new connections, each asked ``request`` before the next opens: the status
+    (503 for one refused, and closed, before its request went out) and the socket."""
+    answered = []
+    for _ in range(count):
+        sock = group.open()
+        try:
+            status = _ask(sock, request)
+        except OSError:  # refused at connect (a bound that counts closes not yet seen)
+            status = 503
+        answered.append((status, sock))
+    return answered
+
+
 def _holds_all_its_places(group: Connections, token: str, seconds: float = 10.0) -> bool:
     """Whether the principal can hold PER_PRINCIPAL connections at once, within a bounded
     wait (the gateway sees closed connections asynchronously)."""
     deadline = time.monotonic() + seconds
     while True:
-        socks = [group.open() for _ in range(PER_PRINCIPAL)]
-        statuses = [_ask(sock, _epoch(token)) for sock in socks]
-        for sock in socks:
+        answered = _opened_and_asked(group, _epoch(token), PER_PRINCIPAL)
+        statuses = [status for status, _ in answered]
+        for _, sock in answered:
             sock.close()
         if statuses == [200] * PER_PRINCIPAL:
             return True
